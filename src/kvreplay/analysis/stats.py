@@ -1,0 +1,100 @@
+"""Interval estimates and tests behind the stage-replay claims (METHOD.md).
+
+Every function here is pure and deterministic so that a claims file can be
+regenerated bit-for-bit from its ledgers.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+BOOTSTRAP_SEED = 20260728
+BOOTSTRAP_REPLICATES = 20_000
+BOOTSTRAP_BLOCK = 1_000
+MATRIX_WILSON_Z = 1.96
+TRANSPLANT_WILSON_Z = 1.959963984540054
+
+
+def wilson_interval(count: int, n: int, z: float = MATRIX_WILSON_Z) -> tuple[float, float]:
+    """Wilson score interval for count/n, clipped to [0, 1]; n = 0 gives (0, 0).
+
+    Wilson rather than Wald because the paper's headline rates sit at 0 and near
+    1, where a Wald interval collapses to a point.
+    """
+    if n == 0:
+        return 0.0, 0.0
+    p = count / n
+    z2 = z * z
+    denominator = 1.0 + z2 / n
+    centre = (p + z2 / (2 * n)) / denominator
+    half_width = z * math.sqrt(p * (1.0 - p) / n + z2 / (4 * n * n)) / denominator
+    return max(0.0, centre - half_width), min(1.0, centre + half_width)
+
+
+def mcnemar_exact_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar p on discordant counts b and c.
+
+    min(1, 2 * P[Binomial(b + c, 1/2) <= min(b, c)]), 1.0 when b + c = 0;
+    computed with exact integers so large panels do not underflow.
+    """
+    total = b + c
+    if total == 0:
+        return 1.0
+    tail = sum(math.comb(total, k) for k in range(min(b, c) + 1))
+    return float(min(Fraction(1), Fraction(2 * tail, 2**total)))
+
+
+def paired_bootstrap_ci_pp(values: ArrayLike, stream: int) -> tuple[float, float]:
+    """Percentile 95% interval (in points) of the mean of a per-row vector.
+
+    Reproduces METHOD.md draw for draw: default_rng(seed + stream), 20,000
+    replicates in blocks of 1,000, each block one integers(0, n, (block, n))
+    call used as row indices, numpy's default quantile at 0.025 and 0.975.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    n = x.shape[0]
+    if n == 0:
+        raise ValueError("the paired bootstrap needs at least one row")
+    rng = np.random.default_rng(BOOTSTRAP_SEED + stream)
+    replicates = np.concatenate(
+        [
+            x[rng.integers(0, n, size=(BOOTSTRAP_BLOCK, n))].mean(axis=1)
+            for _ in range(BOOTSTRAP_REPLICATES // BOOTSTRAP_BLOCK)
+        ]
+    )
+    low, high = np.quantile(replicates * 100.0, [0.025, 0.975])
+    return float(low), float(high)
+
+
+def newcombe_paired_difference_ci(
+    first: ArrayLike, second: ArrayLike, z: float = MATRIX_WILSON_Z
+) -> tuple[float, float]:
+    """Newcombe (1998) method 10 interval for p_first - p_second on paired 0/1 rows.
+
+    A closed-form companion to the bootstrap: it combines the two marginal
+    Wilson intervals with the phi correlation of the pairs, so it stays inside
+    [-1, 1] and behaves at zero discordance. Phi is taken as 0 when any
+    margin is empty.
+    """
+    x = np.asarray(first, dtype=bool)
+    y = np.asarray(second, dtype=bool)
+    n = x.shape[0]
+    if n == 0 or y.shape[0] != n:
+        raise ValueError("Newcombe's interval needs two equal-length, non-empty vectors")
+    a = int(np.sum(x & y))
+    b = int(np.sum(x & ~y))
+    c = int(np.sum(~x & y))
+    d = n - a - b - c
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson_interval(a + b, n, z)
+    l2, u2 = wilson_interval(a + c, n, z)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    phi = (a * d - b * c) / math.sqrt(margins) if margins else 0.0
+    delta = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    epsilon = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    difference = p1 - p2
+    return max(-1.0, difference - delta), min(1.0, difference + epsilon)

@@ -1,0 +1,195 @@
+"""Continuation: decode stage by stage from a state, greedily or with seeded sampling.
+
+Every token after the prompt is fed one at a time (the live schedule). A stage's opener
+is teacher-forced token by token when the stage begins; a stop string, an EOS token or
+the stage's cap ends it. The last token of the final stage is never fed: nothing reads
+the state after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvreplay.errors import KvreplayError
+from kvreplay.stages import Stage, StagePlan, StopDetector
+from kvreplay.state import BoundaryState
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Greedy when ``temperature`` is 0; otherwise seeded temperature/top-p sampling.
+
+    Each continuation draws from its own generator seeded with ``seed``, so two arms (or
+    a state and its replica) see the same random stream and differ only by their state.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise KvreplayError("Sampling needs temperature >= 0 and 0 < top_p <= 1.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator | None:
+        return None if self.greedy else torch.Generator().manual_seed(self.seed)
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        if self.greedy:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """Top-1 minus top-2 logit: how close the step was to a different argmax."""
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+@dataclass
+class Segment:
+    """One stage of a trajectory: forced opener ids, decoded ids, why it ended, margins."""
+
+    stage: str
+    opener_ids: list[int]
+    token_ids: list[int]
+    stop_reason: str
+    margins: list[float] = field(default_factory=list)
+
+    @property
+    def stream(self) -> list[int]:
+        return self.opener_ids + self.token_ids
+
+
+@dataclass
+class Trajectory:
+    """Segments of consecutive stages, in order."""
+
+    segments: list[Segment]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.stream]
+
+    def stage(self, name: str) -> Segment | None:
+        return next((s for s in self.segments if s.stage == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "segments": [
+                {
+                    "stage": s.stage,
+                    "opener_ids": s.opener_ids,
+                    "token_ids": s.token_ids,
+                    "stop_reason": s.stop_reason,
+                    "margins": [round(m, 6) for m in s.margins],
+                }
+                for s in self.segments
+            ]
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        return cls([Segment(**s) for s in data["segments"]])
+
+
+def opener_ids(tokenizer: Any, stage: Stage) -> list[int]:
+    """Token ids of a stage's opener; an opener that tokenizes to nothing is an error."""
+    if not stage.opener:
+        return []
+    ids = tokenizer.encode(stage.opener, add_special_tokens=False)
+    if not ids:
+        raise KvreplayError(f"The opener of stage {stage.name!r} tokenizes to nothing.")
+    return list(ids)
+
+
+def eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(t) for t in source)
+    return frozenset(ids)
+
+
+def feed_each(state: BoundaryState, model: Any, ids: Sequence[int]) -> None:
+    """Teacher-force ``ids`` one token at a time (the live schedule)."""
+    for token in ids:
+        state.advance(model, [token])
+
+
+def run_stage(
+    lm: Any,
+    state: BoundaryState,
+    stage: Stage,
+    forced: list[int],
+    sampler: Sampler,
+    generator: torch.Generator | None,
+    feed_last: bool,
+) -> Segment:
+    """Decode one stage from ``state`` (whose opener ``forced`` is already fed)."""
+    detector = StopDetector(lm.tokenizer, stage.stop, eos_ids(lm.tokenizer, lm.model))
+    tokens: list[int] = []
+    margins: list[float] = []
+    reason = "cap"
+    while len(tokens) < stage.max_new_tokens:
+        assert state.logits is not None
+        token = sampler.pick(state.logits, generator)
+        margins.append(top2_margin(state.logits))
+        tokens.append(token)
+        hit = detector.hit(tokens)
+        done = hit is not None or len(tokens) == stage.max_new_tokens
+        if not done or feed_last:
+            state.advance(lm.model, [token])
+        if hit is not None:
+            reason = hit
+            break
+    return Segment(stage.name, forced, tokens, reason, margins)
+
+
+def run_stages(
+    lm: Any,
+    state: BoundaryState,
+    stages: Sequence[Stage],
+    sampler: Sampler,
+    first_opener_fed: bool,
+    feed_last: bool,
+) -> Trajectory:
+    """Run ``stages`` in order; the final stage's last token is fed only if ``feed_last``."""
+    generator = sampler.generator()
+    segments = []
+    for index, stage in enumerate(stages):
+        forced = opener_ids(lm.tokenizer, stage)
+        if not (index == 0 and first_opener_fed):
+            feed_each(state, lm.model, forced)
+        last = index == len(stages) - 1
+        segments.append(
+            run_stage(lm, state, stage, forced, sampler, generator, feed_last or not last)
+        )
+    return Trajectory(segments)
+
+
+def continue_from(
+    lm: Any, state: BoundaryState, plan: StagePlan, sampler: Sampler | None = None
+) -> Trajectory:
+    """Continue a boundary state through the plan's suffix stages.
+
+    The state is consumed (it advances); continue a clone to keep the original.
+    """
+    return run_stages(
+        lm, state, plan.suffix_stages, sampler or Sampler(), first_opener_fed=True, feed_last=False
+    )

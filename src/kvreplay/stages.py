@@ -1,0 +1,142 @@
+"""Stage plans: how a generation is cut into stages, where the boundary is, and how
+stops and forced openers are handled.
+
+A plan is data (it goes into the manifest verbatim); :class:`StopDetector` watches a
+stage's tokens without re-decoding the whole sequence at each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvreplay.errors import KvreplayError
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: a content cap, stop strings, and an optional teacher-forced opener."""
+
+    name: str
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    opener: str = ""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Ordered stages; the boundary is the end of stage ``boundary`` (an index)."""
+
+    name: str
+    stages: tuple[Stage, ...]
+    boundary: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise KvreplayError("A stage plan needs at least one stage.")
+        if not 0 <= self.boundary < len(self.stages) - 1:
+            raise KvreplayError(
+                f"The boundary must end one of the first {len(self.stages) - 1} stages "
+                "so that a suffix follows it."
+            )
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise KvreplayError("Stage names in a plan must be unique.")
+
+    @property
+    def prefix_stages(self) -> tuple[Stage, ...]:
+        return self.stages[: self.boundary + 1]
+
+    @property
+    def suffix_stages(self) -> tuple[Stage, ...]:
+        return self.stages[self.boundary + 1 :]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "boundary": self.boundary,
+            "boundary_stage": self.stages[self.boundary].name,
+            "stages": [asdict(s) for s in self.stages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StagePlan:
+        stages = tuple(
+            Stage(
+                name=s["name"],
+                max_new_tokens=int(s["max_new_tokens"]),
+                stop=tuple(s.get("stop", ())),
+                opener=s.get("opener", ""),
+            )
+            for s in data["stages"]
+        )
+        return cls(name=data.get("name", "custom"), stages=stages, boundary=data.get("boundary", 0))
+
+
+# The embedded instruct model has no think tags, so the boundary is cut mid-reasoning
+# after a fixed budget; the suffix (trace continuation, then a forced answer) is long
+# enough (~100 tokens) for bf16 drift to surface, which short suffixes never showed.
+BUILTIN_PLANS: dict[str, StagePlan] = {
+    "instruct": StagePlan(
+        name="instruct",
+        stages=(
+            Stage("think", max_new_tokens=32),
+            Stage("trace", max_new_tokens=88),
+            Stage("answer", max_new_tokens=10, stop=("\n",), opener="\nFinal answer:"),
+        ),
+    ),
+    "reasoning": StagePlan(
+        name="reasoning",
+        stages=(
+            Stage("think", max_new_tokens=2048, stop=("</think>",)),
+            Stage("answer", max_new_tokens=512, opener="\n\nAnswer:"),
+        ),
+    ),
+    "short": StagePlan(
+        name="short",
+        stages=(
+            Stage("think", max_new_tokens=6),
+            Stage("trace", max_new_tokens=10),
+            Stage("answer", max_new_tokens=4, opener="\nFinal answer:"),
+        ),
+    ),
+}
+
+
+def get_plan(name: str) -> StagePlan:
+    if name not in BUILTIN_PLANS:
+        raise KvreplayError(
+            f"Unknown stage plan {name!r}; choose one of {', '.join(BUILTIN_PLANS)}."
+        )
+    return BUILTIN_PLANS[name]
+
+
+@dataclass
+class StopDetector:
+    """Detects a stage's stop strings on a sliding window of its newest tokens.
+
+    Each token decodes to at least one character for the tokenizers we support, so a
+    window of ``len(longest stop) + 2`` tokens always contains any stop that ended on the
+    newest token; decoding only that window keeps the cost per step constant.
+    """
+
+    tokenizer: Any
+    stops: tuple[str, ...]
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        self._window = max((len(s) for s in self.stops), default=0) + 2
+
+    def hit(self, tokens: list[int]) -> str | None:
+        """Return the stop reason if the newest token ends the stage, else None."""
+        if tokens and tokens[-1] in self.stop_token_ids:
+            return "eos"
+        if not self.stops or not tokens:
+            return None
+        tail = self.tokenizer.decode(tokens[-self._window :], skip_special_tokens=False)
+        for stop in self.stops:
+            # Checked after every token, so a stop not involving the newest token
+            # would already have fired one step earlier.
+            if stop in tail:
+                return f"stop:{stop}"
+        return None

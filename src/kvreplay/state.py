@@ -1,0 +1,409 @@
+"""Boundary states: a KV cache over a prefix plus the logits at its last position.
+
+This is the only module that touches transformers ``Cache`` internals. Tensors keep the
+cache layout ``[batch, kv_heads, seq, head_dim]`` everywhere; sliding-window layers
+(Gemma3) store only their window, and every operation here works on them as stored,
+with the layer's cumulative length checked alongside.
+
+Fingerprints are SHA-256 over canonical bytes: for each tensor in a fixed order, an ASCII
+header ``name|dtype|shape\\n`` and then the tensor's raw little-endian bytes (C order).
+Token sequences are committed as SHA-256 of canonical JSON (``[1,2,3]``), as in the
+paper's release.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import DynamicCache
+
+from kvreplay.errors import KvreplayError
+
+Component = Literal["kv", "k", "v"]
+STATE_FORMAT = "kvreplay-boundary-state-v1"
+
+
+def sha256_tokens(token_ids: Sequence[int]) -> str:
+    """Commit a token sequence as SHA-256 of its canonical JSON."""
+    canonical = json.dumps([int(t) for t in token_ids], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def fingerprint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over a dtype/shape header and the raw bytes of each tensor, in order."""
+    digest = hashlib.sha256()
+    for name, tensor in named:
+        flat = tensor.detach().contiguous().cpu().reshape(-1)
+        header = f"{name}|{str(flat.dtype).removeprefix('torch.')}|{list(tensor.shape)}\n"
+        digest.update(header.encode("ascii"))
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class BoundaryState:
+    """A decoder state over ``token_ids``: the cache and the logits at the last position.
+
+    ``advance`` feeds tokens through the model and mutates the state in place; every
+    construction and every continuation is a sequence of ``advance`` calls.
+    """
+
+    cache: DynamicCache
+    logits: torch.Tensor | None
+    token_ids: list[int]
+    construction: str
+
+    @classmethod
+    def empty(cls, model: Any, construction: str) -> BoundaryState:
+        return cls(DynamicCache(config=model.config), None, [], construction)
+
+    @property
+    def position(self) -> int:
+        return len(self.token_ids)
+
+    def argmax(self) -> int:
+        assert self.logits is not None, "an empty state has no boundary logits"
+        return int(torch.argmax(self.logits).item())
+
+    @torch.inference_mode()
+    def advance(self, model: Any, ids: Sequence[int]) -> None:
+        """Feed ``ids`` as one chunk; only the last position's logits are computed.
+
+        Computing just the last row (``logits_to_keep=1``) keeps the LM-head GEMM shape the
+        same for every construction, so logits differences come from the cache alone.
+        """
+        device = model.device
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        out = model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.logits = out.logits[0, -1]
+        self.token_ids.extend(int(t) for t in ids)
+
+    def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def layer_lengths(self) -> list[int]:
+        """Tokens each layer has seen (a sliding layer stores fewer than it has seen)."""
+        return [int(layer.get_seq_length()) for layer in self.cache.layers]
+
+    def named_cache_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = []
+        for i, (keys, values) in enumerate(self.layer_tensors()):
+            named += [(f"layers.{i}.keys", keys), (f"layers.{i}.values", values)]
+        return named
+
+    def cache_fingerprint(self) -> str:
+        return fingerprint_tensors(self.named_cache_tensors())
+
+    def logits_fingerprint(self) -> str:
+        assert self.logits is not None
+        return fingerprint_tensors([("logits", self.logits)])
+
+
+def _storages(state: BoundaryState) -> set[int]:
+    tensors = [t for pair in state.layer_tensors() for t in pair]
+    if state.logits is not None:
+        tensors.append(state.logits)
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def storage_disjoint(a: BoundaryState, b: BoundaryState) -> bool:
+    """True when no tensor of ``a`` shares storage with any tensor of ``b``."""
+    return not (_storages(a) & _storages(b))
+
+
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """The integrity gate of a replica: bit-equal to its source, sharing no storage."""
+
+    cache_exact: bool
+    logits_exact: bool
+    storage_disjoint: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.cache_exact and self.logits_exact and self.storage_disjoint
+
+
+@torch.inference_mode()
+def clone(state: BoundaryState) -> BoundaryState:
+    """A storage-disjoint deep copy (caches filled under inference mode deep-copy safely)."""
+    return BoundaryState(
+        cache=copy.deepcopy(state.cache),
+        logits=None if state.logits is None else state.logits.clone(),
+        token_ids=list(state.token_ids),
+        construction=state.construction,
+    )
+
+
+def make_replica(state: BoundaryState) -> tuple[BoundaryState, ReplicaCheck]:
+    """Clone ``state`` and check the clone: bit-equal and no shared storage."""
+    replica = clone(state)
+    cache_exact = replica.layer_lengths() == state.layer_lengths() and all(
+        torch.equal(a, b)
+        for pa, pb in zip(state.layer_tensors(), replica.layer_tensors(), strict=True)
+        for a, b in zip(pa, pb, strict=True)
+    )
+    logits_exact = state.logits is not None and torch.equal(state.logits, replica.logits)
+    return replica, ReplicaCheck(cache_exact, logits_exact, storage_disjoint(state, replica))
+
+
+@dataclass
+class DiffStats:
+    """Elementwise difference of two equally shaped tensor groups, accumulated in fp64."""
+
+    exact: bool = True
+    count: int = 0
+    max_abs: float = 0.0
+    sum_abs: float = 0.0
+    delta_sq: float = 0.0
+    left_sq: float = 0.0
+    right_sq: float = 0.0
+
+    def add(self, left: torch.Tensor, right: torch.Tensor) -> None:
+        a, b = left.detach().double(), right.detach().double()
+        delta = a - b
+        self.exact = self.exact and torch.equal(left, right)
+        self.count += delta.numel()
+        if delta.numel():
+            self.max_abs = max(self.max_abs, float(delta.abs().max()))
+        self.sum_abs += float(delta.abs().sum())
+        self.delta_sq += float((delta * delta).sum())
+        self.left_sq += float((a * a).sum())
+        self.right_sq += float((b * b).sum())
+
+    def merge(self, other: DiffStats) -> None:
+        self.exact = self.exact and other.exact
+        self.count += other.count
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.sum_abs += other.sum_abs
+        self.delta_sq += other.delta_sq
+        self.left_sq += other.left_sq
+        self.right_sq += other.right_sq
+
+    def summary(self) -> dict[str, float | bool]:
+        delta, left, right = (math.sqrt(x) for x in (self.delta_sq, self.left_sq, self.right_sq))
+        scale = max(left, right)
+        return {
+            "exact": self.exact,
+            "max_abs_diff": self.max_abs,
+            "mean_abs_diff": self.sum_abs / self.count if self.count else 0.0,
+            "delta_l2_norm": delta,
+            "left_l2_norm": left,
+            "right_l2_norm": right,
+            "relative_l2_diff": delta / scale if scale > 0 else 0.0,
+        }
+
+
+@dataclass
+class Comparison:
+    """Everything DESIGN.md asks of a comparison of two boundary states."""
+
+    cache: dict[str, float | bool]
+    keys: dict[str, float | bool]
+    values: dict[str, float | bool]
+    per_layer: list[dict[str, dict[str, float | bool]]]
+    logits: dict[str, float | bool]
+    boundary_argmax_equal: bool
+    layer_lengths_equal: bool
+    first_suffix_divergence_index: int | None = None
+
+    @property
+    def cache_exact(self) -> bool:
+        return bool(self.cache["exact"]) and self.layer_lengths_equal
+
+    @property
+    def logits_exact(self) -> bool:
+        return bool(self.logits["exact"])
+
+    def relative_l2_by_layer(self) -> list[float]:
+        """Relative L2 of K and V together, one value per layer (for drift figures)."""
+        return [float(layer["kv"]["relative_l2_diff"]) for layer in self.per_layer]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_same_prefix(a: BoundaryState, b: BoundaryState) -> None:
+    """Two states are comparable only over the same prefix with the same cache shapes."""
+    if a.token_ids != b.token_ids:
+        raise KvreplayError("The two boundary states cover different prefixes.")
+    shapes_a = [(k.shape, v.shape) for k, v in a.layer_tensors()]
+    shapes_b = [(k.shape, v.shape) for k, v in b.layer_tensors()]
+    if shapes_a != shapes_b:
+        raise KvreplayError("The two boundary states have caches of different shapes.")
+
+
+def compare(left: BoundaryState, right: BoundaryState) -> Comparison:
+    """Compare two states over the same prefix: cache (overall, per layer, K/V) and logits."""
+    check_same_prefix(left, right)
+    keys_total, values_total, cache_total = DiffStats(), DiffStats(), DiffStats()
+    per_layer = []
+    for (lk, lv), (rk, rv) in zip(left.layer_tensors(), right.layer_tensors(), strict=True):
+        k, v = DiffStats(), DiffStats()
+        k.add(lk, rk)
+        v.add(lv, rv)
+        kv = DiffStats()
+        kv.merge(k)
+        kv.merge(v)
+        keys_total.merge(k)
+        values_total.merge(v)
+        cache_total.merge(kv)
+        per_layer.append({"k": k.summary(), "v": v.summary(), "kv": kv.summary()})
+    logits = DiffStats()
+    assert left.logits is not None and right.logits is not None
+    logits.add(left.logits, right.logits)
+    return Comparison(
+        cache=cache_total.summary(),
+        keys=keys_total.summary(),
+        values=values_total.summary(),
+        per_layer=per_layer,
+        logits=logits.summary(),
+        boundary_argmax_equal=left.argmax() == right.argmax(),
+        layer_lengths_equal=left.layer_lengths() == right.layer_lengths(),
+    )
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token; the shorter length if one is a prefix; None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _resolve_layers(state: BoundaryState, layers: Iterable[int] | None) -> list[int]:
+    count = len(state.cache.layers)
+    chosen = list(range(count)) if layers is None else sorted(set(layers))
+    for index in chosen:
+        if not 0 <= index < count:
+            raise KvreplayError(f"Layer index {index} is out of range for a {count}-layer cache.")
+    return chosen
+
+
+@torch.inference_mode()
+def transplant(
+    donor: BoundaryState,
+    recipient: BoundaryState,
+    layers: Iterable[int] | None = None,
+    component: Component = "kv",
+    carry_logits: bool = False,
+) -> BoundaryState:
+    """A copy of ``recipient`` whose K and/or V in ``layers`` come from ``donor``.
+
+    The boundary logits stay the recipient's unless ``carry_logits``: a K/V transplant
+    changes what later tokens attend to, not the logits already computed at the boundary.
+    Donor and recipient must cover the same prefix with equal cache shapes.
+    """
+    if component not in ("kv", "k", "v"):
+        raise KvreplayError(f"Unknown component {component!r}; choose kv, k or v.")
+    check_same_prefix(donor, recipient)
+    chosen = _resolve_layers(recipient, layers)
+    result = clone(recipient)
+    for index in chosen:
+        source, target = donor.cache.layers[index], result.cache.layers[index]
+        if component in ("kv", "k"):
+            target.keys = source.keys.clone()
+        if component in ("kv", "v"):
+            target.values = source.values.clone()
+    if carry_logits:
+        assert donor.logits is not None
+        result.logits = donor.logits.clone()
+    suffix = "all" if layers is None else ",".join(map(str, chosen))
+    result.construction = (
+        f"transplant({donor.construction}->{recipient.construction};{suffix};{component})"
+    )
+    return result
+
+
+@dataclass
+class SavedState:
+    """What a snapshot file holds besides tensors."""
+
+    construction: str
+    layer_lengths: list[int]
+    cache_fingerprint: str
+    logits_fingerprint: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def save_state(state: BoundaryState, path: Path, extra: dict[str, str] | None = None) -> SavedState:
+    """Write ``state`` as safetensors with its fingerprints in the metadata (no pickle)."""
+    assert state.logits is not None
+    info = SavedState(
+        construction=state.construction,
+        layer_lengths=state.layer_lengths(),
+        cache_fingerprint=state.cache_fingerprint(),
+        logits_fingerprint=state.logits_fingerprint(),
+        extra=dict(extra or {}),
+    )
+    tensors = {name: t.detach().contiguous().cpu() for name, t in state.named_cache_tensors()}
+    tensors["logits"] = state.logits.detach().contiguous().cpu()
+    tensors["token_ids"] = torch.tensor(state.token_ids, dtype=torch.long)
+    metadata = {
+        "format": STATE_FORMAT,
+        "construction": info.construction,
+        "layer_lengths": json.dumps(info.layer_lengths),
+        "cache_fingerprint": info.cache_fingerprint,
+        "logits_fingerprint": info.logits_fingerprint,
+        "extra": json.dumps(info.extra, sort_keys=True),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(path)
+    return info
+
+
+def read_state_metadata(path: Path) -> SavedState:
+    """Read a snapshot's metadata without loading its tensors."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user problem
+        raise KvreplayError(f"The snapshot {path} is not a readable safetensors file.") from exc
+    if meta.get("format") != STATE_FORMAT:
+        raise KvreplayError(f"The file {path} is not a kvreplay boundary-state snapshot.")
+    return SavedState(
+        construction=meta["construction"],
+        layer_lengths=json.loads(meta["layer_lengths"]),
+        cache_fingerprint=meta["cache_fingerprint"],
+        logits_fingerprint=meta["logits_fingerprint"],
+        extra=json.loads(meta.get("extra", "{}")),
+    )
+
+
+@torch.inference_mode()
+def load_state(path: Path, model: Any) -> BoundaryState:
+    """Rebuild a state saved by :func:`save_state` into a cache laid out for ``model``."""
+    info = read_state_metadata(path)
+    state = BoundaryState.empty(model, info.construction)
+    layers = state.cache.layers
+    if len(layers) != len(info.layer_lengths):
+        raise KvreplayError(
+            f"The snapshot {path} has {len(info.layer_lengths)} layers "
+            f"but the model has {len(layers)}."
+        )
+    device = model.device
+    with safe_open(str(path), framework="pt", device=str(device)) as handle:
+        for i, layer in enumerate(layers):
+            keys = handle.get_tensor(f"layers.{i}.keys")
+            values = handle.get_tensor(f"layers.{i}.values")
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = info.layer_lengths[i]
+        state.logits = handle.get_tensor("logits")
+        state.token_ids = [int(t) for t in handle.get_tensor("token_ids").tolist()]
+    if state.layer_lengths() != info.layer_lengths:
+        raise KvreplayError(f"The snapshot {path} does not fit this model's cache layout.")
+    return state
