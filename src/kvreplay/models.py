@@ -237,7 +237,7 @@ def _convert_embedded(embedded: EmbeddedModel) -> Path:
     return target
 
 
-def resolve_source(spec: str) -> tuple[Path | str, str | None]:
+def resolve_source(spec: str) -> tuple[Path, str | None]:
     """Map a model spec to (folder or hub id, gguf file name or None)."""
     if spec in EMBEDDED:
         return _convert_embedded(EMBEDDED[spec]), None
@@ -250,9 +250,60 @@ def resolve_source(spec: str) -> tuple[Path | str, str | None]:
         if not (path / "config.json").is_file():
             raise KvreplayError(f"The folder {spec!r} has no config.json, so it is not a model.")
         return path, None
-    if path.exists() or spec.startswith((".", "/", "~")):
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise KvreplayError(f"The model path {spec!r} is neither a model folder nor a GGUF file.")
-    return spec, None
+    return _from_hub_cache(spec), None
+
+
+def _from_hub_cache(hub_id: str) -> Path:
+    """A hub id resolves only from the local Hugging Face cache: kvreplay never downloads."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - every failure here means "not available offline"
+        raise KvreplayError(
+            f"Unknown model {hub_id!r}: it is not an embedded model ({', '.join(EMBEDDED)}), "
+            "a local folder, a GGUF file, or a hub id already in the local Hugging Face cache."
+        ) from exc
+
+
+def describe_source(spec: str) -> dict[str, Any]:
+    """Identity of a model without loading its weights: digests and architecture.
+
+    The driver records this in the manifest's contract; every worker checks that the
+    model it loads has the same digest.
+    """
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    source, gguf_file = resolve_source(spec)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs).get_text_config(decoder=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise KvreplayError(f"Could not read the config of model {spec!r}.") from exc
+    digests = file_digests(source, [source / gguf_file] if gguf_file else None)
+    canonical = json.dumps(digests, sort_keys=True, separators=(",", ":"))
+    return {
+        "spec": spec,
+        "model_type": config.model_type,
+        "num_layers": int(config.num_hidden_layers),
+        "context_length": int(getattr(config, "max_position_embeddings", 0) or 0),
+        "digests": digests,
+        "model_digest": hashlib.sha256(canonical.encode()).hexdigest(),
+    }
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
+    """Just the tokenizer (for selections that must not wait for a model load)."""
+    from transformers import AutoTokenizer
+
+    source, gguf_file = resolve_source(spec)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
 def _quiet_transformers() -> None:
@@ -297,10 +348,7 @@ def load_model(
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     model = model.to(device=device, dtype=DTYPES[dtype]).eval()
-    if isinstance(source, Path):
-        digests = file_digests(source, [source / gguf_file] if gguf_file else None)
-    else:
-        digests = {"hub_id": spec, "commit": str(getattr(model.config, "_commit_hash", ""))}
+    digests = file_digests(source, [source / gguf_file] if gguf_file else None)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -41,9 +41,8 @@ class LedgerError(KvreplayError, ValueError):
     def __init__(
         self, file: str, problem: str, row_id: str | None = None, field: str | None = None
     ):
-        where = ", ".join(
-            part for part in (file, row_id and f"row {row_id}", field and f"field {field}") if part
-        )
+        row = "header" if row_id == "header" else row_id and f"row {row_id}"
+        where = ", ".join(part for part in (file, row, field and f"field {field}") if part)
         super().__init__(f"{where}: {problem}.")
         self.file, self.row_id, self.field, self.problem = file, row_id, field, problem
 
@@ -191,7 +190,7 @@ def _kinds(kind: Kind, *names: str) -> dict[str, Kind]:
 
 def _check_equal_flag(flag: str, left: str, right: str, *, equal: bool = True) -> Check:
     """Gate: a boolean column must say whether two hash columns agree."""
-    relation = "equal" if equal else "differ"
+    relation = "are equal" if equal else "differ"
 
     def check(ledger: Ledger) -> None:
         truth = (ledger[left] == ledger[right]) == equal

@@ -1,0 +1,66 @@
+"""The `analyze` and `report` click commands; the main CLI group registers them.
+
+Bad input ends in one plain sentence on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
+from kvreplay.errors import KvreplayError
+
+
+def _fail(message: str) -> None:
+    click.echo(f"kvreplay: error: {message}", err=True)
+    click.get_current_context().exit(2)
+
+
+@click.command()
+@click.argument("ledger_dir", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Where to write the claims JSON (default: LEDGER_DIR/claims.json).",
+)
+def analyze(ledger_dir: Path, output: Path | None) -> None:
+    """Validate the CSV ledgers in LEDGER_DIR and write the paper-schema claims JSON."""
+    output = output or ledger_dir / "claims.json"
+    try:
+        claims = analyze_dir(ledger_dir)
+        write_claims(claims, output)
+    except KvreplayError as error:
+        _fail(str(error))
+    except OSError as error:
+        _fail(f"cannot write {output}: {error.strerror or error}.")
+    else:
+        for line in summary_lines(claims):
+            click.echo(line)
+        click.echo(f"wrote {output}")
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--out-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Folder for report.md, report.html and figures/ (default: RUN_DIR).",
+)
+def report(run_dir: Path, out_dir: Path | None) -> None:
+    """Write report.md, a self-contained report.html and figures/ for RUN_DIR."""
+    from kvreplay.report import build_report  # matplotlib loads only when a report is asked for
+
+    try:
+        paths = build_report(run_dir, out_dir)
+    except KvreplayError as error:
+        _fail(str(error))
+    except OSError as error:
+        _fail(f"cannot write the report: {error.strerror or error}.")
+    else:
+        click.echo(f"wrote {paths.html}")

@@ -1,0 +1,207 @@
+"""``kvreplay audit``: re-execute a run's rows from what they recorded and verify every
+token sequence, hash, fingerprint and comparison field; verify the hash chain, every
+derived CSV and every snapshot. Read-only: an audit never changes the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments import EXPERIMENTS
+from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.items import Item, load_jsonl
+from kvreplay.ledger import (
+    ITEMS,
+    Record,
+    RunLedger,
+    diff_fields,
+    environment,
+    parse_rows,
+    render_csv,
+)
+from kvreplay.models import file_digests
+from kvreplay.state import read_state_metadata
+
+# Keys that legitimately differ between a run and its re-execution.
+UNCHECKED = {"reused_from", "snapshot"}
+
+
+@dataclass
+class AuditResult:
+    run_dir: Path
+    environment_diff: list[str] = field(default_factory=list)
+    rows_total: int = 0
+    rows_reexecuted: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def _strip(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _strip(v) for k, v in data.items() if k not in UNCHECKED}
+    if isinstance(data, list):
+        return [_strip(v) for v in data]
+    return data
+
+
+def check_csvs(ledger: RunLedger, records: list[Record]) -> list[str]:
+    """Each experiment's CSV must equal the one derived from rows.jsonl, cell for cell."""
+    problems = []
+    for name in ledger.manifest.get("experiments", {}):
+        experiment = EXPERIMENTS.get(name)
+        if experiment is None:
+            problems.append(f"experiment {name}: unknown to this kvreplay version")
+            continue
+        rows = [r for r in records if r.experiment == name]
+        expected = render_csv(experiment.columns, experiment.csv_rows(rows))
+        path = ledger.run_dir / experiment.csv_name
+        if not path.exists():
+            problems.append(f"{experiment.csv_name}: missing although {name} has rows")
+            continue
+        actual = path.read_text(encoding="utf-8")
+        if actual == expected:
+            continue
+        want = list(csv.DictReader(io.StringIO(expected)))
+        have = list(csv.DictReader(io.StringIO(actual)))
+        if len(want) != len(have):
+            problems.append(
+                f"{experiment.csv_name}: {len(have)} rows, rows.jsonl derives {len(want)}"
+            )
+        for a, b in zip(want, have, strict=False):
+            for column in experiment.columns:
+                if a.get(column) != b.get(column):
+                    problems.append(
+                        f"{experiment.csv_name} row {a.get('row_id')} ({a.get('precision', '')})"
+                        f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
+                    )
+        if not problems or not problems[-1].startswith(experiment.csv_name):
+            problems.append(f"{experiment.csv_name}: differs from the CSV derived from rows.jsonl")
+    return problems
+
+
+def _snapshots(data: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(arm fingerprint record, snapshot entry) pairs anywhere in a row."""
+    found = []
+    if isinstance(data, dict):
+        if isinstance(data.get("snapshot"), dict):
+            found.append((data, data["snapshot"]))
+        for value in data.values():
+            found += _snapshots(value)
+    elif isinstance(data, list):
+        for value in data:
+            found += _snapshots(value)
+    return found
+
+
+def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
+    problems = []
+    for record in records:
+        for arm, entry in _snapshots(record.data):
+            path = run_dir / entry["file"]
+            where = f"row {record.key} snapshot {entry['file']}"
+            if not path.is_file():
+                problems.append(f"{where}: missing")
+                continue
+            if file_digests(path.parent, [path])[path.name] != entry["sha256"]:
+                problems.append(f"{where}: field sha256 does not match the file")
+                continue
+            meta = read_state_metadata(path)
+            for key in ("cache_fingerprint", "logits_fingerprint"):
+                if getattr(meta, key) != arm[key]:
+                    problems.append(f"{where}: field {key} differs from the row")
+    return problems
+
+
+def _engine(config: RunConfig, engine: str, workers: int, gpus: float, address: str | None):
+    if engine == "ray":
+        from kvreplay.engines.ray import RayEngine
+
+        return RayEngine(config, workers, gpus, address)
+    from kvreplay.engines.local import LocalEngine
+
+    return LocalEngine(config)
+
+
+def audit(
+    run_dir: Path,
+    sample: int | None = None,
+    seed: int = 0,
+    engine: str = "local",
+    workers: int = 1,
+    gpus_per_worker: float = 0.0,
+    ray_address: str | None = None,
+) -> AuditResult:
+    """Verify a run; see the module docstring. Bad input raises KvreplayError."""
+    ledger = RunLedger.open_existing(run_dir)
+    result = AuditResult(run_dir)
+    contract = ledger.manifest["contract"]
+    result.environment_diff = diff_fields(
+        contract["environment"], environment(contract["run"]["device"])
+    )
+    raw = ledger.rows_path.read_bytes() if ledger.rows_path.exists() else b""
+    if raw and not raw.endswith(b"\n"):
+        result.problems.append("rows.jsonl: the last line is torn (an interrupted append)")
+    records, chain = parse_rows(ledger.rows_path, ledger.contract_hash)
+    result.rows_total = len(records)
+    result.problems += chain
+    keys = [r.key for r in records]
+    for key in sorted({k for k in keys if keys.count(k) > 1}):
+        result.problems.append(f"row {key}: appears more than once")
+    result.problems += check_csvs(ledger, records)
+    result.problems += check_snapshots(run_dir, records)
+    try:
+        items = {i.id: i for i in load_jsonl(run_dir / ITEMS)}
+    except KvreplayError:
+        result.problems.append("items.jsonl: missing or unreadable")
+        return result
+    chosen = records
+    if sample is not None and sample < len(records):
+        chosen = sorted(random.Random(seed).sample(records, sample), key=lambda r: r.seq)
+    config = RunConfig.from_contract(contract["run"], str(run_dir))
+    units = []
+    for record in chosen:
+        item: Item | None = items.get(record.data.get("item_id", ""))
+        if item is None:
+            result.problems.append(f"row {record.key}: field item_id names no item")
+            continue
+        inputs = record.data.get("inputs", {})
+        units.append(Unit(record.key, record.experiment, item, record.data["precision"], inputs))
+    runner = _engine(config, engine, workers, gpus_per_worker, ray_address)
+    by_key = {r.key: r for r in chosen}
+    try:
+        for unit, data, _, _ in runner.run(units):
+            recorded = by_key[unit.key].data
+            fresh = {**data, "inputs": recorded.get("inputs", {})}
+            for path in diff_fields(_strip(recorded), _strip(fresh)):
+                result.problems.append(f"row {unit.key}: field {path} differs on re-execution")
+            result.rows_reexecuted += 1
+    finally:
+        runner.close()
+    return result
+
+
+def format_audit(result: AuditResult) -> str:
+    lines = [f"audit of {result.run_dir}"]
+    if result.environment_diff:
+        lines.append("environment differs from the run's in: " + ", ".join(result.environment_diff))
+    lines.append(f"rows in ledger: {result.rows_total}; re-executed: {result.rows_reexecuted}")
+    if result.passed:
+        lines.append("PASS: every re-executed row, hash, fingerprint and derived CSV matches")
+    else:
+        lines.append(f"FAIL: {len(result.problems)} mismatch(es)")
+        lines += [f"  - {p}" for p in result.problems]
+    return "\n".join(lines)
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text())

@@ -1,0 +1,163 @@
+"""The ``kvreplay`` command line: a thin click group; the work lives in the modules."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvreplay.errors import KvreplayError
+
+
+def plain_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Bad input ends in one sentence on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except KvreplayError as exc:
+            click.echo(f"kvreplay: error: {exc}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _dtypes(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by every ``run`` experiment (and the demo)."""
+    options = [
+        click.option("--model", default="smollm2-135m", show_default=True,
+                     help="Embedded model name, local folder, GGUF file, or cached hub id."),
+        click.option("--items", "items_source", default="arith", show_default=True,
+                     help="Built-in item set or a JSONL file."),
+        click.option("--n", type=int, default=None,
+                     help="How many items (default: all; bridge 12)."),
+        click.option("--dtypes", default="bf16,fp32", show_default=True,
+                     help="Comma-separated precisions: fp32, bf16, fp16."),
+        click.option("--plan", default="instruct", show_default=True,
+                     help="Built-in stage plan (instruct, reasoning, short) or a plan .json."),
+        click.option("--extractor", default="integer", show_default=True,
+                     help="Answer extractor: integer, choice or boxed."),
+        click.option("--device", default="cpu", show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="0 is greedy; above 0 samples with --seed."),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--chat/--no-chat", default=None,
+                     help="Force the chat template on or off (default: use it if present)."),
+        click.option("--attn", default="sdpa", show_default=True,
+                     help="Attention implementation passed to transformers."),
+        click.option("--trust-remote-code", is_flag=True, default=False),
+        click.option("--save-snapshots", is_flag=True, default=False,
+                     help="Also save boundary states as safetensors (large for big models)."),
+        click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
+                     show_default=True),
+        click.option("--workers", type=int, default=1, show_default=True),
+        click.option("--gpus-per-worker", type=float, default=0.0, show_default=True),
+        click.option("--ray-address", default=None, help="Join this Ray cluster."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
+    from kvreplay.decode import Sampler
+    from kvreplay.runner import RunRequest
+
+    return RunRequest(
+        experiment=experiment,
+        out=out,
+        model=kwargs["model"],
+        items=kwargs["items_source"],
+        n=kwargs["n"],
+        dtypes=_dtypes(kwargs["dtypes"]),
+        plan=kwargs["plan"],
+        extractor=kwargs["extractor"],
+        device=kwargs["device"],
+        sampler=Sampler(kwargs["temperature"], kwargs["top_p"], kwargs["seed"]),
+        chat=kwargs["chat"],
+        attn_implementation=kwargs["attn"],
+        trust_remote_code=kwargs["trust_remote_code"],
+        save_snapshots=kwargs["save_snapshots"],
+        prefix_from=kwargs.get("prefix_from"),
+        engine=kwargs["engine"],
+        workers=kwargs["workers"],
+        gpus_per_worker=kwargs["gpus_per_worker"],
+        ray_address=kwargs["ray_address"],
+        extra=kwargs.get("extra", {}),
+    )
+
+
+@click.group()
+@click.version_option(package_name="kvreplay")
+def main() -> None:
+    """Audit stage replay: does a prefix rebuilt by prefill continue like the live state?"""
+
+
+@main.command("run")
+@click.argument("experiment")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Run directory.")
+@click.option(
+    "--prefix-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Take prefixes (fixed-prefix) or historical prefixes (bridge) from this run.",
+)
+@run_options
+@plain_errors
+def run_command(experiment: str, out: Path, **kwargs: Any) -> None:
+    """Run (or resume) EXPERIMENT: matched, fixed-prefix or bridge."""
+    from kvreplay.runner import run
+
+    run(_request(experiment, out, kwargs))
+    click.echo(f"Ledger: {out}")
+
+
+@main.command("demo")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True
+)
+@click.option("--n", type=int, default=3, show_default=True, help="Items per experiment.")
+@plain_errors
+def demo_command(out: Path, n: int) -> None:
+    """All three experiments on the embedded default model, then analysis and report."""
+    from kvreplay.demo import run_demo
+
+    run_demo(out, n)
+
+
+@main.command("audit")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--sample", type=int, default=None, help="Re-execute a seeded sample of K rows.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--workers", type=int, default=1, show_default=True)
+@click.option("--gpus-per-worker", type=float, default=0.0, show_default=True)
+@click.option("--ray-address", default=None)
+@plain_errors
+def audit_command(run_dir: Path, sample: int | None, seed: int, **engine: Any) -> None:
+    """Re-execute a run's rows and verify every fingerprint, hash and derived CSV."""
+    from kvreplay.audit import audit, format_audit
+
+    result = audit(run_dir, sample=sample, seed=seed, **engine)
+    click.echo(format_audit(result))
+    sys.exit(0 if result.passed else 1)
+
+
+def _add_analysis_commands() -> None:
+    from kvreplay.analysis.cli_commands import analyze, report
+
+    main.add_command(analyze)
+    main.add_command(report)
+
+
+_add_analysis_commands()

@@ -1,0 +1,26 @@
+"""The local engine: one worker in this process, units in order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from kvreplay.experiments.base import RunConfig, Unit, Worker
+
+
+class LocalEngine:
+    name = "local"
+
+    def __init__(self, config: RunConfig):
+        self.worker = Worker(config, name="local")
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.name, "workers": [self.worker.device_info()]}
+
+    def run(self, units: list[Unit]) -> Iterator[tuple[Unit, dict, dict, str]]:
+        for unit in units:
+            data, timing = self.worker.run(unit)
+            yield unit, data, timing, self.worker.name
+
+    def close(self) -> None:
+        """Nothing to release: models are freed with the process."""

