@@ -1,57 +1,49 @@
 """kvreplay: audit stage replay in LLM inference.
 
 The public surface for notebooks: load a model, reach a boundary live or rebuild it by
-any construction, clone, compare, fingerprint, transplant, save and continue.
+any construction, clone, compare, fingerprint, transplant, save and continue. Names are
+imported on first use (PEP 562) so that ``kvreplay analyze`` does not pay for torch.
 """
 
-from kvreplay.construct import Prefix, build, live
-from kvreplay.decode import Sampler, Trajectory, continue_from
-from kvreplay.errors import KvreplayError
-from kvreplay.items import Item, arith_items, encode_prompt, load_items
-from kvreplay.models import LoadedModel, load_model
-from kvreplay.stages import Stage, StagePlan, get_plan
-from kvreplay.state import (
-    BoundaryState,
-    Comparison,
-    clone,
-    compare,
-    fingerprint_tensors,
-    first_divergence,
-    load_state,
-    make_replica,
-    save_state,
-    sha256_tokens,
-    transplant,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BoundaryState",
-    "Comparison",
-    "Item",
-    "KvreplayError",
-    "LoadedModel",
-    "Prefix",
-    "Sampler",
-    "Stage",
-    "StagePlan",
-    "Trajectory",
-    "arith_items",
-    "build",
-    "clone",
-    "compare",
-    "continue_from",
-    "encode_prompt",
-    "fingerprint_tensors",
-    "first_divergence",
-    "get_plan",
-    "live",
-    "load_items",
-    "load_model",
-    "load_state",
-    "make_replica",
-    "save_state",
-    "sha256_tokens",
-    "transplant",
-]
+_EXPORTS = {
+    "kvreplay.construct": ("Prefix", "build", "live"),
+    "kvreplay.decode": ("Sampler", "Trajectory", "continue_from"),
+    "kvreplay.errors": ("KvreplayError",),
+    "kvreplay.items": ("Item", "arith_items", "encode_prompt", "load_items"),
+    "kvreplay.models": ("LoadedModel", "load_model"),
+    "kvreplay.stages": ("Stage", "StagePlan", "get_plan"),
+    "kvreplay.state": (
+        "BoundaryState",
+        "Comparison",
+        "clone",
+        "compare",
+        "fingerprint_tensors",
+        "first_divergence",
+        "load_state",
+        "make_replica",
+        "save_state",
+        "sha256_tokens",
+        "transplant",
+    ),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvreplay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

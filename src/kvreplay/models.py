@@ -320,8 +320,13 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    device_map: str | None = None,
 ) -> LoadedModel:
-    """Load ``spec`` in eval mode at ``dtype`` on ``device`` with the given attention."""
+    """Load ``spec`` in eval mode at ``dtype`` on ``device`` with the given attention.
+
+    ``device_map`` (e.g. ``"auto"``) spreads a model too large for one GPU over every
+    visible GPU instead of moving it whole to ``device``.
+    """
     dtype = parse_dtype(dtype)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise KvreplayError(f"Device {device!r} was requested but CUDA is not available here.")
@@ -338,6 +343,7 @@ def load_model(
             source,
             dtype=DTYPES[dtype],
             attn_implementation=attn_implementation,
+            device_map=device_map,
             **kwargs,
         )
     except KvreplayError:
@@ -347,7 +353,9 @@ def load_model(
         raise KvreplayError(f"Could not load model {spec!r}: {detail}") from exc
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+    if device_map is None:
+        model = model.to(device=device, dtype=DTYPES[dtype])
+    model = model.eval()
     digests = file_digests(source, [source / gguf_file] if gguf_file else None)
     return LoadedModel(
         model=model,

@@ -23,8 +23,8 @@ from matplotlib.ticker import MaxNLocator
 from kvreplay.analysis.claims import (
     MATRIX_DESIGNS,
     SCHEMA,
-    MatrixDesign,
     build_claims,
+    matrix_blocks,
     write_claims,
 )
 from kvreplay.analysis.ledgers import LAYER_DRIFT_COLUMN, Ledger, LedgerError, load_ledger_dir
@@ -105,21 +105,13 @@ def _rate_text(payload: Json) -> str:
     return _fraction(payload["count"], payload["n"])
 
 
-def _interval(low: float, high: float, unit: str = "") -> str:
-    return f"[{low:+.1f}, {high:+.1f}]{unit}"
+def _interval(low: float, high: float) -> str:
+    return f"[{low:+.1f}, {high:+.1f}]"
 
 
 def _percent_interval(payload: Json) -> str:
     low, high = payload["wilson_95_ci"]
     return f"{100 * payload['rate']:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
-
-
-def _matrix_blocks(claims: Json) -> Iterator[tuple[MatrixDesign, str, Json]]:
-    """Every (design, precision, block) of the matrix sections in the claims."""
-    for design in MATRIX_DESIGNS:
-        for precision, block in claims.get(design.section, {}).items():
-            if isinstance(block, dict) and "rows" in block:
-                yield design, precision, block
 
 
 def _transplants(claims: Json) -> Iterator[tuple[str, Json]]:
@@ -131,7 +123,7 @@ def _transplants(claims: Json) -> Iterator[tuple[str, Json]]:
 def _headline_rows(claims: Json) -> list[tuple[str, ...]]:
     """Rows of the headline table: claim, this run, the paper's published figure."""
     rows: list[tuple[str, ...]] = []
-    for design, precision, block in _matrix_blocks(claims):
+    for design, precision, block in matrix_blocks(claims):
         label = f"{design.section} {precision}"
         if precision == "fp32":
             differing = [block[key] for key in PAPER_BF16_RATES]
@@ -260,7 +252,7 @@ def _figure_disagreement(claims: Json, path: Path) -> Path | None:
     for ax, design in zip(axes, sections, strict=True):
         series = {
             precision: [block[key] for key, _ in ENDPOINTS]
-            for d, precision, block in _matrix_blocks(claims)
+            for d, precision, block in matrix_blocks(claims)
             if d == design
         }
         _rate_bars(ax, [label for _, label in ENDPOINTS], series, "rows disagreeing (%)")
@@ -269,7 +261,7 @@ def _figure_disagreement(claims: Json, path: Path) -> Path | None:
 
 
 def _figure_accuracy(claims: Json, path: Path) -> Path | None:
-    blocks = list(_matrix_blocks(claims))
+    blocks = list(matrix_blocks(claims))
     if not blocks:
         return None
     figure, (arms, deltas) = _new_figure(2, height=4.0)
@@ -441,7 +433,7 @@ def _blocks(run_dir: Path, claims: Json, ledgers: dict[str, Ledger], figures: Pa
         Table(("claim", "this run", "paper"), _headline_rows(claims)),
     ]
 
-    matrix = list(_matrix_blocks(claims))
+    matrix = list(matrix_blocks(claims))
     if matrix:
         blocks += [
             Heading("Disagreement rates (Wilson 95% intervals)"),

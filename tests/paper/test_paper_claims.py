@@ -19,7 +19,6 @@ from kvreplay.analysis.claims import analyze_dir
 from kvreplay.analysis.cli_commands import analyze
 
 PAPER = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release"
-RENAME = {"fp32": "fp16"}
 Row = dict[str, str]
 pytestmark = pytest.mark.skipif(
     not (PAPER / "data").is_dir(),
@@ -175,7 +174,7 @@ def test_precisions_are_whatever_the_file_holds(tmp_path: Path, skeleton: dict) 
     rewrite(
         data / matched,
         tmp_path / matched,
-        lambda row: row | {"precision": RENAME.get(row["precision"], row["precision"])},
+        lambda row: row | {"precision": row["precision"].replace("fp32", "fp16")},
     )
     blocks = analyze_dir(tmp_path)["matched_live_prefill"]
     assert set(blocks) == {"bf16", "fp16"}

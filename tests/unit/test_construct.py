@@ -79,7 +79,9 @@ def test_one_chunk_covering_the_prefix_equals_prefill(tiny_lm, arch: str) -> Non
     assert state_equal(whole, build(lm, prefix, "prefill"))
 
 
-@pytest.mark.parametrize("construction", ["replay", "prefill", "stepwise", "chunked:1", "chunked:7"])
+@pytest.mark.parametrize(
+    "construction", ["replay", "prefill", "stepwise", "chunked:1", "chunked:7"]
+)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_construction_covers_the_prefix(tiny_lm, arch: str, construction: str) -> None:
     lm = tiny_lm(arch, "bf16")

@@ -60,7 +60,7 @@ def test_seeded_sampling_is_reproducible_and_differs_across_seeds(tiny_lm, arch:
 
     def draw(seed: int) -> list[int]:
         sampler = Sampler(temperature=1.0, top_p=0.95, seed=seed)
-        return continue_from(lm, clone(state), PLAN, sampler).token_ids
+        return continue_from(lm, clone(state), SHORT, sampler).token_ids
 
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
@@ -114,15 +114,17 @@ def test_empty_opener_is_refused_before_model_work(tiny_lm) -> None:
 
 
 def test_a_stop_string_ends_the_stage_on_its_last_token(tiny_lm) -> None:
-    """Take the text of three decoded tokens as the stop: the stage must end right there."""
-    lm = tiny_lm("qwen2", "bf16")
+    """Take the printable text of three decoded tokens as the stop: the stage ends there."""
+    lm = tiny_lm("llama", "bf16")
     state, _ = reach(lm)
     free = continue_from(lm, clone(state), PLAN).segments[0].token_ids
-    stop = lm.tokenizer.decode(free[6:9])
-    assert stop.isprintable() and len(stop) == 3, "pick another window of this suffix"
-    end = next(
-        i for i in range(len(free)) if stop in lm.tokenizer.decode(free[: i + 1])
+    stop = next(
+        text
+        for i in range(len(free) - 2)
+        if len(text := lm.tokenizer.decode(free[i : i + 3])) == 3 and text.isprintable()
     )
+    end = next(i for i in range(len(free)) if stop in lm.tokenizer.decode(free[: i + 1]))
+    assert end < len(free) - 1
     plan = StagePlan(
         "stop", (Stage("think", 10), Stage("trace", 48, stop=(stop,)), Stage("answer", 2))
     )

@@ -8,7 +8,7 @@ be compared number for number. Anything beyond the paper lives under `extra`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -354,23 +354,28 @@ def _fraction(payload: Json) -> str:
     return f"{payload['count']}/{payload['n']}"
 
 
+def matrix_blocks(claims: Json) -> Iterator[tuple[MatrixDesign, str, Json]]:
+    """Every (design, precision, per-precision block) of the matrix sections in claims."""
+    for design in MATRIX_DESIGNS:
+        for precision, block in claims.get(design.section, {}).items():
+            if isinstance(block, dict) and "rows" in block:
+                yield design, precision, block
+
+
 def summary_lines(claims: Json) -> list[str]:
     """One plain line per section with its headline numbers."""
     lines = []
-    for design in MATRIX_DESIGNS:
-        for precision, block in claims.get(design.section, {}).items():
-            if not isinstance(block, dict) or "rows" not in block:
-                continue
-            low, high = block["accuracy_paired_bootstrap_95_ci_pp"]
-            lines.append(
-                f"{design.section} {precision}: suffixes differ"
-                f" {_fraction(block['suffix_disagreement'])}, answers"
-                f" {_fraction(block['answer_disagreement'])}, correctness labels"
-                f" {_fraction(block['correctness_label_disagreement'])}; accuracy"
-                f" {block[design.left + '_correct']} vs {block['prefill_correct']}"
-                f" ({block['accuracy_delta_prefill_minus_left_pp']:+.1f} pp,"
-                f" 95% CI [{low:+.1f}, {high:+.1f}])"
-            )
+    for design, precision, block in matrix_blocks(claims):
+        low, high = block["accuracy_paired_bootstrap_95_ci_pp"]
+        lines.append(
+            f"{design.section} {precision}: suffixes differ"
+            f" {_fraction(block['suffix_disagreement'])}, answers"
+            f" {_fraction(block['answer_disagreement'])}, correctness labels"
+            f" {_fraction(block['correctness_label_disagreement'])}; accuracy"
+            f" {block[design.left + '_correct']} vs {block['prefill_correct']}"
+            f" ({block['accuracy_delta_prefill_minus_left_pp']:+.1f} pp,"
+            f" 95% CI [{low:+.1f}, {high:+.1f}])"
+        )
     if bridge := claims.get("prospective_bridge"):
         lines.append(
             f"prospective_bridge: {bridge['live_teacher_suffix_exact_rows']}/{bridge['rows']}"

@@ -112,11 +112,16 @@ class Clock:
 
 
 class Worker:
-    """Loads each precision's model once and runs units."""
+    """Loads each precision's model once and runs units.
 
-    def __init__(self, config: RunConfig, name: str = "local"):
+    ``device_map="auto"`` (set by the Ray engine for a worker with several GPUs) spreads
+    a model too large for one GPU over all of them.
+    """
+
+    def __init__(self, config: RunConfig, name: str = "local", device_map: str | None = None):
         self.config = config
         self.name = name
+        self.device_map = device_map
         self._models: dict[str, LoadedModel] = {}
 
     def model(self, dtype: str) -> LoadedModel:
@@ -127,6 +132,7 @@ class Worker:
                 self.config.device,
                 self.config.attn_implementation,
                 self.config.trust_remote_code,
+                self.device_map,
             )
             if lm.model_digest != self.config.model_digest:
                 raise KvreplayError(
