@@ -14,7 +14,15 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import os
+
 import pytest
+import torch
+
+# Tiny models run fastest on one thread, and on a shared machine OpenMP spin-waits make
+# more threads far slower; subprocesses started by tests inherit the setting.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -45,10 +53,18 @@ def _point_user_paths(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """User paths for session-scoped fixtures (they are set up before any test's own)."""
+    """User paths for session-scoped fixtures (they are set up before any test's own).
+
+    Tiny models run on one intra-op thread: they gain nothing from more, and on a busy
+    machine spinning worker threads made the suite many times slower. Real-model tests
+    restore the default with ``helpers.default_threads()``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as monkeypatch:
         _point_user_paths(monkeypatch, tmp_path_factory.mktemp("user-session"))
         yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

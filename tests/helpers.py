@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from kvreplay import BoundaryState, LoadedModel, Prefix, StagePlan, encode_prompt, live
@@ -26,6 +29,7 @@ SHORT = StagePlan(
         Stage("answer", max_new_tokens=3, opener="\nA:"),
     ),
 )
+DEFAULT_THREADS = torch.get_num_threads()  # read at collection, before conftest sets 1
 INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 PROMPTS = (
     "Compute 3 + 4 * 5 step by step.",
@@ -65,3 +69,14 @@ def state_equal(a: BoundaryState, b: BoundaryState) -> bool:
     """Same prefix, bit-equal cache and bit-equal boundary logits."""
     assert a.logits is not None and b.logits is not None
     return a.token_ids == b.token_ids and cache_equal(a, b) and bit_equal(a.logits, b.logits)
+
+
+@contextmanager
+def default_threads() -> Iterator[None]:
+    """Run with torch's default intra-op thread count, as a user's run would."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(DEFAULT_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

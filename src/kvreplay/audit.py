@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import EXPERIMENTS
-from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.experiments.base import RunConfig, Unit, csv_file
 from kvreplay.items import Item, load_jsonl
 from kvreplay.ledger import (
     ITEMS,
@@ -64,9 +64,9 @@ def check_csvs(ledger: RunLedger, records: list[Record]) -> list[str]:
             continue
         rows = [r for r in records if r.experiment == name]
         expected = render_csv(experiment.columns, experiment.csv_rows(rows))
-        path = ledger.run_dir / experiment.csv_name
+        path = ledger.run_dir / csv_file(experiment, ledger.manifest["experiments"][name]["config"])
         if not path.exists():
-            problems.append(f"{experiment.csv_name}: missing although {name} has rows")
+            problems.append(f"{path.name}: missing although {name} has rows")
             continue
         actual = path.read_text(encoding="utf-8")
         if actual == expected:
@@ -74,18 +74,16 @@ def check_csvs(ledger: RunLedger, records: list[Record]) -> list[str]:
         want = list(csv.DictReader(io.StringIO(expected)))
         have = list(csv.DictReader(io.StringIO(actual)))
         if len(want) != len(have):
-            problems.append(
-                f"{experiment.csv_name}: {len(have)} rows, rows.jsonl derives {len(want)}"
-            )
+            problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
         for a, b in zip(want, have, strict=False):
             for column in experiment.columns:
                 if a.get(column) != b.get(column):
                     problems.append(
-                        f"{experiment.csv_name} row {a.get('row_id')} ({a.get('precision', '')})"
+                        f"{path.name} row {a.get('row_id')} ({a.get('precision', '')})"
                         f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
                     )
-        if not problems or not problems[-1].startswith(experiment.csv_name):
-            problems.append(f"{experiment.csv_name}: differs from the CSV derived from rows.jsonl")
+        if not problems or not problems[-1].startswith(path.name):
+            problems.append(f"{path.name}: differs from the CSV derived from rows.jsonl")
     return problems
 
 
@@ -140,14 +138,22 @@ def audit(
     workers: int = 1,
     gpus_per_worker: float = 0.0,
     ray_address: str | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> AuditResult:
-    """Verify a run; see the module docstring. Bad input raises KvreplayError."""
+    """Verify a run; see the module docstring. Bad input raises KvreplayError.
+
+    ``announce`` hears, before any re-execution starts, which recorded environment
+    fields differ from this machine's (a different torch or thread count may change bf16
+    results, so a mismatch that follows is then no surprise).
+    """
     ledger = RunLedger.open_existing(run_dir)
     result = AuditResult(run_dir)
     contract = ledger.manifest["contract"]
     result.environment_diff = diff_fields(
         contract["environment"], environment(contract["run"]["device"])
     )
+    if result.environment_diff and announce is not None:
+        announce(environment_note(result.environment_diff))
     raw = ledger.rows_path.read_bytes() if ledger.rows_path.exists() else b""
     if raw and not raw.endswith(b"\n"):
         result.problems.append("rows.jsonl: the last line is torn (an interrupted append)")
@@ -190,10 +196,14 @@ def audit(
     return result
 
 
+def environment_note(fields: list[str]) -> str:
+    return "environment differs from the run's in: " + ", ".join(fields)
+
+
 def format_audit(result: AuditResult) -> str:
     lines = [f"audit of {result.run_dir}"]
     if result.environment_diff:
-        lines.append("environment differs from the run's in: " + ", ".join(result.environment_diff))
+        lines.append(environment_note(result.environment_diff))
     lines.append(f"rows in ledger: {result.rows_total}; re-executed: {result.rows_reexecuted}")
     if result.passed:
         lines.append("PASS: every re-executed row, hash, fingerprint and derived CSV matches")
@@ -201,7 +211,3 @@ def format_audit(result: AuditResult) -> str:
         lines.append(f"FAIL: {len(result.problems)} mismatch(es)")
         lines += [f"  - {p}" for p in result.problems]
     return "\n".join(lines)
-
-
-def load_json(path: Path) -> Any:
-    return json.loads(path.read_text())

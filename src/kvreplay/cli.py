@@ -69,6 +69,33 @@ def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+PANEL_OPTIONS = ("panel", "alias", "name", "divergent", "controls", "panel_seed", "both_directions")
+
+
+def panel_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Options of ``transplant`` and ``localize``; they reach the run as ``extra``."""
+    options = [
+        click.option("--panel", type=click.Choice(["stratified", "blind"]), default=None,
+                     help="transplant: a prior run's divergent rows plus exact controls "
+                          "(stratified, default) or an outcome-blind length spread (blind)."),
+        click.option("--alias", default=None, help="transplant: checkpoint alias (e.g. C0)."),
+        click.option("--name", default=None,
+                     help="transplant: ledger kv_transplant_<name>.csv "
+                          "(default primary for stratified, later for blind)."),
+        click.option("--divergent", type=click.IntRange(min=0), default=None,
+                     help="Divergent rows to take from --from (transplant 24, localize all)."),
+        click.option("--controls", type=click.IntRange(min=0), default=None,
+                     help="transplant: exact control rows to take from --from (default 8)."),
+        click.option("--panel-seed", type=int, default=None,
+                     help="Seed that orders equal-length rows in a panel (default 0)."),
+        click.option("--both-directions", is_flag=True, default=False,
+                     help="localize: also probe prefill K/V into the replay state."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     from kvreplay.decode import Sampler
     from kvreplay.runner import RunRequest
@@ -108,16 +135,22 @@ def main() -> None:
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Run directory.")
 @click.option(
     "--prefix-from",
+    "--from",
+    "prefix_from",
     type=click.Path(path_type=Path),
     default=None,
-    help="Take prefixes (fixed-prefix) or historical prefixes (bridge) from this run.",
+    help="Take prefixes (fixed-prefix), historical prefixes (bridge) or the panel "
+    "(transplant, localize) from this run.",
 )
 @run_options
+@panel_options
 @plain_errors
 def run_command(experiment: str, out: Path, **kwargs: Any) -> None:
-    """Run (or resume) EXPERIMENT: matched, fixed-prefix or bridge."""
+    """Run (or resume) EXPERIMENT: matched, fixed-prefix, bridge, transplant or localize."""
     from kvreplay.runner import run
 
+    panel = {key: kwargs.pop(key) for key in PANEL_OPTIONS}
+    kwargs["extra"] = {key: value for key, value in panel.items() if value not in (None, False)}
     run(_request(experiment, out, kwargs))
     click.echo(f"Ledger: {out}")
 
@@ -148,7 +181,9 @@ def audit_command(run_dir: Path, sample: int | None, seed: int, **engine: Any) -
     """Re-execute a run's rows and verify every fingerprint, hash and derived CSV."""
     from kvreplay.audit import audit, format_audit
 
-    result = audit(run_dir, sample=sample, seed=seed, **engine)
+    result = audit(
+        run_dir, sample=sample, seed=seed, announce=lambda s: click.echo(s, err=True), **engine
+    )
     click.echo(format_audit(result))
     sys.exit(0 if result.passed else 1)
 

@@ -143,6 +143,12 @@ class Record:
             "contract": self.contract,
         }
 
+    @property
+    def row_sha256(self) -> str:
+        """SHA-256 of the row's content alone (no timing, worker or chain), so that the
+        derived CSVs of a resumed run are byte-identical to an uninterrupted run's."""
+        return sha256_json(self.data)
+
     def expected_hash(self) -> str:
         return sha256_json(self.body())
 

@@ -59,7 +59,6 @@ TRANSPLANT_RATES = (
     ("bidirectional_donor_recovery", "both ways"),
     ("exact_control_novel_trajectory", "exact control changed"),
 )
-MANIFEST_KEYS = ("model", "engine", "device", "dtype", "versions")
 PRECISION_COLOURS = {"bf16": "#c0392b", "fp32": "#2471a3"}
 
 
@@ -376,25 +375,38 @@ def _figure_transplant(claims: Json, path: Path) -> Path | None:
 
 
 def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
+    """The facts a reader needs to judge a run: model, precision contract, machine, items."""
     path = run_dir / "manifest.json"
     if not path.is_file():
         return []
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise LedgerError("manifest.json", f"it is not readable JSON ({error})") from None
-    if not isinstance(manifest, dict):
-        raise LedgerError("manifest.json", "it must hold a JSON object")
-    rows = []
-    for key in MANIFEST_KEYS:
-        value = manifest.get(key)
-        items = (
-            value.items() if isinstance(value, dict) else [("", value)] if value is not None else []
-        )
-        for sub, item in items:
-            text = item if isinstance(item, str) else json.dumps(item, sort_keys=True)
-            rows.append((f"{key}.{sub}" if sub else key, text))
-    return rows
+        contract = manifest["contract"]
+        model, env, run = contract["model_info"], contract["environment"], contract["run"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LedgerError("manifest.json", f"it is not a kvreplay run manifest ({error})") from None
+    engines = {
+        name: entry.get("engine", {}).get("engine", "?")
+        for name, entry in manifest.get("experiments", {}).items()
+    }
+    return [
+        ("model", f"{model['spec']} ({model['model_type']}, {model['num_layers']} layers)"),
+        ("model digest", model["model_digest"]),
+        ("stage plan", run["plan"]["name"] + ", boundary after " + run["plan"]["boundary_stage"]),
+        (
+            "items",
+            f"{contract['items']['source']} ({contract['items']['count']} items, "
+            f"digest {contract['items']['digest'][:16]}…)",
+        ),
+        ("device", f"{env['device']} ({env['device_name']}), {env['threads']} threads"),
+        (
+            "versions",
+            f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}",
+        ),
+        ("dtype contract", json.dumps(env["dtype_contract"], sort_keys=True)),
+        ("experiments", ", ".join(f"{k} ({v})" for k, v in engines.items())),
+        ("kvreplay", f"{manifest.get('kvreplay_version')} at {manifest.get('git_commit') or '?'}"),
+    ]
 
 
 def _load_claims(run_dir: Path, ledgers: dict[str, Ledger], out_dir: Path) -> Json:

@@ -20,8 +20,9 @@ from kvreplay import __version__
 from kvreplay.decode import Sampler, opener_ids
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
-from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.experiments.base import RunConfig, Unit, csv_file
 from kvreplay.experiments.bridge import spread_selection
+from kvreplay.experiments.transplant import PANEL_EXPERIMENTS, select_panel
 from kvreplay.items import Item, encode_prompt, items_digest, load_items
 from kvreplay.ledger import (
     ITEMS,
@@ -78,9 +79,10 @@ def _plan(request: RunRequest) -> StagePlan:
     return get_plan(request.plan)
 
 
-def _check_prompts(request: RunRequest, plan: StagePlan, items: list[Item]) -> None:
+def _check_prompts(
+    request: RunRequest, plan: StagePlan, items: list[Item], info: dict[str, Any]
+) -> None:
     """Prompts over the context window and empty openers are refused before model work."""
-    info = describe_source(request.model)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
     for item in items:
@@ -104,13 +106,20 @@ def _prefix_source(path: Path | None) -> tuple[dict[str, Record], str | None]:
     return source.by_key(), source.contract_hash
 
 
+def _check_n(request: RunRequest, items: list[Item]) -> int:
+    n = request.n if request.n is not None else _default_n(request.experiment, len(items))
+    if n < 1 or n > len(items):
+        raise KvreplayError(f"--n is {n} but the item set holds {len(items)} items.")
+    return n
+
+
 def _select(
     request: RunRequest, items: list[Item], rows: dict[str, Record]
 ) -> tuple[list[Item], dict]:
     """Which items this experiment runs; for the bridge an outcome-blind length spread."""
-    n = request.n if request.n is not None else _default_n(request.experiment, len(items))
-    if n < 1 or n > len(items):
-        raise KvreplayError(f"--n is {n} but the item set holds {len(items)} items.")
+    if request.experiment in PANEL_EXPERIMENTS:
+        return select_panel(request, items, rows)
+    n = _check_n(request, items)
     if request.experiment != "bridge":
         return items[:n], {"rule": "first_n", "n": n}
     dtype = request.extra.get("bridge_dtype", request.dtypes[0])
@@ -119,7 +128,7 @@ def _select(
         for key, r in rows.items()
         if key.startswith("matched/") and key.endswith(f"/{dtype}") and r.data["status"] == "ok"
     }
-    if known:
+    if len(known) >= n:  # prefix lengths of earlier rows are not outcomes: still blind
         lengths, basis = [(length, item_id) for item_id, length in known.items()], "matched_prefix"
     else:
         tokenizer = load_tokenizer(request.model, request.trust_remote_code)
@@ -152,8 +161,9 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
     get_extractor(request.extractor)
     get_experiment(request.experiment)
     items = load_items(request.items)
-    _check_prompts(request, plan, items)
+    _check_n(request, items)
     info = describe_source(request.model)
+    _check_prompts(request, plan, items, info)
     config = RunConfig(
         model=request.model,
         model_digest=info["model_digest"],
@@ -180,6 +190,8 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
         "command": request.command,
         "snapshots": "saved" if request.save_snapshots else "fingerprints only",
     }
+    if request.experiment in PANEL_EXPERIMENTS:  # a bad panel is refused before any write
+        select_panel(request, items, _prefix_source(request.prefix_from)[0])
     ledger = RunLedger(request.out)
     ledger.start(contract, header)
     items_path = request.out / ITEMS
@@ -218,7 +230,10 @@ def run(request: RunRequest, quiet: bool = False) -> dict[str, Any]:
         engine.close()
     rows = ledger.rows(experiment.name)
     csv_text = render_csv(experiment.columns, experiment.csv_rows(rows))
-    write_text_atomic(request.out / experiment.csv_name, csv_text)
+    csv_name = csv_file(experiment, ledger.manifest["experiments"][experiment.name]["config"])
+    write_text_atomic(request.out / csv_name, csv_text)
+    if hasattr(experiment, "write_figures"):
+        experiment.write_figures(request.out, rows)
     summary = summarize(experiment.name, rows)
     if not quiet:
         print(format_summary(summary))
@@ -289,7 +304,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     header = (
         f"{'precision':<9} {'rows':>4} {'unreached':>9} {'suffix≠':>7} {'answer≠':>7} "
         f"{'flips':>5} {'replicas ok':>11} {left + ' acc':>9} {right + ' acc':>11} "
-        f"{'s/row':>6} {'harness':>7}"
+        f"{'unparsed':>8} {'s/row':>6} {'harness':>7}"
     )
     lines = [f"{name}: {left} vs {right}", header]
     for precision, e in summary["precisions"].items():
@@ -300,6 +315,6 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{precision:<9} {e['rows']:>4} {e['unreached']:>9} {e['suffix_differs']:>7} "
             f"{e['answer_differs']:>7} {e['label_flips']:>5} {e['replicas_exact']:>5}/{ok:<5} "
             f"{e['left_correct']:>4}/{ok:<4} {e['right_correct']:>6}/{ok:<4} "
-            f"{per_row:>6.1f} {harness:>6.1%}"
+            f"{e['unparsed_answers']:>8} {per_row:>6.1f} {harness:>6.1%}"
         )
     return "\n".join(lines)

@@ -112,10 +112,29 @@ def synthetic_run(tmp_path: Path) -> Path:
     _write(run / FIXED_FILE, _matrix_rows(FIXED_FILE, "incremental", rng))
     _write(run / "kv_transplant_demo.csv", _transplant_rows())
     manifest = {
-        "model": {"id": "tiny-test-model", "sha256": token_hash([1])},
-        "device": "cpu",
-        "engine": "local",
-        "versions": {"torch": "2.13.0", "kvreplay": "0.1.0"},
+        "format": "kvreplay-run-v1",
+        "kvreplay_version": "0.1.0",
+        "git_commit": None,
+        "contract": {
+            "model_info": {
+                "spec": "tiny-test-model",
+                "model_type": "qwen2",
+                "num_layers": 3,
+                "model_digest": token_hash([1]),
+            },
+            "environment": {
+                "device": "cpu",
+                "device_name": "x86_64",
+                "threads": 2,
+                "torch": "2.13.0",
+                "transformers": "5.24.0",
+                "python": "3.11.7",
+                "dtype_contract": {"deterministic_algorithms": False},
+            },
+            "run": {"plan": {"name": "short", "boundary_stage": "think"}},
+            "items": {"source": "arith", "count": 240, "digest": "0" * 64},
+        },
+        "experiments": {"matched": {"engine": {"engine": "local"}}},
     }
     (run / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     return run
@@ -161,8 +180,8 @@ def test_report_on_synthetic_run(synthetic_run: Path) -> None:
     assert paths.html == synthetic_run / "report.html"
     assert (synthetic_run / "claims.json").is_file()
     markdown = paths.markdown.read_text(encoding="utf-8")
-    assert "| model.id | tiny-test-model |" in markdown
-    assert "| versions.torch | 2.13.0 |" in markdown
+    assert "| model | tiny-test-model (qwen2, 3 layers) |" in markdown
+    assert "| versions | torch 2.13.0, transformers 5.24.0, python 3.11.7 |" in markdown
     assert "![" in markdown and "(figures/cache_drift_by_layer.png)" in markdown
     assert "layer medians are exactly zero" in markdown
     assert "| transplant demo: donor recovered both ways | 4/4 | — |" in markdown

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import PLAN, PROMPTS, SHORT, bit_equal, reach, state_equal
+from helpers import PLAN, PROMPTS, SHORT, reach, state_equal
 
 from kvreplay import KvreplayError, build, clone, compare, continue_from, encode_prompt, live
 from kvreplay.construct import parse_construction
@@ -50,17 +50,19 @@ def test_prefill_agrees_with_live_to_fp32_rounding(tiny_lm, arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_prefill_changes_the_suffix_on_some_prompt(tiny_lm, arch: str) -> None:
-    """On this machine each arch diverges on at least one of PROMPTS (first divergence
-    indices seen: qwen2 18 and 46, llama 18, gemma3 17); replay never diverges."""
+    """Each arch diverges on at least one of PROMPTS (measured: qwen2 on the first and
+    third, llama on the third, gemma3 on the fourth; first divergence at suffix token
+    17, 18 or 46, the same with 1 or 2 threads)."""
     lm = tiny_lm(arch, "bf16")
-    diverged = []
-    for prompt in PROMPTS:
+
+    def diverges(prompt: str) -> bool:
         state, prefix = reach(lm, PLAN, prompt)
-        prefill, replay = build(lm, prefix, "prefill"), build(lm, prefix, "replay")
-        live_ids = continue_from(lm, state, PLAN).token_ids
-        assert continue_from(lm, replay, PLAN).token_ids == live_ids
-        diverged.append(continue_from(lm, prefill, PLAN).token_ids != live_ids)
-    assert any(diverged), f"no bf16 prefill suffix diverged on {arch}"
+        prefill = build(lm, prefix, "prefill")
+        return (
+            continue_from(lm, prefill, PLAN).token_ids != continue_from(lm, state, PLAN).token_ids
+        )
+
+    assert any(diverges(prompt) for prompt in PROMPTS), f"no bf16 suffix diverged on {arch}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,8 +180,10 @@ def test_rebuilding_a_prefix_longer_than_the_context_is_refused(tiny_lm) -> None
 
 def test_continuing_a_clone_leaves_the_state_reusable(tiny_lm) -> None:
     lm = tiny_lm("gemma3", "bf16")
-    state, _ = reach(lm)
+    state, prefix = reach(lm)
+    before = (state.cache_fingerprint(), state.logits_fingerprint())
     first = continue_from(lm, clone(state), SHORT)
     second = continue_from(lm, clone(state), SHORT)
     assert first.token_ids == second.token_ids
-    assert bit_equal(state.logits, clone(state).logits)
+    assert (state.cache_fingerprint(), state.logits_fingerprint()) == before
+    assert state.token_ids == prefix.token_ids

@@ -28,7 +28,8 @@ from kvreplay.models import cache_root
 MAX_RESTARTS = 3
 # A unit that was in flight on this many dying workers is taken to be their cause.
 MAX_ATTEMPTS = 3
-# How long to wait for Ray to place every worker before declaring the cluster too small.
+# How long to wait for Ray to place every worker (an autoscaling cluster may first have
+# to start nodes) before declaring the cluster too small.
 PLACEMENT_TIMEOUT_S = 600.0
 # Driver variables the workers need to find the same model files and stay offline.
 FORWARDED_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -62,8 +63,9 @@ def worker_env() -> dict[str, str]:
 class RayWorker:
     """The body of one actor: a kvreplay Worker, plus an optional crash for tests.
 
-    The actor uses the driver's CPU thread count: Ray would default it to the actor's
-    CPU share, and a CPU matmul's result can depend on how many threads split it.
+    The actor uses the driver's CPU thread count (the run's contract records it): Ray
+    would default it to one, and a CPU matmul's result can depend on how many threads
+    split it.
     ``crash_on_unit`` is a test hook: when set, the actor's process exits abruptly as it
     starts that (1-based) unit, once; the actor Ray restarts in its place runs normally.
     """
@@ -124,6 +126,10 @@ class RayEngine:
         """
         global _owned_ray, _live_engines
         _check_request(config, workers, gpus_per_worker)
+        threads = torch.get_num_threads()
+        # A CPU worker reserves a core per thread, so Ray never packs more threads than
+        # cores on a node (oversubscribed OpenMP threads spin and run many times slower).
+        cpus_per_worker = 1 if gpus_per_worker > 0 else threads
         ray = _import_ray()
         self._ray = ray
         if not ray.is_initialized():
@@ -131,7 +137,7 @@ class RayEngine:
             if address is None:
                 ray.init(
                     address="local",
-                    num_cpus=max(os.cpu_count() or 1, workers),
+                    num_cpus=max(os.cpu_count() or 1, workers * cpus_per_worker),
                     include_dashboard=False,
                 )
             else:
@@ -140,15 +146,8 @@ class RayEngine:
         _live_engines += 1
         self._closed = False
         self.address = ray.get_runtime_context().gcs_address
-        total_gpus = ray.cluster_resources().get("GPU", 0)
-        if workers * gpus_per_worker > total_gpus:
-            self.close()
-            raise KvreplayError(
-                f"{workers} workers with {gpus_per_worker:g} GPUs each need "
-                f"{workers * gpus_per_worker:g} GPUs, but the Ray cluster has {total_gpus:g}."
-            )
         actor_class = ray.remote(RayWorker).options(
-            num_cpus=1,
+            num_cpus=cpus_per_worker,
             num_gpus=gpus_per_worker,
             max_restarts=MAX_RESTARTS,
             max_task_retries=0,  # the driver re-dispatches, to whichever actor is idle
@@ -156,7 +155,6 @@ class RayEngine:
         )
         device_map = "auto" if gpus_per_worker > 1 else None
         faults = fault_injection or {}
-        threads = torch.get_num_threads()
         self.names = [f"ray-{i}" for i in range(workers)]
         self.actors = [
             actor_class.remote(config, name, device_map, threads, faults.get(name))
@@ -170,8 +168,9 @@ class RayEngine:
         except ray.exceptions.GetTimeoutError as exc:
             self.close()
             raise KvreplayError(
-                f"Ray could not place {workers} workers within {PLACEMENT_TIMEOUT_S:g} s; "
-                "check the cluster's free CPUs and GPUs."
+                f"Ray could not place {workers} workers ({cpus_per_worker} CPUs and "
+                f"{gpus_per_worker:g} GPUs each) within {PLACEMENT_TIMEOUT_S:g} s; "
+                "check the cluster's free resources."
             ) from exc
         except ray.exceptions.RayError as exc:
             self.close()
@@ -190,12 +189,12 @@ class RayEngine:
     def run(self, units: list[Unit]) -> Iterator[tuple[Unit, dict, dict, str]]:
         """Yield ``(unit, data, timing, worker name)`` in the order of ``units``."""
         ray = self._ray
-        pending = deque(range(len(units)))  # indexes not yet handed out, lowest first
+        pending = deque(range(len(units)))  # indexes to hand out, lowest first
         idle = deque(range(len(self.actors)))
-        in_flight: dict[Any, tuple[int, int]] = {}  # object ref -> (actor, unit index)
+        # object ref -> (actor, unit index, or None for a check that a dead actor is back)
+        in_flight: dict[Any, tuple[int, int | None]] = {}
         finished: dict[int, tuple[dict, dict, str]] = {}
         attempts = [0] * len(units)
-        actor_failures = [0] * len(self.actors)
         next_out = 0
         while next_out < len(units):
             while pending and idle:
@@ -203,44 +202,43 @@ class RayEngine:
                 in_flight[self.actors[actor].run.remote(units[index])] = (actor, index)
             if not in_flight:
                 raise KvreplayError("Every Ray worker died; see the Ray logs for the cause.")
-            done, _ = ray.wait(list(in_flight), num_returns=1)
-            actor, index = in_flight.pop(done[0])
+            [ref], _ = ray.wait(list(in_flight), num_returns=1)
+            actor, index = in_flight.pop(ref)
             try:
-                data, timing = ray.get(done[0])
+                result = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                self._lost(units[index], actor, exc, attempts, index)
-                actor_failures[actor] += 1
-                if actor_failures[actor] <= MAX_RESTARTS:
-                    idle.append(actor)  # Ray restarts it; calls queue until it is back
+                if index is None:
+                    _notice(f"Ray worker {self.names[actor]} is gone for good")
+                    continue
+                attempts[index] += 1
+                self._lost(units[index], self.names[actor], attempts[index], exc)
                 pending.appendleft(index)
+                # Ray restarts the actor; work sent while it restarts would fail, so it
+                # takes work again once a call that waits out the restart has answered.
+                check = self.actors[actor].device_info.options(max_task_retries=MAX_RESTARTS)
+                in_flight[check.remote()] = (actor, None)
                 continue
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, KvreplayError):
                     raise exc.cause from None
                 raise
-            idle.appendleft(actor)
-            finished[index] = (data, timing, self.names[actor])
+            idle.append(actor)
+            if index is not None:
+                finished[index] = (*result, self.names[actor])
             while next_out in finished:
                 data, timing, name = finished.pop(next_out)
                 yield units[next_out], data, timing, name
                 next_out += 1
 
-    def _lost(
-        self, unit: Unit, actor: int, exc: Exception, attempts: list[int], index: int
-    ) -> None:
-        """Count a unit lost with its worker; refuse to lose the same unit forever."""
-        attempts[index] += 1
+    def _lost(self, unit: Unit, worker: str, attempt: int, exc: Exception) -> None:
+        """Note a unit lost with its worker; refuse to lose the same unit forever."""
         self.retries += 1
-        if attempts[index] >= MAX_ATTEMPTS:
+        if attempt >= MAX_ATTEMPTS:
             raise KvreplayError(
-                f"Unit {unit.key} was lost with its Ray worker {attempts[index]} times; "
+                f"Unit {unit.key} was lost with its Ray worker {attempt} times; "
                 "it probably kills the worker (see the Ray logs)."
             ) from exc
-        print(
-            f"kvreplay: Ray worker {self.names[actor]} died running {unit.key}; "
-            "handing that unit out again",
-            file=sys.stderr,
-        )
+        _notice(f"Ray worker {worker} died running {unit.key}; handing that unit out again")
 
     def close(self) -> None:
         """Kill the actors; shut Ray down only if kvreplay started it and no engine is left."""
@@ -270,3 +268,8 @@ def _check_request(config: RunConfig, workers: int, gpus_per_worker: float) -> N
             f"--device {config.device} with --gpus-per-worker {gpus_per_worker:g} does not fit; "
             "give Ray workers GPUs exactly when the device is cuda."
         )
+
+
+def _notice(message: str) -> None:
+    """A line on stderr, like the ledger's notices: the run goes on."""
+    print(f"kvreplay: {message}", file=sys.stderr)

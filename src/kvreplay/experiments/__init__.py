@@ -6,9 +6,13 @@ from kvreplay.errors import KvreplayError
 from kvreplay.experiments.base import Experiment
 from kvreplay.experiments.bridge import Bridge
 from kvreplay.experiments.fixed_prefix import FixedPrefix
+from kvreplay.experiments.localize import Localize
 from kvreplay.experiments.matched import Matched
+from kvreplay.experiments.transplant import Transplant
 
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (Matched(), FixedPrefix(), Bridge())}
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e for e in (Matched(), FixedPrefix(), Bridge(), Transplant(), Localize())
+}
 
 
 def get_experiment(name: str) -> Experiment:

@@ -153,6 +153,7 @@ class Worker:
     def run(self, unit: Unit) -> tuple[dict[str, Any], dict[str, float]]:
         from kvreplay.experiments import get_experiment
 
+        self.model(unit.precision)  # loading is neither model nor harness time of a row
         clock = Clock()
         data = get_experiment(unit.experiment).run_unit(self, unit, clock)
         return data, clock.timing()
@@ -175,6 +176,11 @@ class Experiment(Protocol):
     def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]: ...
 
     def csv_rows(self, rows: list[Any]) -> list[dict[str, Any]]: ...
+
+
+def csv_file(experiment: Experiment, config: dict[str, Any]) -> str:
+    """The CSV an experiment derives; a transplant panel names its own in its config."""
+    return config.get("csv_name", experiment.csv_name)
 
 
 def prompt_ids(worker: Worker, lm: LoadedModel, item: Item) -> list[int]:
@@ -297,11 +303,14 @@ def replicate_and_run(
     arms: dict[str, BoundaryState],
     clock: Clock,
     reuse: dict[str, dict[str, Any]] | None = None,
+    unreplicated: dict[str, BoundaryState] | None = None,
 ) -> tuple[dict[str, dict], dict[str, dict], bool]:
     """For each named state: a checked replica, then both continued.
 
     Returns arm records (``name`` and ``name_replica``), replica gates, and whether every
     state is storage-disjoint from every other. Replicas never reuse earlier work.
+    ``unreplicated`` states (transplants) are continued without a replica but are part
+    of the storage check, so no arm can write into another through shared memory.
     """
     states: dict[str, BoundaryState] = {}
     checks: dict[str, ReplicaCheck] = {}
@@ -309,6 +318,7 @@ def replicate_and_run(
         replica, check = make_replica(state)
         states[name], states[f"{name}_replica"] = state, replica
         checks[name] = check
+    states.update(unreplicated or {})
     everything = list(states.values())
     disjoint = all(
         storage_disjoint(a, b) for i, a in enumerate(everything) for b in everything[i + 1 :]

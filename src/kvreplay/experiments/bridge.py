@@ -77,7 +77,7 @@ class Bridge:
             if historical is not None and historical.data.get("status") == "ok":
                 inputs["historical"] = {
                     "key": historical.key,
-                    "row_sha256": historical.hash,
+                    "row_sha256": historical.row_sha256,
                     "prefix_token_count": historical.data["prefix_token_count"],
                     "prefix_sha256": historical.data["prefix_sha256"],
                 }
@@ -109,6 +109,7 @@ class Bridge:
         )
         comparison = compare(live_state, teacher)
         boundary_len = max(live_state.layer_lengths())
+        functional = functional_state_equal(states)  # before run_arm advances the states
         arms = {
             "live": run_arm(worker, lm, unit, "live", live_state, clock, unit.inputs.get("reuse")),
             "teacher": run_arm(worker, lm, unit, "teacher", teacher, clock),
@@ -127,7 +128,7 @@ class Bridge:
                 "cache_exact": teacher_check.cache_exact,
                 "logits_exact": teacher_check.logits_exact,
             },
-            "functional_state_equal": functional_state_equal(states),
+            "functional_state_equal": functional,
             "all_storage_disjoint": disjoint,
             "comparison": comparison.to_dict(),
             "arms": arms,
@@ -148,7 +149,7 @@ class Bridge:
             clones = [data["live_clone"], data["teacher_clone"]]
             row = {
                 "row_id": data["item_id"],
-                "source_row_sha256": record.hash,
+                "source_row_sha256": record.row_sha256,
                 "selection_index": data["selection_index"],
                 "new_prefix_token_count": data["prefix_token_count"],
                 "new_prefix_sha256": data["prefix_sha256"],

@@ -32,6 +32,24 @@ def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | Non
     return record if record is not None and record.data.get("status") == "ok" else None
 
 
+def prefix_row(worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+    """A prefix row: copied from the source the unit carries, or generated live."""
+    base = {"item_id": unit.item.id, "precision": unit.precision, "kind": "prefix"}
+    if "prefix_token_ids" in unit.inputs:
+        return {**base, "status": "ok", **unit.inputs}
+    lm = worker.model(unit.precision)
+    with clock.model():
+        _, prefix = live(
+            lm, prompt_ids(worker, lm, unit.item), worker.config.plan, worker.config.sampler
+        )
+    return {
+        **base,
+        "status": "ok" if prefix.reached else "unreached",
+        "source": {"key": unit.key, "generated": True},
+        **prefix_record(prefix),
+    }
+
+
 class FixedPrefix:
     name = "fixed-prefix"
     csv_name = "fixed_prefix_2x2.csv"
@@ -57,7 +75,7 @@ class FixedPrefix:
                 inputs = {}
                 if source is not None:
                     inputs = {
-                        "source": {"key": source.key, "row_sha256": source.hash},
+                        "source": {"key": source.key, "row_sha256": source.row_sha256},
                         **{k: source.data[k] for k in PREFIX_FIELDS},
                     }
                 key = f"fixed-prefix/prefix/{item.id}"
@@ -82,24 +100,9 @@ class FixedPrefix:
         return units
 
     def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
-        base = {"item_id": unit.item.id, "precision": unit.precision}
         if unit.key.startswith("fixed-prefix/prefix/"):
-            if "prefix_token_ids" in unit.inputs:
-                return {**base, "kind": "prefix", "status": "ok", **unit.inputs}
-            lm = worker.model(unit.precision)
-            with clock.model():
-                _, prefix = live(
-                    lm, prompt_ids(worker, lm, unit.item), worker.config.plan, worker.config.sampler
-                )
-            status = "ok" if prefix.reached else "unreached"
-            source = {"key": unit.key, "generated": True}
-            return {
-                **base,
-                "kind": "prefix",
-                "status": status,
-                "source": source,
-                **prefix_record(prefix),
-            }
+            return prefix_row(worker, unit, clock)
+        base = {"item_id": unit.item.id, "precision": unit.precision}
         return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, left="replay")}
 
     def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
@@ -109,6 +112,6 @@ class FixedPrefix:
             if record.data.get("kind") != "matrix" or record.data["status"] != "ok":
                 continue
             prefix_row = by_key[f"fixed-prefix/prefix/{record.data['item_id']}"]
-            source = record.data["source"].get("row_sha256") or prefix_row.hash
+            source = record.data["source"].get("row_sha256") or prefix_row.row_sha256
             out.append(matrix_csv_row(record, "incremental", source))
         return out

@@ -34,4 +34,16 @@ class Matched:
         return {"item_id": unit.item.id, "precision": unit.precision, **row}
 
     def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
-        return [matrix_csv_row(r, "live") for r in rows if r.data["status"] == "ok"]
+        """Rows of items that reached the boundary at every precision.
+
+        Live generation may reach the boundary at one precision and not another; the
+        paper's ledger pairs precisions row by row, so such items stay in rows.jsonl and
+        in the run summary (as unreached) but not in the CSV.
+        """
+        precisions = {r.data["precision"] for r in rows}
+        reached: dict[str, set[str]] = {}
+        for r in rows:
+            if r.data["status"] == "ok":
+                reached.setdefault(r.data["item_id"], set()).add(r.data["precision"])
+        complete = {item for item, seen in reached.items() if seen == precisions}
+        return [matrix_csv_row(r, "live") for r in rows if r.data["item_id"] in complete]

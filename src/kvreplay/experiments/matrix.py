@@ -116,7 +116,7 @@ def matrix_csv_row(record: Record, left: str, source_sha: str | None = None) -> 
     margins = arms["left"]["suffix"]["segments"][0]["margins"]
     row: dict[str, Any] = {
         "row_id": data["item_id"],
-        "source_row_sha256": source_sha or record.hash,
+        "source_row_sha256": source_sha or record.row_sha256,
         "precision": data["precision"],
         "prefix_token_count": data["prefix_token_count"],
         "prefix_sha256": data["prefix_sha256"],

@@ -1,0 +1,362 @@
+"""``localize``: which layers, and keys or values, carry a divergent trajectory
+(``localize.csv``, ``figures/localize.png``).
+
+On each divergent row of a prior run (fixed-prefix, matched or transplant) one replay
+and one prefill state are built; the native arms are continued with replicas as in the
+matrix; then subsets of the donor's K/V (replay's, by default) are transplanted into the
+recipient (prefill) and each probe is decoded against the donor's suffix:
+
+- every single layer ``{i}``;
+- growing prefixes ``[0, k)`` and suffixes ``[k, L)`` of the layer stack;
+- keys only and values only, all layers (the full K/V transplant is ``[0, L)``);
+- a bisection for a small sufficient contiguous window, when the full transplant
+  recovers: start from ``[0, L)``; split the window at its midpoint; keep the lower half
+  if it alone recovers the donor, else the upper half if it does, else stop. The result
+  is a sufficient window neither half of which suffices on its own; the order of tries
+  is fixed, so the bisection is deterministic (at most 2·log2 L probes, most of them
+  already decoded by the sweeps and reused).
+
+A probe is decoded only while it reproduces the donor's suffix (see :func:`follow`):
+greedy decoding that has matched every earlier token is the same computation as the
+donor's until the first differing token, so recovery and the first divergence index are
+exact, and a probe that leaves the donor stops there. ``suffix_sha256`` is therefore
+the donor's suffix hash on recovering probes and empty on the others.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvreplay.construct import build
+from kvreplay.decode import Sampler, Trajectory, feed_each
+from kvreplay.experiments.base import (
+    Clock,
+    Unit,
+    Worker,
+    csv_value,
+    functional_state_equal,
+    pair_record,
+    prefix_from_inputs,
+    prefix_record,
+    replicate_and_run,
+)
+from kvreplay.experiments.transplant import prefix_inputs
+from kvreplay.items import Item
+from kvreplay.ledger import Record
+from kvreplay.models import LoadedModel
+from kvreplay.state import BoundaryState, Component, clone, compare, transplant
+
+COLUMNS = [
+    "row_id", "precision", "direction", "sweep", "layers", "layer_count", "component",
+    "recovers_donor", "first_divergence_index", "suffix_sha256",
+    "num_layers", "source_row_sha256", "boundary_argmax_equal",
+]  # fmt: skip
+# Directions: (name, donor arm, recipient arm); the first is always probed.
+DIRECTIONS = (
+    ("incremental_cache_into_prefill", "left", "prefill"),
+    ("prefill_cache_into_incremental", "prefill", "left"),
+)
+SWEEPS = ("single", "prefix", "suffix", "component", "bisect", "minimal")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One transplanted layer set and what its continuation did against the donor."""
+
+    direction: str
+    sweep: str
+    layers: tuple[int, ...]
+    component: str
+    recovers_donor: bool
+    first_divergence_index: int | None
+
+
+def follow(
+    lm: LoadedModel, state: BoundaryState, reference: Trajectory, sampler: Sampler
+) -> int | None:
+    """Continue ``state`` while it picks ``reference``'s tokens; return the index (in the
+    suffix's token stream) of the first token it picks differently, or None if none.
+
+    The first stage's opener is already in the prefix; later openers are teacher-forced,
+    as :func:`kvreplay.decode.run_stages` does. Stops depend only on the tokens, so a
+    state that matches every token would have stopped exactly where the reference did.
+    """
+    generator = sampler.generator()
+    index = 0
+    last_stage = len(reference.segments) - 1
+    for number, segment in enumerate(reference.segments):
+        if number > 0:
+            feed_each(state, lm.model, segment.opener_ids)
+        index += len(segment.opener_ids)
+        for position, token in enumerate(segment.token_ids):
+            assert state.logits is not None
+            if sampler.pick(state.logits, generator) != token:
+                return index
+            index += 1
+            if number < last_stage or position < len(segment.token_ids) - 1:
+                state.advance(lm.model, [token])
+    return None
+
+
+def layer_label(layers: Sequence[int]) -> str:
+    """``0-3``, ``5`` or ``0-2,7``: contiguous runs joined by commas."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+class Prober:
+    """Runs probes of one direction on one row, decoding each layer set only once."""
+
+    def __init__(
+        self,
+        direction: str,
+        decide: Callable[[tuple[int, ...], Component], int | None],
+    ):
+        self.direction = direction
+        self.decide = decide
+        self.seen: dict[tuple[tuple[int, ...], str], int | None] = {}
+        self.probes: list[Probe] = []
+
+    def __call__(self, sweep: str, layers: Sequence[int], component: Component = "kv") -> bool:
+        key = (tuple(layers), component)
+        if key not in self.seen:
+            self.seen[key] = self.decide(key[0], component)
+        divergence = self.seen[key]
+        self.probes.append(
+            Probe(self.direction, sweep, key[0], component, divergence is None, divergence)
+        )
+        return divergence is None
+
+
+def bisect(probe: Prober, num_layers: int) -> tuple[int, int] | None:
+    """The module docstring's deterministic bisection; None if all layers do not suffice."""
+    low, high = 0, num_layers
+    if not probe("bisect", range(low, high)):
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if probe("bisect", range(low, middle)):
+            high = middle
+        elif probe("bisect", range(middle, high)):
+            low = middle
+        else:
+            break
+    return low, high
+
+
+def sweep(probe: Prober, num_layers: int) -> None:
+    """Every probe of one direction, in a fixed order."""
+    for layer in range(num_layers):
+        probe("single", [layer])
+    for count in range(1, num_layers + 1):
+        probe("prefix", range(count))
+    for start in range(num_layers):
+        probe("suffix", range(start, num_layers))
+    for component in ("k", "v"):
+        probe("component", range(num_layers), component)
+    window = bisect(probe, num_layers)
+    if window is not None:
+        probe("minimal", range(*window))
+
+
+def _decide(
+    lm: LoadedModel,
+    sampler: Sampler,
+    clock: Clock,
+    donor: BoundaryState,
+    recipient: BoundaryState,
+    reference: Trajectory,
+    layers: tuple[int, ...],
+    component: Component,
+) -> int | None:
+    """Transplant ``layers`` of ``component`` and follow the donor's suffix."""
+    state = transplant(donor, recipient, layers, component)
+    with clock.model():
+        return follow(lm, state, reference, sampler)
+
+
+def recovery_rates(
+    rows: list[dict[str, str]],
+) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+    """(direction, sweep, component) -> [(x, recovery rate over rows)], from CSV rows.
+
+    x is the layer for ``single``, the layer count for ``prefix`` and the first layer for
+    ``suffix``; the component sweep is keyed by its component with x = 0.
+    """
+    tallies: dict[tuple[str, str, str], dict[int, list[bool]]] = {}
+    for row in rows:
+        count, total = int(row["layer_count"]), int(row["num_layers"])
+        x = {"single": int(row["layers"] or 0), "prefix": count, "suffix": total - count}.get(
+            row["sweep"], 0
+        )
+        key = (row["direction"], row["sweep"], row["component"])
+        tallies.setdefault(key, {}).setdefault(x, []).append(row["recovers_donor"] == "true")
+    return {
+        key: [(x, sum(v) / len(v)) for x, v in sorted(by_x.items())]
+        for key, by_x in tallies.items()
+    }
+
+
+def draw(rows: list[dict[str, str]], path: Path) -> Path:
+    """Four panels: single layers, growing prefixes, growing suffixes, K vs V vs both."""
+    from matplotlib.figure import Figure
+
+    rates = recovery_rates(rows)
+    directions = sorted({key[0] for key in rates})
+    figure = Figure(figsize=(16, 3.8), layout="constrained")
+    axes = figure.subplots(1, 4, sharey=True)
+    panels = (
+        ("single", "transplanted layer i alone", "layer i"),
+        ("prefix", "layers [0, k) transplanted", "k (layers from the bottom)"),
+        ("suffix", "layers [k, L) transplanted", "k (first transplanted layer)"),
+    )
+    for ax, (sweep_name, title, xlabel) in zip(axes, panels, strict=False):
+        for direction in directions:
+            points = rates.get((direction, sweep_name, "kv"), [])
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, [100 * y for y in ys], marker="o", markersize=3, label=direction)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+    width = 0.8 / max(len(directions), 1)
+    for offset, direction in enumerate(directions):
+        full = rates.get((direction, "prefix", "kv"), [])
+        values = [full[-1][1] if full else 0.0] + [
+            (rates.get((direction, "component", c)) or [(0, 0.0)])[0][1] for c in ("k", "v")
+        ]
+        positions = [i + offset * width for i in range(3)]
+        axes[3].bar(positions, [100 * v for v in values], width=width, label=direction)
+    axes[3].set_xticks([i + width * (len(directions) - 1) / 2 for i in range(3)])
+    axes[3].set_xticklabels(["K and V", "K only", "V only"])
+    axes[3].set_title("all layers, by component", fontsize=10)
+    axes[0].set_ylabel("divergent rows recovering the donor (%)")
+    axes[0].set_ylim(-5, 105)
+    if directions:
+        axes[0].legend(fontsize=8)
+    else:
+        figure.suptitle("no divergent rows: nothing to localize")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+class Localize:
+    name = "localize"
+    csv_name = "localize.csv"
+    columns = COLUMNS
+    phases = 1
+
+    def config(self, options: dict[str, Any]) -> dict[str, Any]:
+        directions = DIRECTIONS if options.get("both_directions") else DIRECTIONS[:1]
+        return {
+            "precision": options["dtypes"][0],
+            "directions": [name for name, _, _ in directions],
+            "sweeps": list(SWEEPS),
+            "selection": options["selection"],
+        }
+
+    def units(
+        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+    ) -> list[Unit]:
+        by_id = {item.id: item for item in items}
+        directions = self.config(options)["directions"]
+        precision = options["dtypes"][0]
+        units = []
+        for entry in options["selection"]["rows"]:
+            source = options["prefix_source_rows"][entry["source_key"]]
+            inputs = {
+                **prefix_inputs(source),
+                "source": {"key": source.key, "row_sha256": source.row_sha256},
+                "selection_index": entry["selection_index"],
+                "directions": directions,
+            }
+            item = by_id[entry["item_id"]]
+            units.append(
+                Unit(f"localize/{item.id}/{precision}", self.name, item, precision, inputs)
+            )
+        return units
+
+    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+        lm = worker.model(unit.precision)
+        prefix = prefix_from_inputs(unit.inputs)
+        with clock.model():
+            states = {"left": build(lm, prefix, "replay"), "prefill": build(lm, prefix, "prefill")}
+        comparison = compare(states["left"], states["prefill"])
+        functional = functional_state_equal(list(states.values()))
+        arms, replicas, disjoint = replicate_and_run(
+            worker, lm, unit, {name: clone(state) for name, state in states.items()}, clock
+        )
+        labels = pair_record(arms["left"], arms["prefill"])
+        probes: list[Probe] = []
+        if not labels["suffix_equal"]:
+            for name, donor, recipient in DIRECTIONS:
+                if name not in unit.inputs["directions"]:
+                    continue
+                decide = functools.partial(
+                    _decide,
+                    lm,
+                    worker.config.sampler,
+                    clock,
+                    states[donor],
+                    states[recipient],
+                    Trajectory.from_dict(arms[donor]["suffix"]),
+                )
+                prober = Prober(name, decide)
+                sweep(prober, lm.num_layers)
+                probes += prober.probes
+        return {
+            "item_id": unit.item.id,
+            "precision": unit.precision,
+            "status": "ok",
+            "left_construction": "replay",
+            "num_layers": lm.num_layers,
+            **prefix_record(prefix),
+            "prefix_stages": unit.inputs.get("prefix_stages", []),
+            "source": unit.inputs["source"],
+            "arms": arms,
+            "replicas": replicas,
+            "labels": labels,
+            "boundary_argmax_equal": comparison.boundary_argmax_equal,
+            "functional_state_equal": functional,
+            "all_storage_disjoint": disjoint,
+            "divergent": not labels["suffix_equal"],
+            "probes": [asdict(p) for p in probes],
+        }
+
+    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
+        out = []
+        for record in rows:
+            data = record.data
+            donors = {name: data["arms"][donor] for name, donor, _ in DIRECTIONS}
+            for probe in data["probes"]:
+                donor = donors[probe["direction"]]
+                row = {
+                    "row_id": data["item_id"],
+                    "precision": data["precision"],
+                    "direction": probe["direction"],
+                    "sweep": probe["sweep"],
+                    "layers": layer_label(probe["layers"]),
+                    "layer_count": len(probe["layers"]),
+                    "component": probe["component"],
+                    "recovers_donor": probe["recovers_donor"],
+                    "first_divergence_index": probe["first_divergence_index"],
+                    "suffix_sha256": donor["suffix_sha256"] if probe["recovers_donor"] else None,
+                    "num_layers": data["num_layers"],
+                    "source_row_sha256": data["source"]["row_sha256"],
+                    "boundary_argmax_equal": data["boundary_argmax_equal"],
+                }
+                out.append({key: csv_value(value) for key, value in row.items()})
+        return out
+
+    def write_figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
+        """Recovery rate by layer set and component, one line per direction."""
+        return [draw(self.csv_rows(rows), run_dir / "figures" / "localize.png")]
