@@ -274,7 +274,7 @@ def _names(request: RunRequest, panel: str) -> dict[str, str]:
     if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
         raise KvreplayError(f"--name {name!r} may hold only letters, digits, '_' and '-'.")
     alias = request.extra.get("alias") or Path(request.model).name
-    return {"alias": alias, "name": name, "csv_name": f"kv_transplant_{name}.csv"}
+    return {"alias": alias, "name": name}
 
 
 def holds_donor(result: BoundaryState, donor: BoundaryState) -> bool:
@@ -303,7 +303,7 @@ class Transplant:
             "precision": options["dtypes"][0],
             "prefix_dtype": options["prefix_dtype"],
             "arms": list(ARMS),
-            "csv_name": selection["csv_name"],
+            "csv_name": f"kv_transplant_{selection['name']}.csv",
             "selection": selection,
         }
 
