@@ -26,10 +26,12 @@ def main(run_dir: Path) -> None:
         model = statistics.median(t["model_s"] for t in timings)
         harness = statistics.median(t["harness_s"] for t in timings)
         total = statistics.median(t["model_s"] + t["harness_s"] for t in timings)
-        ratio = sum(t["harness_s"] for t in timings) / max(sum(t["model_s"] for t in timings), 1e-9)
+        model_total = sum(t["model_s"] for t in timings)
+        ratio = sum(t["harness_s"] for t in timings) / model_total if model_total else None
+        shown = "-" if ratio is None else f"{ratio:.1%}"
         print(
             f"{name:<22} {dtype:<5} {len(timings):>4} {total:>12.2f} {model:>8.2f} "
-            f"{harness:>9.3f} {ratio:>12.1%}"
+            f"{harness:>9.3f} {shown:>13}"
         )
 
 

@@ -150,7 +150,7 @@ def run_command(experiment: str, out: Path, **kwargs: Any) -> None:
     from kvreplay.runner import run
 
     panel = {key: kwargs.pop(key) for key in PANEL_OPTIONS}
-    kwargs["extra"] = {key: value for key, value in panel.items() if value not in (None, False)}
+    kwargs["extra"] = {k: v for k, v in panel.items() if v is not None and v is not False}
     run(_request(experiment, out, kwargs))
     click.echo(f"Ledger: {out}")
 

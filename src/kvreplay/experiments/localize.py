@@ -69,7 +69,7 @@ class Probe:
 
     direction: str
     sweep: str
-    layers: tuple[int, ...]
+    layers: list[int]
     component: str
     recovers_donor: bool
     first_divergence_index: int | None
@@ -132,7 +132,7 @@ class Prober:
             self.seen[key] = self.decide(key[0], component)
         divergence = self.seen[key]
         self.probes.append(
-            Probe(self.direction, sweep, key[0], component, divergence is None, divergence)
+            Probe(self.direction, sweep, list(key[0]), component, divergence is None, divergence)
         )
         return divergence is None
 
@@ -184,6 +184,14 @@ def _decide(
         return follow(lm, state, reference, sampler)
 
 
+def _position(sweep_name: str, layers: str, count: int, total: int) -> int:
+    if sweep_name == "single":
+        return int(layers)
+    if sweep_name == "prefix":
+        return count
+    return total - count if sweep_name == "suffix" else 0
+
+
 def recovery_rates(
     rows: list[dict[str, str]],
 ) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
@@ -194,10 +202,7 @@ def recovery_rates(
     """
     tallies: dict[tuple[str, str, str], dict[int, list[bool]]] = {}
     for row in rows:
-        count, total = int(row["layer_count"]), int(row["num_layers"])
-        x = {"single": int(row["layers"] or 0), "prefix": count, "suffix": total - count}.get(
-            row["sweep"], 0
-        )
+        x = _position(row["sweep"], row["layers"], int(row["layer_count"]), int(row["num_layers"]))
         key = (row["direction"], row["sweep"], row["component"])
         tallies.setdefault(key, {}).setdefault(x, []).append(row["recovers_donor"] == "true")
     return {
@@ -209,6 +214,7 @@ def recovery_rates(
 def draw(rows: list[dict[str, str]], path: Path) -> Path:
     """Four panels: single layers, growing prefixes, growing suffixes, K vs V vs both."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     rates = recovery_rates(rows)
     directions = sorted({key[0] for key in rates})
@@ -227,6 +233,7 @@ def draw(rows: list[dict[str, str]], path: Path) -> Path:
                 ax.plot(xs, [100 * y for y in ys], marker="o", markersize=3, label=direction)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     width = 0.8 / max(len(directions), 1)
     for offset, direction in enumerate(directions):
         full = rates.get((direction, "prefix", "kv"), [])
