@@ -10,11 +10,10 @@ GGUF conversion runs once per machine.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import os
 
 import pytest
 import torch

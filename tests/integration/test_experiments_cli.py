@@ -320,7 +320,10 @@ def test_fixed_prefix_reuses_matched_prefixes(shared: Path) -> None:
     for item_id, _, _ in PROMPTS[:N]:
         matched = by_key[f"matched/{item_id}/bf16"]
         prefix = by_key[f"fixed-prefix/prefix/{item_id}"]["data"]
-        assert prefix["source"] == {"key": matched["key"], "row_sha256": matched["hash"]}
+        assert prefix["source"] == {
+            "key": matched["key"],
+            "row_sha256": sha256_json(matched["data"]),
+        }
         assert prefix["prefix_token_ids"] == matched["data"]["prefix_token_ids"]
         bf16 = by_key[f"fixed-prefix/{item_id}/bf16"]["data"]
         assert bf16["arms"]["prefill"]["reused_from"] == matched["key"]
@@ -332,7 +335,8 @@ def test_fixed_prefix_reuses_matched_prefixes(shared: Path) -> None:
             assert arms["left"]["construction"] == "replay"
     _, table = read_csv(shared / "fixed_prefix_2x2.csv")
     for row in table:  # the CSV's source row is the matched row the prefix came from
-        assert row["source_row_sha256"] == by_key[f"matched/{row['row_id']}/bf16"]["hash"]
+        source = by_key[f"matched/{row['row_id']}/bf16"]
+        assert row["source_row_sha256"] == sha256_json(source["data"])
 
 
 def test_fixed_prefix_reuse_gives_the_same_results_as_a_fresh_run(
