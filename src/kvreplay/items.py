@@ -146,14 +146,17 @@ def _parse_item(data: Any, path: Path, line: int) -> Item:
         raise _fail(path, line, "each line must be a JSON object")
     if not isinstance(data.get("id"), str) or not data["id"]:
         raise _fail(path, line, "missing field 'id' (a non-empty string)")
-    if "answer" not in data or not isinstance(data["answer"], str | int):
+    answer = data.get("answer")
+    if not isinstance(answer, str | int) or isinstance(answer, bool):
         raise _fail(path, line, "missing field 'answer' (a string or integer)")
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise _fail(path, line, "'meta' must be an object")
     if "prefix_token_ids" in data:
         ids, count = data["prefix_token_ids"], data.get("prompt_token_count")
-        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+        valid = isinstance(ids, list) and bool(ids)
+        valid = valid and all(type(t) is int and t >= 0 for t in ids)
+        if not valid:
             raise _fail(path, line, "'prefix_token_ids' must be a non-empty list of token ids")
         if not (isinstance(count, int) and 0 < count <= len(ids)):
             raise _fail(path, line, "'prompt_token_count' must be an integer in [1, len(prefix)]")

@@ -109,6 +109,20 @@ class BoundaryState:
         return fingerprint_tensors([("logits", self.logits)])
 
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: same dtype, shape and bytes (so -0.0 differs from 0.0 and a
+    NaN equals itself), which is what "exact" means in every gate and fingerprint."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        as_int = _SAME_WIDTH_INT[a.element_size()]
+        return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+    return torch.equal(a, b)
+
+
 def _storages(state: BoundaryState) -> set[int]:
     tensors = [t for pair in state.layer_tensors() for t in pair]
     if state.logits is not None:
@@ -149,11 +163,11 @@ def make_replica(state: BoundaryState) -> tuple[BoundaryState, ReplicaCheck]:
     """Clone ``state`` and check the clone: bit-equal and no shared storage."""
     replica = clone(state)
     cache_exact = replica.layer_lengths() == state.layer_lengths() and all(
-        torch.equal(a, b)
+        bit_equal(a, b)
         for pa, pb in zip(state.layer_tensors(), replica.layer_tensors(), strict=True)
         for a, b in zip(pa, pb, strict=True)
     )
-    logits_exact = state.logits is not None and torch.equal(state.logits, replica.logits)
+    logits_exact = state.logits is not None and bit_equal(state.logits, replica.logits)
     return replica, ReplicaCheck(cache_exact, logits_exact, storage_disjoint(state, replica))
 
 
@@ -172,7 +186,7 @@ class DiffStats:
     def add(self, left: torch.Tensor, right: torch.Tensor) -> None:
         a, b = left.detach().double(), right.detach().double()
         delta = a - b
-        self.exact = self.exact and torch.equal(left, right)
+        self.exact = self.exact and bit_equal(left, right)
         self.count += delta.numel()
         if delta.numel():
             self.max_abs = max(self.max_abs, float(delta.abs().max()))
@@ -241,6 +255,10 @@ def check_same_prefix(a: BoundaryState, b: BoundaryState) -> None:
     shapes_b = [(k.shape, v.shape) for k, v in b.layer_tensors()]
     if shapes_a != shapes_b:
         raise KvreplayError("The two boundary states have caches of different shapes.")
+    dtypes_a = {t.dtype for pair in a.layer_tensors() for t in pair}
+    dtypes_b = {t.dtype for pair in b.layer_tensors() for t in pair}
+    if dtypes_a != dtypes_b:
+        raise KvreplayError("The two boundary states hold caches of different dtypes.")
 
 
 def compare(left: BoundaryState, right: BoundaryState) -> Comparison:
@@ -351,6 +369,7 @@ def save_state(state: BoundaryState, path: Path, extra: dict[str, str] | None = 
     tensors["token_ids"] = torch.tensor(state.token_ids, dtype=torch.long)
     metadata = {
         "format": STATE_FORMAT,
+        "layer_kinds": json.dumps(layer_kinds(state.cache)),
         "construction": info.construction,
         "layer_lengths": json.dumps(info.layer_lengths),
         "cache_fingerprint": info.cache_fingerprint,
@@ -382,6 +401,14 @@ def read_state_metadata(path: Path) -> SavedState:
     )
 
 
+def layer_kinds(cache: DynamicCache) -> list[str]:
+    """Each layer's cache class and window: what a snapshot must match to load."""
+    return [
+        f"{type(layer).__name__}:{getattr(layer, 'sliding_window', 0) or 0}"
+        for layer in cache.layers
+    ]
+
+
 @torch.inference_mode()
 def load_state(path: Path, model: Any) -> BoundaryState:
     """Rebuild a state saved by :func:`save_state` into a cache laid out for ``model``."""
@@ -393,11 +420,22 @@ def load_state(path: Path, model: Any) -> BoundaryState:
             f"The snapshot {path} has {len(info.layer_lengths)} layers "
             f"but the model has {len(layers)}."
         )
+    with safe_open(str(path), framework="pt") as handle:
+        saved_kinds = json.loads((handle.metadata() or {}).get("layer_kinds", "null"))
+    if saved_kinds != layer_kinds(state.cache):
+        raise KvreplayError(
+            f"The snapshot {path} was saved from a model with another cache layout."
+        )
     device = model.device
     with safe_open(str(path), framework="pt", device=str(device)) as handle:
         for i, layer in enumerate(layers):
             keys = handle.get_tensor(f"layers.{i}.keys")
             values = handle.get_tensor(f"layers.{i}.values")
+            if keys.dtype != model.dtype:
+                raise KvreplayError(
+                    f"The snapshot {path} holds a {keys.dtype} cache but the model runs in "
+                    f"{model.dtype}."
+                )
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
             if hasattr(layer, "cumulative_length"):
