@@ -30,6 +30,7 @@ from kvreplay.ledger import (
     RunLedger,
     environment,
     git_commit,
+    parse_rows,
     render_csv,
     write_text_atomic,
 )
@@ -99,11 +100,14 @@ def _check_prompts(
 
 
 def _prefix_source(path: Path | None) -> tuple[dict[str, Record], str | None]:
+    """Rows of another run, read without touching it (it may still be running)."""
     if path is None:
         return {}, None
     source = RunLedger.open_existing(path)
-    source.recover()
-    return source.by_key(), source.contract_hash
+    records, problems = parse_rows(source.rows_path, source.contract_hash)
+    if problems:
+        raise KvreplayError(f"The run {path} has a damaged ledger ({problems[0]}).")
+    return {r.key: r for r in records}, source.contract_hash
 
 
 def _check_n(request: RunRequest, items: list[Item]) -> int:
