@@ -32,6 +32,22 @@ def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | Non
     return record if record is not None and record.data.get("status") == "ok" else None
 
 
+def prefix_inputs(record: Record) -> dict[str, Any]:
+    """The recorded prefix of a row, as a later unit's inputs."""
+    return {k: record.data[k] for k in PREFIX_FIELDS}
+
+
+def prefix_unit(key: str, experiment: str, item: Item, dtype: str, source: Record | None) -> Unit:
+    """A phase-0 unit that copies ``source``'s prefix, or generates one live when None."""
+    inputs: dict[str, Any] = {}
+    if source is not None:
+        inputs = {
+            "source": {"key": source.key, "row_sha256": source.row_sha256},
+            **prefix_inputs(source),
+        }
+    return Unit(key, experiment, item, dtype, inputs)
+
+
 def prefix_row(worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
     """A prefix row: copied from the source the unit carries, or generated live."""
     base = {"item_id": unit.item.id, "precision": unit.precision, "kind": "prefix"}
@@ -69,17 +85,17 @@ class FixedPrefix:
     ) -> list[Unit]:
         if phase == 0:
             sources = {**options.get("prefix_source_rows", {}), **rows}
-            units = []
-            for item in items:
-                source = _source_for(item, options["prefix_dtype"], sources)
-                inputs = {}
-                if source is not None:
-                    inputs = {
-                        "source": {"key": source.key, "row_sha256": source.row_sha256},
-                        **{k: source.data[k] for k in PREFIX_FIELDS},
-                    }
-                key = f"fixed-prefix/prefix/{item.id}"
-                units.append(Unit(key, self.name, item, options["prefix_dtype"], inputs))
+            dtype = options["prefix_dtype"]
+            units = [
+                prefix_unit(
+                    f"fixed-prefix/prefix/{item.id}",
+                    self.name,
+                    item,
+                    dtype,
+                    _source_for(item, dtype, sources),
+                )
+                for item in items
+            ]
             return units
         units = []
         for dtype in options["dtypes"]:
@@ -87,7 +103,7 @@ class FixedPrefix:
                 prefix = rows[f"fixed-prefix/prefix/{item.id}"]
                 if prefix.data["status"] != "ok":
                     continue
-                inputs = {k: prefix.data[k] for k in PREFIX_FIELDS}
+                inputs = prefix_inputs(prefix)
                 inputs["source"] = prefix.data["source"]
                 matched = rows.get(f"matched/{item.id}/{dtype}")
                 if matched is not None and matched.data.get("status") == "ok":

@@ -44,7 +44,7 @@ from kvreplay.experiments.base import (
     prefix_record,
     replicate_and_run,
 )
-from kvreplay.experiments.transplant import prefix_inputs
+from kvreplay.experiments.fixed_prefix import prefix_inputs
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel

@@ -43,7 +43,7 @@ from kvreplay.experiments.base import (
     replicate_and_run,
 )
 from kvreplay.experiments.bridge import spread_selection
-from kvreplay.experiments.fixed_prefix import PREFIX_FIELDS, prefix_row
+from kvreplay.experiments.fixed_prefix import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.items import Item, encode_prompt, items_digest
 from kvreplay.ledger import Record, RunLedger
 from kvreplay.models import describe_source, load_tokenizer
@@ -286,11 +286,6 @@ def holds_donor(result: BoundaryState, donor: BoundaryState) -> bool:
     )
 
 
-def prefix_inputs(record: Record) -> dict[str, Any]:
-    """The recorded prefix of a row, as a later unit's inputs."""
-    return {k: record.data[k] for k in PREFIX_FIELDS}
-
-
 class Transplant:
     name = "transplant"
     csv_name = "kv_transplant_primary.csv"  # the default; a run's own is in its config
@@ -317,14 +312,8 @@ class Transplant:
             item = by_id[entry["item_id"]]
             if phase == 0:
                 source = options["prefix_source_rows"].get(entry["source_key"])
-                inputs = {}
-                if source is not None:
-                    inputs = {
-                        "source": {"key": source.key, "row_sha256": source.row_sha256},
-                        **prefix_inputs(source),
-                    }
                 key = f"transplant/prefix/{item.id}"
-                units.append(Unit(key, self.name, item, options["prefix_dtype"], inputs))
+                units.append(prefix_unit(key, self.name, item, options["prefix_dtype"], source))
                 continue
             prefix = rows[f"transplant/prefix/{item.id}"]
             if prefix.data["status"] != "ok":
