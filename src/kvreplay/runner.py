@@ -304,7 +304,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     """A short terminal table."""
     name = summary["experiment"]
     right = "replay" if name == "bridge" else "prefill"
-    left = {"matched": "live", "fixed-prefix": "replay", "bridge": "live"}.get(name, "left")
+    left = "live" if name in ("matched", "bridge") else "replay"
     header = (
         f"{'precision':<9} {'rows':>4} {'unreached':>9} {'suffix≠':>7} {'answer≠':>7} "
         f"{'flips':>5} {'replicas ok':>11} {left + ' acc':>9} {right + ' acc':>11} "
