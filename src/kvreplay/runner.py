@@ -66,6 +66,9 @@ class RunRequest:
     extra: dict[str, Any] = field(default_factory=dict)  # experiment-specific options
 
 
+LIVE_EXPERIMENTS = ("matched", "bridge")  # these need a prompt to generate from
+
+
 def _default_n(experiment: str, total: int) -> int:
     return min(12, total) if experiment == "bridge" else total
 
@@ -165,7 +168,15 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
     get_extractor(request.extractor)
     get_experiment(request.experiment)
     items = load_items(request.items)
-    _check_n(request, items)
+    n = _check_n(request, items)
+    if request.experiment in LIVE_EXPERIMENTS:
+        pool = items if request.experiment == "bridge" else items[:n]
+        missing = [i.id for i in pool if i.prompt is None]
+        if missing:
+            raise KvreplayError(
+                f"{request.experiment} generates live from a prompt, but item {missing[0]} "
+                "has only a recorded prefix; use fixed-prefix or transplant for trajectories."
+            )
     info = describe_source(request.model)
     _check_prompts(request, plan, items, info)
     config = RunConfig(

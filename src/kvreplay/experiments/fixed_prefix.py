@@ -14,6 +14,7 @@ from kvreplay.experiments.base import Clock, Unit, Worker, prefix_record, prompt
 from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
 from kvreplay.items import Item
 from kvreplay.ledger import Record
+from kvreplay.state import sha256_tokens
 
 PREFIX_FIELDS = (
     "prefix_token_ids",
@@ -37,14 +38,33 @@ def prefix_inputs(record: Record) -> dict[str, Any]:
     return {k: record.data[k] for k in PREFIX_FIELDS}
 
 
+def trajectory_inputs(item: Item) -> dict[str, Any]:
+    """The prefix of a trajectory item produced elsewhere (``prefix_token_ids``)."""
+    assert item.prefix_token_ids is not None and item.prompt_token_count is not None
+    ids = list(item.prefix_token_ids)
+    return {
+        "source": {"key": f"items.jsonl:{item.id}", "row_sha256": sha256_tokens(ids)},
+        "prefix_token_ids": ids,
+        "prompt_token_count": item.prompt_token_count,
+        "prefix_token_count": len(ids),
+        "prefix_sha256": sha256_tokens(ids),
+        "prefix_reached": True,
+        "prefix_reason": "",
+        "prefix_stages": [],
+    }
+
+
 def prefix_unit(key: str, experiment: str, item: Item, dtype: str, source: Record | None) -> Unit:
-    """A phase-0 unit that copies ``source``'s prefix, or generates one live when None."""
+    """A phase-0 unit that copies ``source``'s prefix or the item's own trajectory, or
+    generates one live when there is neither."""
     inputs: dict[str, Any] = {}
     if source is not None:
         inputs = {
             "source": {"key": source.key, "row_sha256": source.row_sha256},
             **prefix_inputs(source),
         }
+    elif item.prefix_token_ids is not None:
+        inputs = trajectory_inputs(item)
     return Unit(key, experiment, item, dtype, inputs)
 
 
