@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvreplay.engines import make_engine
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import EXPERIMENTS
 from kvreplay.experiments.base import RunConfig, Unit, csv_file
@@ -120,16 +121,6 @@ def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
     return problems
 
 
-def _engine(config: RunConfig, engine: str, workers: int, gpus: float, address: str | None):
-    if engine == "ray":
-        from kvreplay.engines.ray import RayEngine
-
-        return RayEngine(config, workers, gpus, address)
-    from kvreplay.engines.local import LocalEngine
-
-    return LocalEngine(config)
-
-
 def audit(
     run_dir: Path,
     sample: int | None = None,
@@ -182,7 +173,7 @@ def audit(
             continue
         inputs = record.data.get("inputs", {})
         units.append(Unit(record.key, record.experiment, item, record.data["precision"], inputs))
-    runner = _engine(config, engine, workers, gpus_per_worker, ray_address)
+    runner = make_engine(config, engine, workers, gpus_per_worker, ray_address)
     by_key = {r.key: r for r in chosen}
     try:
         for unit, data, _, _ in runner.run(units):

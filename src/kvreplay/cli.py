@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,21 +9,7 @@ from typing import Any
 
 import click
 
-from kvreplay.errors import KvreplayError
-
-
-def plain_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input ends in one sentence on stderr and exit code 2, never a traceback."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except KvreplayError as exc:
-            click.echo(f"kvreplay: error: {exc}", err=True)
-            sys.exit(2)
-
-    return wrapper
+from kvreplay.errors import plain_errors
 
 
 def _dtypes(value: str) -> tuple[str, ...]:

@@ -1,5 +1,12 @@
 """User-facing errors: one plain sentence, exit code 2 at the CLI."""
 
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
 
 class KvreplayError(Exception):
     """Bad input or an environment problem the user can fix; never a bug.
@@ -7,3 +14,18 @@ class KvreplayError(Exception):
     The message is a single sentence that says what is wrong and, where possible,
     what to do about it. The CLI prints it on stderr and exits with code 2.
     """
+
+
+def plain_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a CLI command: a KvreplayError ends in one sentence on stderr and exit
+    code 2, never a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except KvreplayError as exc:
+            print(f"kvreplay: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

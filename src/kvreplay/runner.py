@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from kvreplay import __version__
 from kvreplay.decode import Sampler, opener_ids
+from kvreplay.engines import make_engine
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
 from kvreplay.experiments.base import RunConfig, Unit, csv_file
@@ -147,18 +148,6 @@ def _select(
     return selected, rule
 
 
-def _engine(request: RunRequest, config: RunConfig) -> Any:
-    if request.engine == "local":
-        from kvreplay.engines.local import LocalEngine
-
-        return LocalEngine(config)
-    if request.engine == "ray":
-        from kvreplay.engines.ray import RayEngine
-
-        return RayEngine(config, request.workers, request.gpus_per_worker, request.ray_address)
-    raise KvreplayError(f"Unknown engine {request.engine!r}; choose local or ray.")
-
-
 def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], StagePlan]:
     """Validate the request and open (or resume) the run directory."""
     dtypes = tuple(parse_dtype(d) for d in request.dtypes)
@@ -235,7 +224,9 @@ def run(request: RunRequest, quiet: bool = False) -> dict[str, Any]:
         **{k: v for k, v in request.extra.items() if k not in ("prefix_dtype", "bridge_dtype")},
     }
     ledger.register_experiment(experiment.name, experiment.config(options))
-    engine = _engine(request, config)
+    engine = make_engine(
+        config, request.engine, request.workers, request.gpus_per_worker, request.ray_address
+    )
     try:
         ledger.note_experiment(experiment.name, "engine", engine.describe())
         for phase in range(experiment.phases):

@@ -46,7 +46,7 @@ def fingerprint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         flat = tensor.detach().contiguous().cpu().reshape(-1)
         header = f"{name}|{str(flat.dtype).removeprefix('torch.')}|{list(tensor.shape)}\n"
         digest.update(header.encode("ascii"))
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+        digest.update(flat.view(torch.uint8).numpy())  # hashed in place, no byte copy
     return digest.hexdigest()
 
 
@@ -186,11 +186,12 @@ class DiffStats:
     def add(self, left: torch.Tensor, right: torch.Tensor) -> None:
         a, b = left.detach().double(), right.detach().double()
         delta = a - b
+        magnitude = delta.abs()
         self.exact = self.exact and bit_equal(left, right)
         self.count += delta.numel()
         if delta.numel():
-            self.max_abs = max(self.max_abs, float(delta.abs().max()))
-        self.sum_abs += float(delta.abs().sum())
+            self.max_abs = max(self.max_abs, float(magnitude.max()))
+        self.sum_abs += float(magnitude.sum())
         self.delta_sq += float((delta * delta).sum())
         self.left_sq += float((a * a).sum())
         self.right_sq += float((b * b).sum())

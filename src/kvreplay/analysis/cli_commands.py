@@ -10,12 +10,7 @@ from pathlib import Path
 import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
-from kvreplay.errors import KvreplayError
-
-
-def _fail(message: str) -> None:
-    click.echo(f"kvreplay: error: {message}", err=True)
-    click.get_current_context().exit(2)
+from kvreplay.errors import KvreplayError, plain_errors
 
 
 @click.command()
@@ -27,20 +22,18 @@ def _fail(message: str) -> None:
     default=None,
     help="Where to write the claims JSON (default: LEDGER_DIR/claims.json).",
 )
+@plain_errors
 def analyze(ledger_dir: Path, output: Path | None) -> None:
     """Validate the CSV ledgers in LEDGER_DIR and write the paper-schema claims JSON."""
     output = output or ledger_dir / "claims.json"
+    claims = analyze_dir(ledger_dir)
     try:
-        claims = analyze_dir(ledger_dir)
         write_claims(claims, output)
-    except KvreplayError as error:
-        _fail(str(error))
     except OSError as error:
-        _fail(f"cannot write {output}: {error.strerror or error}.")
-    else:
-        for line in summary_lines(claims):
-            click.echo(line)
-        click.echo(f"wrote {output}")
+        raise KvreplayError(f"cannot write {output}: {error.strerror or error}.") from error
+    for line in summary_lines(claims):
+        click.echo(line)
+    click.echo(f"wrote {output}")
 
 
 @click.command()
@@ -52,15 +45,13 @@ def analyze(ledger_dir: Path, output: Path | None) -> None:
     default=None,
     help="Folder for report.md, report.html and figures/ (default: RUN_DIR).",
 )
+@plain_errors
 def report(run_dir: Path, out_dir: Path | None) -> None:
     """Write report.md, a self-contained report.html and figures/ for RUN_DIR."""
     from kvreplay.report import build_report  # matplotlib loads only when a report is asked for
 
     try:
         paths = build_report(run_dir, out_dir)
-    except KvreplayError as error:
-        _fail(str(error))
     except OSError as error:
-        _fail(f"cannot write the report: {error.strerror or error}.")
-    else:
-        click.echo(f"wrote {paths.html}")
+        raise KvreplayError(f"cannot write the report: {error.strerror or error}.") from error
+    click.echo(f"wrote {paths.html}")
