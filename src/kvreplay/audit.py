@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.engines import make_engine
+from kvreplay.environment import contract_scheme, environment
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import EXPERIMENTS
 from kvreplay.experiments.base import RunConfig, Unit, csv_file
@@ -23,7 +24,6 @@ from kvreplay.ledger import (
     Record,
     RunLedger,
     diff_fields,
-    environment,
     parse_rows,
     render_csv,
 )
@@ -141,7 +141,7 @@ def audit(
     result = AuditResult(run_dir)
     contract = ledger.manifest["contract"]
     result.environment_diff = diff_fields(
-        contract["environment"], environment(contract["run"]["device"])
+        contract["environment"], environment(contract["run"]["device"], contract_scheme(contract))
     )
     if result.environment_diff and announce is not None:
         announce(environment_note(result.environment_diff))

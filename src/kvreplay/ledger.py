@@ -9,11 +9,8 @@ hash, so a deleted, reordered or edited row breaks the chain where it happened.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy
-import torch
-import transformers
-
+from kvreplay.canonical import canonical, sha256_json
+from kvreplay.environment import INFORMATIONAL
 from kvreplay.errors import KvreplayError
 
 RUN_FORMAT = "kvreplay-run-v1"
@@ -32,56 +27,6 @@ GENESIS = "0" * 64
 MANIFEST = "manifest.json"
 ROWS = "rows.jsonl"
 ITEMS = "items.jsonl"
-
-
-def canonical(data: Any) -> bytes:
-    """Canonical JSON bytes: sorted keys, ASCII, no spaces (the release's convention)."""
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def sha256_json(data: Any) -> str:
-    return hashlib.sha256(canonical(data)).hexdigest()
-
-
-def git_commit() -> str | None:
-    """The kvreplay source checkout's commit, when it is one."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    return platform.processor() or platform.machine()
-
-
-def environment(device: str) -> dict[str, Any]:
-    """Library versions, device and numeric flags: each can change a bf16 result."""
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "numpy": numpy.__version__,
-        "platform": platform.platform(),
-        "device": device,
-        "device_name": device_name(device),
-        "threads": torch.get_num_threads(),
-        "dtype_contract": {
-            "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        },
-    }
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -240,6 +185,10 @@ class RunLedger:
         if self.manifest_path.exists():
             existing = RunLedger.open_existing(self.run_dir).manifest
             changed = diff_fields(existing["contract"], contract)
+            noted = [path for path in changed if path in INFORMATIONAL]
+            if noted:
+                print(f"kvreplay: resuming although {', '.join(noted)} differs", file=sys.stderr)
+            changed = [path for path in changed if path not in INFORMATIONAL]
             if changed:
                 raise KvreplayError(
                     f"{self.run_dir} holds a run with a different contract "

@@ -13,12 +13,13 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvreplay.canonical import sha256_json
 from kvreplay.errors import KvreplayError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -73,6 +74,41 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+IDENTITY_SCHEME = 2  # see ModelIdentity
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a run records about a model's files, so that a resume or an audit refuses
+    different weights, config, tokenizer, chat template or special tokens.
+
+    ``scheme`` 1 is how runs before the full identity recorded it (weights, config and
+    ``tokenizer*`` files only); it is kept so that those runs still resume and audit.
+    Scheme 2 hashes every file of the model folder (or the GGUF file) and adds the
+    tokenizer's special token ids; its digest is domain-separated from scheme 1's.
+    """
+
+    digests: dict[str, str]
+    special_token_ids: dict[str, Any]
+    scheme1_files: tuple[str, ...]
+
+    def describe(self, scheme: int = 2) -> dict[str, Any]:
+        if scheme == 1:
+            digests = {name: self.digests[name] for name in self.scheme1_files}
+            return {"digests": digests, "model_digest": sha256_json(digests)}
+        if scheme != IDENTITY_SCHEME:
+            raise KvreplayError(f"Model identity scheme {scheme} is unknown to this kvreplay.")
+        body = {"scheme": 2, "digests": self.digests, "special_token_ids": self.special_token_ids}
+        return {
+            "identity_scheme": 2,
+            "digests": dict(self.digests),
+            "special_token_ids": self.special_token_ids,
+            "model_digest": sha256_json(body),
+        }
+
+    def matches(self, model_digest: str) -> bool:
+        """True when ``model_digest`` is this model's under any scheme a run may record."""
+        return model_digest in (self.describe(1)["model_digest"], self.describe(2)["model_digest"])
 
 
 @dataclass
@@ -85,7 +121,7 @@ class LoadedModel:
     dtype_name: str
     device: str
     attn_implementation: str
-    digests: dict[str, str] = field(default_factory=dict)
+    identity: ModelIdentity
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,9 +142,8 @@ class LoadedModel:
 
     @property
     def model_digest(self) -> str:
-        """One digest over all recorded file digests: the identity of the weights as loaded."""
-        canonical = json.dumps(self.digests, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        """The identity of the files as loaded, under the current scheme."""
+        return self.identity.describe()["model_digest"]
 
     def describe(self) -> dict[str, Any]:
         text_config = self.model.config.get_text_config(decoder=True)
@@ -120,13 +155,7 @@ class LoadedModel:
             "dtype": self.dtype_name,
             "device": self.device,
             "attn_implementation": self.attn_implementation,
-            "model_digest": self.model_digest,
-            "digests": dict(self.digests),
-            "special_token_ids": {
-                "bos": self.tokenizer.bos_token_id,
-                "eos": self.tokenizer.eos_token_id,
-                "pad": self.tokenizer.pad_token_id,
-            },
+            **self.identity.describe(),
         }
 
 
@@ -147,47 +176,54 @@ def cache_root() -> Path:
 
 
 def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-_DIGESTED = ("*.safetensors", "config.json", "generation_config.json", "tokenizer*", "*.gguf")
+# Scheme 1 hashed only these; scheme 2 hashes every file but these (docs, dotfiles).
+_SCHEME1_PATTERNS = (
+    "*.safetensors",
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "*.gguf",
+)
+_NOT_MODEL_FILES = ("README*", "LICENSE*", "NOTICE*", "*.md", ".*")
 
 
 def file_digests(folder: Path, files: list[Path] | None = None) -> dict[str, str]:
-    """SHA-256 of weight, config and tokenizer files, memoised by (size, mtime).
+    """SHA-256 of every file of a model folder (or of the named files), read in full.
 
-    Hashing half a gigabyte of weights each load would cost a second; the memo lives
-    beside the files (or in the cache root for read-only folders).
+    Nothing is memoised: a digest must cover the bytes on disk now, whatever their mtime
+    says (hashing 0.5 GB costs about 0.4 s).
     """
     if files is None:
-        files = sorted({p for pattern in _DIGESTED for p in folder.glob(pattern) if p.is_file()})
-    memo_path = cache_root() / "digests.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    result: dict[str, str] = {}
-    changed = False
-    for path in files:
-        stat = path.stat()
-        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-        if key not in memo:
-            memo[key] = _sha256_file(path)
-            changed = True
-        result[path.name] = memo[key]
-    if changed:
-        try:
-            memo_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(memo, sort_keys=True))
-            tmp.replace(memo_path)
-        except OSError:
-            pass  # a read-only cache only costs re-hashing next time
-    return result
+        files = sorted(
+            p
+            for p in folder.iterdir()
+            if p.is_file() and not any(p.match(pattern) for pattern in _NOT_MODEL_FILES)
+        )
+    return {path.name: _sha256_file(path) for path in files}
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, Any]:
+    """The ids a tokenizer treats as special: they decide where stages and prompts end."""
+    return {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+        "unk": tokenizer.unk_token_id,
+        "all": sorted(int(i) for i in tokenizer.all_special_ids),
+    }
+
+
+def model_identity(source: Path, gguf_file: str | None, tokenizer: Any) -> ModelIdentity:
+    files = [source / gguf_file] if gguf_file else None
+    digests = file_digests(source, files)
+    scheme1 = tuple(
+        name for name in digests if gguf_file or any(Path(name).match(p) for p in _SCHEME1_PATTERNS)
+    )
+    return ModelIdentity(digests, special_token_ids(tokenizer), scheme1)
 
 
 def _convert_embedded(embedded: EmbeddedModel) -> Path:
@@ -268,30 +304,32 @@ def _from_hub_cache(hub_id: str) -> Path:
         ) from exc
 
 
-def describe_source(spec: str) -> dict[str, Any]:
+def describe_source(
+    spec: str, trust_remote_code: bool = False, scheme: int = IDENTITY_SCHEME
+) -> dict[str, Any]:
     """Identity of a model without loading its weights: digests and architecture.
 
-    The driver records this in the manifest's contract; every worker checks that the
-    model it loads has the same digest.
+    The driver records this in the manifest's contract (a resumed run in the identity
+    scheme it started with); every worker checks that the model it loads matches.
     """
     from transformers import AutoConfig
 
     _quiet_transformers()
     source, gguf_file = resolve_source(spec)
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
     try:
         config = AutoConfig.from_pretrained(source, **kwargs).get_text_config(decoder=True)
     except (OSError, ValueError, KeyError) as exc:
         raise KvreplayError(f"Could not read the config of model {spec!r}.") from exc
-    digests = file_digests(source, [source / gguf_file] if gguf_file else None)
-    canonical = json.dumps(digests, sort_keys=True, separators=(",", ":"))
+    tokenizer = load_tokenizer(spec, trust_remote_code)
     return {
         "spec": spec,
         "model_type": config.model_type,
         "num_layers": int(config.num_hidden_layers),
         "context_length": int(getattr(config, "max_position_embeddings", 0) or 0),
-        "digests": digests,
-        "model_digest": hashlib.sha256(canonical.encode()).hexdigest(),
+        **model_identity(source, gguf_file, tokenizer).describe(scheme),
     }
 
 
@@ -356,7 +394,6 @@ def load_model(
     if device_map is None:
         model = model.to(device=device, dtype=DTYPES[dtype])
     model = model.eval()
-    digests = file_digests(source, [source / gguf_file] if gguf_file else None)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -364,5 +401,5 @@ def load_model(
         dtype_name=dtype,
         device=device,
         attn_implementation=str(model.config._attn_implementation),
-        digests=digests,
+        identity=model_identity(source, gguf_file, tokenizer),
     )

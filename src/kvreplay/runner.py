@@ -8,6 +8,7 @@ loses no completed row (each is fsynced) and a rerun resumes where it stopped.
 from __future__ import annotations
 
 import json
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from kvreplay import __version__
 from kvreplay.decode import Sampler, opener_ids
 from kvreplay.engines import make_engine
+from kvreplay.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
 from kvreplay.experiments.base import RunConfig, Unit, csv_file
@@ -27,10 +29,9 @@ from kvreplay.experiments.transplant import PANEL_EXPERIMENTS, select_panel
 from kvreplay.items import Item, encode_prompt, items_digest, load_items
 from kvreplay.ledger import (
     ITEMS,
+    MANIFEST,
     Record,
     RunLedger,
-    environment,
-    git_commit,
     parse_rows,
     render_csv,
     write_text_atomic,
@@ -148,6 +149,13 @@ def _select(
     return selected, rule
 
 
+def _recorded_scheme(out: Path) -> int:
+    """A resumed run keeps the contract scheme it started with; a new one gets today's."""
+    if not (out / MANIFEST).exists():
+        return CONTRACT_SCHEME
+    return contract_scheme(RunLedger.open_existing(out).manifest["contract"])
+
+
 def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], StagePlan]:
     """Validate the request and open (or resume) the run directory."""
     dtypes = tuple(parse_dtype(d) for d in request.dtypes)
@@ -166,7 +174,8 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
                 f"{request.experiment} generates live from a prompt, but item {missing[0]} "
                 "has only a recorded prefix; use fixed-prefix or transplant for trajectories."
             )
-    info = describe_source(request.model)
+    scheme = _recorded_scheme(request.out)
+    info = describe_source(request.model, request.trust_remote_code, scheme)
     _check_prompts(request, plan, items, info)
     config = RunConfig(
         model=request.model,
@@ -182,12 +191,14 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
         save_snapshots=request.save_snapshots,
     )
     contract = {
+        **({"scheme": scheme} if scheme > 1 else {}),
         "run": config.contract(),
         "model_info": info,
-        "environment": environment(request.device),
+        "environment": environment(request.device, scheme),
         "items": {"source": request.items, "digest": items_digest(items), "count": len(items)},
     }
     header = {
+        "platform": platform.platform(),
         "kvreplay_version": __version__,
         "git_commit": git_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

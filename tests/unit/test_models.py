@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvreplay import KvreplayError, load_model
-from kvreplay.models import EMBEDDED, cache_root, parse_dtype
+from kvreplay.models import EMBEDDED, cache_root, describe_source, parse_dtype
 
 
 def _one_sentence(error: pytest.ExceptionInfo[KvreplayError]) -> str:
@@ -33,18 +35,71 @@ def test_tiny_model_loads_in_eval_mode_at_the_dtype(tiny_dirs, dtype: str) -> No
     assert info["special_token_ids"]["eos"] == 256
 
 
-def test_digests_are_file_sha256_and_memoised_in_the_temp_cache(
-    tiny_dirs, tmp_path_factory
-) -> None:
+def test_digests_cover_every_file_and_stay_in_the_temp_cache(tiny_dirs, tmp_path_factory) -> None:
     folder = tiny_dirs["qwen2"]
     lm = load_model(str(folder), "bf16")
+    digests = lm.identity.digests
     expected = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-    assert lm.digests["model.safetensors"] == expected
-    assert {"config.json", "tokenizer.json"} <= set(lm.digests)
+    assert digests["model.safetensors"] == expected
+    assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= set(digests)
     assert load_model(str(folder), "fp32").model_digest == lm.model_digest
-    assert (cache_root() / "digests.json").is_file()
+    assert not (cache_root() / "digests.json").exists()  # nothing is memoised
     assert cache_root() == Path(os.environ["KVREPLAY_CACHE"])
     assert cache_root().is_relative_to(tmp_path_factory.getbasetemp())  # not the user's cache
+
+
+def _copy(folder: Path, target: Path) -> Path:
+    shutil.copytree(folder, target)
+    return target
+
+
+def test_changed_bytes_with_restored_mtime_change_the_digest(tiny_dirs, tmp_path) -> None:
+    """No (size, mtime) memo: the same-size edit that keeps its mtime is still caught."""
+    folder = _copy(tiny_dirs["qwen2"], tmp_path / "m")
+    before = describe_source(str(folder))["model_digest"]
+    weights = folder / "model.safetensors"
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert describe_source(str(folder))["model_digest"] != before
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["chat_template.jinja", "special_tokens_map.json", "added_tokens.json", "merges.txt"],
+)
+def test_every_model_file_is_in_the_identity(tiny_dirs, tmp_path, change: str) -> None:
+    folder = _copy(tiny_dirs["qwen2"], tmp_path / "m")
+    before = describe_source(str(folder))
+    (folder / change).write_text("{}\n" if change.endswith(".json") else "x\n")
+    after = describe_source(str(folder))
+    assert change in after["digests"] and after["model_digest"] != before["model_digest"]
+    (folder / "README.md").write_text("docs do not change results\n")
+    assert describe_source(str(folder))["model_digest"] == after["model_digest"]
+
+
+def test_special_token_ids_are_in_the_identity(tiny_dirs) -> None:
+    info = describe_source(str(tiny_dirs["qwen2"]))
+    assert info["identity_scheme"] == 2
+    assert info["special_token_ids"]["eos"] == 256
+    assert 256 in info["special_token_ids"]["all"]
+
+
+def test_scheme_1_identity_is_what_earlier_runs_recorded(tiny_dirs, tmp_path) -> None:
+    """Runs made before scheme 2 recorded weights, config and tokenizer* files only; they
+    must still resume and audit, and a loaded model matches either recorded digest."""
+    folder = _copy(tiny_dirs["qwen2"], tmp_path / "m")
+    (folder / "chat_template.jinja").write_text("x\n")
+    old = describe_source(str(folder), scheme=1)
+    assert "identity_scheme" not in old and "chat_template.jinja" not in old["digests"]
+    canonical = json.dumps(old["digests"], sort_keys=True, separators=(",", ":"))
+    assert old["model_digest"] == hashlib.sha256(canonical.encode()).hexdigest()
+    lm = load_model(str(folder), "fp32")
+    assert lm.identity.matches(old["model_digest"])
+    assert lm.identity.matches(describe_source(str(folder))["model_digest"])
+    assert not lm.identity.matches("0" * 64)
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "float32", "BF16", ""])

@@ -134,7 +134,7 @@ class Worker:
                 self.config.trust_remote_code,
                 self.device_map,
             )
-            if lm.model_digest != self.config.model_digest:
+            if not lm.identity.matches(self.config.model_digest):
                 raise KvreplayError(
                     f"Worker {self.name} loaded model files whose digest differs from the run's."
                 )
@@ -142,7 +142,7 @@ class Worker:
         return self._models[dtype]
 
     def device_info(self) -> dict[str, str]:
-        from kvreplay.ledger import device_name
+        from kvreplay.environment import device_name
 
         return {
             "worker": self.name,

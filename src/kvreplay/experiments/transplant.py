@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.construct import build
+from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.base import (
     Clock,
@@ -154,7 +155,8 @@ def _source_contract(request: RunRequest, items: list[Item]) -> str | None:
         return None
     source = RunLedger.open_existing(request.prefix_from)
     contract = source.manifest["contract"]
-    if contract["run"]["model_digest"] != describe_source(request.model)["model_digest"]:
+    info = describe_source(request.model, request.trust_remote_code, contract_scheme(contract))
+    if contract["run"]["model_digest"] != info["model_digest"]:
         raise KvreplayError(
             f"The source run {request.prefix_from} used another model "
             f"({contract['run']['model']}); its prefixes are that model's token ids."

@@ -1,0 +1,17 @@
+"""Canonical JSON and its SHA-256: the one encoding every digest in kvreplay commits to
+(sorted keys, ASCII, no spaces; the paper release's convention)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+def canonical(data: Any) -> bytes:
+    """Canonical JSON bytes: sorted keys, ASCII, no spaces."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sha256_json(data: Any) -> str:
+    return hashlib.sha256(canonical(data)).hexdigest()
