@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvreplay.canonical import canonical, sha256_json
 from kvreplay.engines import make_engine
-from kvreplay.environment import contract_scheme, environment
+from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import EXPERIMENTS
 from kvreplay.experiments.base import RunConfig, Unit, csv_file
@@ -27,7 +29,7 @@ from kvreplay.ledger import (
     parse_rows,
     render_csv,
 )
-from kvreplay.models import file_digests
+from kvreplay.models import DTYPES, describe_source, file_digests
 from kvreplay.state import read_state_metadata
 
 # Keys that legitimately differ between a run and its re-execution.
@@ -121,6 +123,99 @@ def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
     return problems
 
 
+# Environment fields that describe the machine rather than the software stack: an audit
+# elsewhere announces them (a bf16 mismatch that follows is then no surprise).
+MACHINE_FIELDS = (
+    "platform",
+    "machine",
+    "system",
+    "libc",
+    "cpu_capability",
+    "device_name",
+    "threads",
+)
+
+
+def check_contract(
+    ledger: RunLedger, config: RunConfig, items: list[Item] | None
+) -> tuple[list[str], list[str]]:
+    """The recorded contract against its own hash and against the contract this machine
+    builds from the recorded run settings, model files and items.jsonl.
+
+    Returns the problems and the machine fields that differ (a note, not a problem).
+    """
+    from kvreplay.runner import build_contract
+
+    manifest, problems = ledger.manifest, []
+    contract = manifest["contract"]
+    if manifest["contract_sha256"] != ledger.contract_hash:
+        problems.append("manifest.json: field contract_sha256 does not match the contract")
+    recorded_items = contract.get("items")
+    source = recorded_items.get("source", "") if isinstance(recorded_items, dict) else ""
+    scheme = contract_scheme(contract)
+    info = describe_source(config.model, config.trust_remote_code, scheme)
+    built = json.loads(canonical(build_contract(config, info, source, items or [], scheme)))
+    if items is None:
+        built["items"] = recorded_items  # already named as unreadable
+    noted = []
+    for path in diff_fields(contract, built):
+        field_name = path.removeprefix("environment.")
+        if path.startswith("environment.") and field_name in MACHINE_FIELDS:
+            noted.append(field_name)
+        elif path.startswith("items"):
+            problems.append(
+                f"items.jsonl: does not match the contract's record of the items (field "
+                f"contract.{path}): an item was edited, added or removed"
+            )
+        else:
+            problems.append(
+                f"manifest.json: field contract.{path} differs from what this machine builds "
+                "from the run's settings and files"
+            )
+    return problems, noted
+
+
+def check_plan(ledger: RunLedger, records: list[Record], item_order: list[str]) -> list[str]:
+    """Every experiment's config against its hash and items.jsonl, and its rows against
+    the rows that config plans: a missing row is named, so is one nobody planned."""
+    problems = []
+    rows = {r.key: r for r in records}
+    experiments = ledger.manifest["experiments"]
+    for name, entry in experiments.items():
+        experiment = EXPERIMENTS.get(name)
+        if experiment is None:
+            continue  # named by check_csvs
+        where = f"manifest.json: field experiments.{name}"
+        config = entry["config"]
+        if entry.get("config_sha256") != sha256_json(config):
+            problems.append(f"{where}.config_sha256 does not match its config")
+        ids = config.get("item_ids")
+        if "selection" not in config and ids != item_order[: len(ids or [])]:
+            problems.append(f"{where}.config.item_ids is not the first items of items.jsonl")
+        try:
+            planned = experiment.planned(config, rows)
+        except (KeyError, TypeError, AttributeError) as exc:  # a hand-edited config
+            problems.append(f"{where}.config is malformed ({type(exc).__name__})")
+            continue
+        wanted = set(planned)
+        problems += [
+            f"row {key}: missing from rows.jsonl (planned by experiments.{name}.config)"
+            for key in planned
+            if key not in rows
+        ]
+        problems += [
+            f"row {r.key}: not planned by experiments.{name}.config"
+            for r in records
+            if r.experiment == name and r.key not in wanted
+        ]
+    problems += [
+        f"row {r.key}: field experiment names {r.experiment!r}, which manifest.json does not list"
+        for r in records
+        if r.experiment not in experiments
+    ]
+    return problems
+
+
 def audit(
     run_dir: Path,
     sample: int | None = None,
@@ -139,10 +234,14 @@ def audit(
     """
     ledger = RunLedger.open_existing(run_dir)
     result = AuditResult(run_dir)
-    contract = ledger.manifest["contract"]
-    result.environment_diff = diff_fields(
-        contract["environment"], environment(contract["run"]["device"], contract_scheme(contract))
-    )
+    config = RunConfig.from_contract(ledger.manifest["contract"].get("run"), str(run_dir))
+    try:
+        item_list: list[Item] | None = load_jsonl(run_dir / ITEMS)
+    except KvreplayError as exc:
+        result.problems.append(f"items.jsonl: missing or unreadable ({exc})")
+        item_list = None
+    problems, result.environment_diff = check_contract(ledger, config, item_list)
+    result.problems += problems
     if result.environment_diff and announce is not None:
         announce(environment_note(result.environment_diff))
     raw = ledger.rows_path.read_bytes() if ledger.rows_path.exists() else b""
@@ -154,25 +253,27 @@ def audit(
     keys = [r.key for r in records]
     for key in sorted({k for k in keys if keys.count(k) > 1}):
         result.problems.append(f"row {key}: appears more than once")
+    result.problems += check_plan(ledger, records, [i.id for i in item_list or []])
     result.problems += check_csvs(ledger, records)
     result.problems += check_snapshots(run_dir, records)
-    try:
-        items = {i.id: i for i in load_jsonl(run_dir / ITEMS)}
-    except KvreplayError:
-        result.problems.append("items.jsonl: missing or unreadable")
+    if item_list is None:
         return result
+    items = {i.id: i for i in item_list}
     chosen = records
     if sample is not None and sample < len(records):
         chosen = sorted(random.Random(seed).sample(records, sample), key=lambda r: r.seq)
-    config = RunConfig.from_contract(contract["run"], str(run_dir))
     units = []
     for record in chosen:
-        item: Item | None = items.get(record.data.get("item_id", ""))
+        item: Item | None = items.get(record.data.get("item_id"))  # type: ignore[arg-type]
+        precision, inputs = record.data.get("precision"), record.data.get("inputs", {})
         if item is None:
             result.problems.append(f"row {record.key}: field item_id names no item")
-            continue
-        inputs = record.data.get("inputs", {})
-        units.append(Unit(record.key, record.experiment, item, record.data["precision"], inputs))
+        elif precision not in DTYPES:
+            result.problems.append(f"row {record.key}: field precision is missing or unknown")
+        elif not isinstance(inputs, dict):
+            result.problems.append(f"row {record.key}: field inputs is not an object")
+        else:
+            units.append(Unit(record.key, record.experiment, item, precision, inputs))
     runner = make_engine(config, engine, workers, gpus_per_worker, ray_address)
     by_key = {r.key: r for r in chosen}
     try:

@@ -9,11 +9,43 @@ from typing import Any
 
 import click
 
-from kvreplay.errors import plain_errors
+from kvreplay.errors import KvreplayError, exit_plainly, plain_errors
+
+
+class PlainGroup(click.Group):
+    """Every refusal, from option parsing on, ends in one sentence on stderr and exit 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            exit_plainly(exc.format_message())
+        except KvreplayError as exc:
+            exit_plainly(str(exc))
+
+
+def _parsed(parse: Callable[[Any], Any]) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback that validates an option with the library's own parser."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        try:
+            return parse(value)
+        except KvreplayError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
+
+    return callback
 
 
 def _dtypes(value: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
+    from kvreplay.models import parse_dtypes
+
+    return parse_dtypes(v.strip() for v in value.split(",") if v.strip())
+
+
+def _device(value: str) -> str:
+    from kvreplay.models import parse_device
+
+    return parse_device(value)
 
 
 def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -25,13 +57,14 @@ def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Built-in item set or a JSONL file."),
         click.option("--n", type=int, default=None,
                      help="How many items (default: all; bridge 12)."),
-        click.option("--dtypes", default="bf16,fp32", show_default=True,
+        click.option("--dtypes", default="bf16,fp32", show_default=True, callback=_parsed(_dtypes),
                      help="Comma-separated precisions: fp32, bf16, fp16."),
         click.option("--plan", default="instruct", show_default=True,
                      help="Built-in stage plan (instruct, reasoning, short) or a plan .json."),
         click.option("--extractor", default="integer", show_default=True,
                      help="Answer extractor: integer, choice or boxed."),
-        click.option("--device", default="cpu", show_default=True),
+        click.option("--device", default="cpu", show_default=True, callback=_parsed(_device),
+                     help="cpu, cuda or cuda:N."),
         click.option("--temperature", type=float, default=0.0, show_default=True,
                      help="0 is greedy; above 0 samples with --seed."),
         click.option("--top-p", type=float, default=1.0, show_default=True),
@@ -45,8 +78,9 @@ def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Also save boundary states as safetensors (large for big models)."),
         click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
                      show_default=True),
-        click.option("--workers", type=int, default=1, show_default=True),
-        click.option("--gpus-per-worker", type=float, default=0.0, show_default=True),
+        click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
+                     show_default=True),
         click.option("--ray-address", default=None, help="Join this Ray cluster."),
     ]  # fmt: skip
     for option in reversed(options):
@@ -91,7 +125,7 @@ def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
         model=kwargs["model"],
         items=kwargs["items_source"],
         n=kwargs["n"],
-        dtypes=_dtypes(kwargs["dtypes"]),
+        dtypes=kwargs["dtypes"],
         plan=kwargs["plan"],
         extractor=kwargs["extractor"],
         device=kwargs["device"],
@@ -109,7 +143,7 @@ def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     )
 
 
-@click.group()
+@click.group(cls=PlainGroup)
 @click.version_option(package_name="kvreplay")
 def main() -> None:
     """Audit stage replay: does a prefix rebuilt by prefill continue like the live state?"""
@@ -144,7 +178,9 @@ def run_command(experiment: str, out: Path, **kwargs: Any) -> None:
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True
 )
-@click.option("--n", type=int, default=3, show_default=True, help="Items per experiment.")
+@click.option(
+    "--n", type=click.IntRange(min=1), default=3, show_default=True, help="Items per experiment."
+)
 @plain_errors
 def demo_command(out: Path, n: int) -> None:
     """All three experiments on the embedded default model, then analysis and report."""
@@ -155,11 +191,16 @@ def demo_command(out: Path, n: int) -> None:
 
 @main.command("audit")
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--sample", type=int, default=None, help="Re-execute a seeded sample of K rows.")
+@click.option(
+    "--sample",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Re-execute a seeded sample of K rows.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True)
-@click.option("--workers", type=int, default=1, show_default=True)
-@click.option("--gpus-per-worker", type=float, default=0.0, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--ray-address", default=None)
 @plain_errors
 def audit_command(run_dir: Path, sample: int | None, seed: int, **engine: Any) -> None:

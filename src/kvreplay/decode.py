@@ -8,6 +8,7 @@ the state after it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +33,15 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise KvreplayError("Sampling needs temperature >= 0 and 0 < top_p <= 1.")
+        """Refuse NaN and infinities too (a comparison alone lets NaN through)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0 and 0 < self.top_p <= 1):
+            raise KvreplayError("Sampling needs a finite temperature >= 0 and 0 < top_p <= 1.")
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**63
+        ):
+            raise KvreplayError("The sampling seed must be an integer in [0, 2**63).")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 
 class KvreplayError(Exception):
@@ -14,6 +14,12 @@ class KvreplayError(Exception):
     The message is a single sentence that says what is wrong and, where possible,
     what to do about it. The CLI prints it on stderr and exits with code 2.
     """
+
+
+def exit_plainly(message: str) -> NoReturn:
+    """End the process the way every refusal ends: one line on stderr, exit code 2."""
+    print(f"kvreplay: error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(2)
 
 
 def plain_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -25,7 +31,6 @@ def plain_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except KvreplayError as exc:
-            print(f"kvreplay: error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            exit_plainly(str(exc))
 
     return wrapper

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.jsonio import JsonError, parse_json
 
 Prompt = str | list[dict[str, str]]
 
@@ -124,6 +125,9 @@ def _fail(path: Path, line: int, why: str) -> KvreplayError:
     return KvreplayError(f"{path} line {line}: {why}.")
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def _parse_prompt(value: Any, path: Path, line: int) -> Prompt:
     if isinstance(value, str) and value:
         return value
@@ -137,6 +141,11 @@ def _parse_prompt(value: Any, path: Path, line: int) -> Prompt:
             for m in value
         )
     ):
+        unknown = [m["role"] for m in value if m["role"] not in ROLES]
+        if unknown:
+            raise _fail(
+                path, line, f"unknown chat role {unknown[0]!r} (use one of {', '.join(ROLES)})"
+            )
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise _fail(path, line, "'prompt' must be a non-empty string or a list of chat messages")
 
@@ -170,8 +179,8 @@ def _parse_item(data: Any, path: Path, line: int) -> Item:
 def load_jsonl(path: Path) -> list[Item]:
     """Read and validate a JSONL item file; any problem names its line."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
+        lines = path.read_bytes().split(b"\n")  # not splitlines: U+2028 may be in a string
+    except OSError as exc:
         raise KvreplayError(f"Cannot read the item file {path}: {exc.__class__.__name__}.") from exc
     items: list[Item] = []
     seen: dict[str, int] = {}
@@ -179,9 +188,9 @@ def load_jsonl(path: Path) -> list[Item]:
         if not text.strip():
             continue
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise _fail(path, number, f"malformed JSON ({exc.msg})") from exc
+            data = parse_json(text)
+        except JsonError as exc:
+            raise _fail(path, number, str(exc)) from exc
         item = _parse_item(data, path, number)
         if item.id in seen:
             raise _fail(path, number, f"duplicate id {item.id!r} (first on line {seen[item.id]})")

@@ -21,22 +21,43 @@ from typing import Any
 from kvreplay.canonical import canonical, sha256_json
 from kvreplay.environment import INFORMATIONAL
 from kvreplay.errors import KvreplayError
+from kvreplay.jsonio import JsonError, parse_json
+from kvreplay.runlock import RunLock
 
 RUN_FORMAT = "kvreplay-run-v1"
 GENESIS = "0" * 64
 MANIFEST = "manifest.json"
 ROWS = "rows.jsonl"
 ITEMS = "items.jsonl"
+MANIFEST_TYPES: dict[str, type] = {
+    "format": str,
+    "contract": dict,
+    "contract_sha256": str,
+    "experiments": dict,
+}
+
+
+def disk_error(path: Path, exc: OSError) -> KvreplayError:
+    """A failed write (a full disk, a read-only folder) as the user's one sentence."""
+    return KvreplayError(
+        f"Cannot write {path} ({exc.strerror or exc}); fix that and rerun the same command "
+        "to resume."
+    )
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file, fsync, rename: a reader never sees half a file."""
+    """Write via a temporary file, fsync, rename: a reader never sees half a file, and a
+    failed write leaves neither half a file nor the temporary one."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(path, exc) from exc
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -101,6 +122,23 @@ class Record:
         return canonical({**self.body(), "hash": self.hash}).decode() + "\n"
 
 
+ROW_TYPES: dict[str, type] = {
+    "seq": int,
+    "key": str,
+    "experiment": str,
+    "data": dict,
+    "worker": str,
+    "timing": dict,
+    "prev": str,
+    "contract": str,
+    "hash": str,
+}
+
+
+def _typed(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
 class TamperedLedger(KvreplayError):
     """rows.jsonl does not parse or does not chain; only audit may look further."""
 
@@ -121,10 +159,18 @@ def parse_rows(path: Path, contract_hash: str) -> tuple[list[Record], list[str]]
     prev = GENESIS
     for number, line in enumerate(complete, start=1):
         try:
-            data = json.loads(line)
-            record = Record(**data)
-        except (ValueError, TypeError) as exc:
-            problems.append(f"line {number}: does not parse as a ledger row ({type(exc).__name__})")
+            record = Record(**parse_json(line))
+        except JsonError as exc:
+            problems.append(f"line {number}: does not parse as a ledger row ({exc})")
+            continue
+        except TypeError:
+            problems.append(f"line {number}: does not parse as a ledger row (TypeError)")
+            continue
+        wrong = [
+            name for name, kind in ROW_TYPES.items() if not _typed(getattr(record, name), kind)
+        ]
+        if wrong:
+            problems.append(f"line {number}: field {wrong[0]} has the wrong type")
             continue
         where = f"row {record.key} (line {number})"
         if record.hash != record.expected_hash():
@@ -150,6 +196,8 @@ class RunLedger:
         self.manifest: dict[str, Any] = {}
         self.records: list[Record] = []
         self._keys: set[str] = set()
+        self._lock = RunLock(run_dir)
+        self.fresh = False  # True when start() (re)wrote the manifest: no row exists yet
 
     @property
     def contract_hash(self) -> str:
@@ -160,14 +208,32 @@ class RunLedger:
         """Open a run for reading (audit, report); bad input if it is not a run."""
         ledger = cls(run_dir)
         try:
-            ledger.manifest = json.loads(ledger.manifest_path.read_text())
-        except (OSError, ValueError) as exc:
+            manifest = parse_json(ledger.manifest_path.read_bytes())
+        except (OSError, JsonError) as exc:
             raise KvreplayError(
                 f"{run_dir} is not a kvreplay run (no readable manifest.json)."
             ) from exc
-        if ledger.manifest.get("format") != RUN_FORMAT or "contract" not in ledger.manifest:
+        if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT:
             raise KvreplayError(f"{run_dir}/manifest.json is not a kvreplay run manifest.")
+        for name, kind in MANIFEST_TYPES.items():
+            if not _typed(manifest.get(name), kind):
+                raise KvreplayError(
+                    f"{run_dir}/manifest.json: field {name} is missing or not a {kind.__name__}."
+                )
+        for name, entry in manifest["experiments"].items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):
+                raise KvreplayError(
+                    f"{run_dir}/manifest.json: field experiments.{name}.config is not an object."
+                )
+        ledger.manifest = manifest
         return ledger
+
+    def has_rows(self) -> bool:
+        return self.rows_path.exists() and self.rows_path.stat().st_size > 0
+
+    def close(self) -> None:
+        """End this process's turn as the run's writer."""
+        self._lock.release()
 
     def start(self, contract: dict[str, Any], header: dict[str, Any]) -> None:
         """Create the run, or resume it when its contract is the same.
@@ -175,14 +241,19 @@ class RunLedger:
         ``header`` is recorded but never compared (command line, timestamps).
         """
         contract = json.loads(canonical(contract))  # tuples become lists, as when re-read
+        self._lock.acquire()
+        probe = self.run_dir / ".write-probe"
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / ".write-probe"
             probe.write_text("ok")
-            probe.unlink()
         except OSError as exc:
             raise KvreplayError(f"The output folder {self.run_dir} is not writable.") from exc
-        if self.manifest_path.exists():
+        finally:
+            probe.unlink(missing_ok=True)
+        if self.has_rows() and not self.manifest_path.exists():
+            raise KvreplayError(
+                f"{self.run_dir} holds rows.jsonl but no manifest.json; use a new --out folder."
+            )
+        if self.manifest_path.exists() and self.has_rows():
             existing = RunLedger.open_existing(self.run_dir).manifest
             changed = diff_fields(existing["contract"], contract)
             noted = [path for path in changed if path in INFORMATIONAL]
@@ -206,6 +277,7 @@ class RunLedger:
         }
         _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
         self.records = []
+        self.fresh = True
 
     def register_experiment(self, name: str, config: dict[str, Any]) -> None:
         """Record an experiment's own settings before its first row; refuse a change."""
@@ -276,10 +348,13 @@ class RunLedger:
             hash="",
         )
         record.hash = record.expected_hash()
-        with self.rows_path.open("ab") as handle:
-            handle.write(record.to_line().encode())
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with self.rows_path.open("ab") as handle:
+                handle.write(record.to_line().encode())
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:  # a torn line is set aside when the run resumes
+            raise disk_error(self.rows_path, exc) from exc
         self.records.append(record)
         self._keys.add(key)
         return record

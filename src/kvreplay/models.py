@@ -12,7 +12,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import torch
 
 from kvreplay.canonical import sha256_json
 from kvreplay.errors import KvreplayError
+from kvreplay.jsonio import read_json
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -166,6 +169,40 @@ def parse_dtype(name: str) -> str:
     return name
 
 
+def parse_dtypes(names: Iterable[str]) -> tuple[str, ...]:
+    """A run's precisions: at least one, each known, none twice (a row key per precision)."""
+    dtypes = tuple(parse_dtype(name) for name in names)
+    if not dtypes:
+        raise KvreplayError("--dtypes needs at least one dtype.")
+    repeated = sorted({d for d in dtypes if dtypes.count(d) > 1})
+    if repeated:
+        raise KvreplayError(f"--dtypes names {repeated[0]} twice; list each precision once.")
+    return dtypes
+
+
+def parse_device(name: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, refused here when this machine cannot provide it."""
+    match = re.fullmatch(r"cpu|cuda(?::(\d{1,3}))?", name)
+    if match is None:
+        raise KvreplayError(f"Unknown device {name!r}; use cpu, cuda or cuda:N.")
+    if name == "cpu":
+        return name
+    if not torch.cuda.is_available():
+        raise KvreplayError(f"Device {name!r} was requested but CUDA is not available here.")
+    if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
+        raise KvreplayError(
+            f"Device {name!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s)."
+        )
+    return name
+
+
+def canonical_spec(spec: str) -> str:
+    """One spelling per model source, so that ``./m/`` and ``./m`` are the same contract."""
+    if spec in EMBEDDED or not spec.strip():
+        return spec
+    return str(Path(spec))
+
+
 def cache_root() -> Path:
     """Where converted embedded models live (``KVREPLAY_CACHE`` overrides)."""
     env = os.environ.get("KVREPLAY_CACHE")
@@ -273,8 +310,9 @@ def _convert_embedded(embedded: EmbeddedModel) -> Path:
     return target
 
 
-def resolve_source(spec: str) -> tuple[Path, str | None]:
-    """Map a model spec to (folder or hub id, gguf file name or None)."""
+def resolve_source(spec: str, trust_remote_code: bool = False) -> tuple[Path, str | None]:
+    """Map a model spec to (folder or hub id, gguf file name or None); a folder is checked
+    (see :func:`check_folder`) before anything reads it."""
     if spec in EMBEDDED:
         return _convert_embedded(EMBEDDED[spec]), None
     path = Path(spec).expanduser()
@@ -285,10 +323,49 @@ def resolve_source(spec: str) -> tuple[Path, str | None]:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise KvreplayError(f"The folder {spec!r} has no config.json, so it is not a model.")
-        return path, None
+        return check_folder(path, spec, trust_remote_code), None
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise KvreplayError(f"The model path {spec!r} is neither a model folder nor a GGUF file.")
-    return _from_hub_cache(spec), None
+    return check_folder(_from_hub_cache(spec), spec, trust_remote_code), None
+
+
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_folder(folder: Path, spec: str, trust_remote_code: bool) -> Path:
+    """Refuse a model folder that would fail later, or load unsafely: weights that are not
+    readable safetensors (pickle weights are never loaded: unpickling runs code), and code
+    shipped with the model unless ``trust_remote_code`` was asked for."""
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        pickled = sorted(p.name for pattern in PICKLE_WEIGHTS for p in folder.glob(pattern))
+        if pickled:
+            raise KvreplayError(
+                f"Model {spec!r} has only pickle weights ({pickled[0]}), which kvreplay never "
+                "loads; convert them once with transformers: from_pretrained(folder) then "
+                "save_pretrained(folder, safe_serialization=True)."
+            )
+        raise KvreplayError(f"Model {spec!r} has no *.safetensors weights.")
+    from safetensors import SafetensorError, safe_open
+
+    for path in weights:
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise KvreplayError(
+                f"The weights file {path.name} of model {spec!r} is damaged or truncated ({exc})."
+            ) from exc
+    config = read_json(folder / "config.json", f"the config of model {spec!r}")
+    if not isinstance(config, dict):
+        raise KvreplayError(f"The config of model {spec!r} is not a JSON object.")
+    if "auto_map" in config and not trust_remote_code:
+        raise KvreplayError(
+            f"Model {spec!r} ships its own Python code (auto_map in config.json); pass "
+            "--trust-remote-code to run it, only if you trust its source."
+        )
+    return folder
 
 
 def _from_hub_cache(hub_id: str) -> Path:
@@ -312,17 +389,8 @@ def describe_source(
     The driver records this in the manifest's contract (a resumed run in the identity
     scheme it started with); every worker checks that the model it loads matches.
     """
-    from transformers import AutoConfig
-
-    _quiet_transformers()
-    source, gguf_file = resolve_source(spec)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    try:
-        config = AutoConfig.from_pretrained(source, **kwargs).get_text_config(decoder=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise KvreplayError(f"Could not read the config of model {spec!r}.") from exc
+    source, gguf_file = resolve_source(spec, trust_remote_code)
+    config = text_config(spec, trust_remote_code)
     tokenizer = load_tokenizer(spec, trust_remote_code)
     return {
         "spec": spec,
@@ -333,15 +401,39 @@ def describe_source(
     }
 
 
+def text_config(spec: str, trust_remote_code: bool = False) -> Any:
+    """The decoder's config (layers, context window, vocabulary), without the weights."""
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    source, gguf_file = resolve_source(spec, trust_remote_code)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs).get_text_config(decoder=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise KvreplayError(f"Could not read the config of model {spec!r}.") from exc
+
+
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
     """Just the tokenizer (for selections that must not wait for a model load)."""
     from transformers import AutoTokenizer
 
-    source, gguf_file = resolve_source(spec)
+    _quiet_transformers()
+    source, gguf_file = resolve_source(spec, trust_remote_code)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
-    return AutoTokenizer.from_pretrained(source, **kwargs)
+    elif not any((source / name).is_file() for name in TOKENIZER_FILES):
+        raise KvreplayError(
+            f"Model {spec!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+            "save its tokenizer into the folder with save_pretrained."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KvreplayError(f"Could not read the tokenizer of model {spec!r} ({exc}).") from exc
 
 
 def _quiet_transformers() -> None:
@@ -366,17 +458,18 @@ def load_model(
     visible GPU instead of moving it whole to ``device``.
     """
     dtype = parse_dtype(dtype)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise KvreplayError(f"Device {device!r} was requested but CUDA is not available here.")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    device = parse_device(device)
+    from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    source, gguf_file = resolve_source(spec)
+    tokenizer = load_tokenizer(spec, trust_remote_code)
+    source, gguf_file = resolve_source(spec, trust_remote_code)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    else:
+        kwargs["use_safetensors"] = True  # a second belt: never reach torch.load
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=DTYPES[dtype],

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvreplay import __version__
 from kvreplay.decode import Sampler, opener_ids
-from kvreplay.engines import make_engine
+from kvreplay.engines import check_engine, make_engine
 from kvreplay.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
@@ -27,6 +27,7 @@ from kvreplay.experiments.base import RunConfig, Unit, csv_file
 from kvreplay.experiments.bridge import spread_selection
 from kvreplay.experiments.transplant import PANEL_EXPERIMENTS, select_panel
 from kvreplay.items import Item, encode_prompt, items_digest, load_items
+from kvreplay.jsonio import read_json
 from kvreplay.ledger import (
     ITEMS,
     MANIFEST,
@@ -36,7 +37,14 @@ from kvreplay.ledger import (
     render_csv,
     write_text_atomic,
 )
-from kvreplay.models import describe_source, load_tokenizer, parse_dtype
+from kvreplay.models import (
+    canonical_spec,
+    describe_source,
+    load_tokenizer,
+    parse_device,
+    parse_dtypes,
+    text_config,
+)
 from kvreplay.scoring import get_extractor
 from kvreplay.stages import StagePlan, get_plan
 
@@ -67,6 +75,9 @@ class RunRequest:
     command: list[str] = field(default_factory=lambda: list(sys.argv))
     extra: dict[str, Any] = field(default_factory=dict)  # experiment-specific options
 
+    def __post_init__(self) -> None:
+        self.model = canonical_spec(self.model)
+
 
 LIVE_EXPERIMENTS = ("matched", "bridge")  # these need a prompt to generate from
 
@@ -78,20 +89,30 @@ def _default_n(experiment: str, total: int) -> int:
 def _plan(request: RunRequest) -> StagePlan:
     path = Path(request.plan)
     if path.suffix == ".json":
+        data = read_json(path, f"the stage plan file {path}")
         try:
-            return StagePlan.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise KvreplayError(f"The stage plan file {path} is not a valid plan.") from exc
+            return StagePlan.from_dict(data)
+        except KvreplayError as exc:
+            raise KvreplayError(f"The stage plan file {path} is not a valid plan: {exc}") from exc
     return get_plan(request.plan)
 
 
 def _check_prompts(
     request: RunRequest, plan: StagePlan, items: list[Item], info: dict[str, Any]
 ) -> None:
-    """Prompts over the context window and empty openers are refused before model work."""
+    """Prompts over the context window, token ids outside the vocabulary and empty openers
+    are refused before model work."""
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
+    config = text_config(request.model, request.trust_remote_code)
+    vocabulary = int(getattr(config, "vocab_size", 0) or 0) or len(tokenizer)
     for item in items:
+        outside = [t for t in item.prefix_token_ids or () if t >= vocabulary]
+        if outside:
+            raise KvreplayError(
+                f"Item {item.id} has token id {outside[0]} in prefix_token_ids, outside the "
+                f"model's vocabulary of {vocabulary}."
+            )
         length = (
             len(item.prefix_token_ids)
             if item.prefix_token_ids is not None
@@ -156,11 +177,25 @@ def _recorded_scheme(out: Path) -> int:
     return contract_scheme(RunLedger.open_existing(out).manifest["contract"])
 
 
+def build_contract(
+    config: RunConfig, info: dict[str, Any], items_source: str, items: list[Item], scheme: int
+) -> dict[str, Any]:
+    """The manifest's contract: everything that can change a result. ``kvreplay audit``
+    rebuilds it on its own machine and compares it with the recorded one."""
+    return {
+        **({"scheme": scheme} if scheme > 1 else {}),
+        "run": config.contract(),
+        "model_info": info,
+        "environment": environment(config.device, scheme),
+        "items": {"source": items_source, "digest": items_digest(items), "count": len(items)},
+    }
+
+
 def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], StagePlan]:
     """Validate the request and open (or resume) the run directory."""
-    dtypes = tuple(parse_dtype(d) for d in request.dtypes)
-    if not dtypes:
-        raise KvreplayError("--dtypes needs at least one dtype.")
+    parse_dtypes(request.dtypes)
+    parse_device(request.device)
+    check_engine(request.engine, request.workers, request.gpus_per_worker)
     plan = _plan(request)
     get_extractor(request.extractor)
     get_experiment(request.experiment)
@@ -190,13 +225,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
         run_dir=str(request.out),
         save_snapshots=request.save_snapshots,
     )
-    contract = {
-        **({"scheme": scheme} if scheme > 1 else {}),
-        "run": config.contract(),
-        "model_info": info,
-        "environment": environment(request.device, scheme),
-        "items": {"source": request.items, "digest": items_digest(items), "count": len(items)},
-    }
+    contract = build_contract(config, info, request.items, items, scheme)
     header = {
         "platform": platform.platform(),
         "kvreplay_version": __version__,
@@ -209,18 +238,42 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
         select_panel(request, items, _prefix_source(request.prefix_from)[0])
     ledger = RunLedger(request.out)
     ledger.start(contract, header)
-    items_path = request.out / ITEMS
-    if not items_path.exists():
-        write_text_atomic(
-            items_path,
-            "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items),
-        )
+    try:
+        _freeze_items(ledger, items)
+    except BaseException:
+        ledger.close()
+        raise
     return ledger, config, items, plan
 
 
+def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
+    """Write items.jsonl for a new run; a resumed run's must be what its contract says."""
+    path = ledger.run_dir / ITEMS
+    text = "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items)
+    if ledger.fresh or not path.exists():
+        write_text_atomic(path, text)
+    elif path.read_bytes() != text.encode("utf-8"):
+        raise KvreplayError(
+            f"{path} differs from the items this run's contract records; run kvreplay audit."
+        )
+
+
 def run(request: RunRequest, quiet: bool = False) -> dict[str, Any]:
-    """Run (or resume) one experiment into ``request.out``; return its summary."""
+    """Run (or resume) one experiment into ``request.out``; return its summary.
+
+    The run holds the folder's lock (see :mod:`kvreplay.runlock`) from before its first
+    write until it returns, so a second run on the same folder is refused.
+    """
     ledger, config, items, _ = prepare(request)
+    try:
+        return _run_prepared(request, ledger, config, items, quiet)
+    finally:
+        ledger.close()
+
+
+def _run_prepared(
+    request: RunRequest, ledger: RunLedger, config: RunConfig, items: list[Item], quiet: bool
+) -> dict[str, Any]:
     experiment = get_experiment(request.experiment)
     source_rows, source_contract = _prefix_source(request.prefix_from)
     selected, selection = _select(request, items, {**source_rows, **ledger.by_key()})

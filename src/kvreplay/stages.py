@@ -22,6 +22,22 @@ class Stage:
     stop: tuple[str, ...] = ()
     opener: str = ""
 
+    def __post_init__(self) -> None:
+        """Every plan, built-in, from a file or from Python, is checked here."""
+        if not isinstance(self.name, str) or not self.name:
+            raise KvreplayError("Every stage needs a non-empty string 'name'.")
+        where = f"Stage {self.name!r}"
+        if not _positive_int(self.max_new_tokens):
+            raise KvreplayError(f"{where}: 'max_new_tokens' must be an integer of at least 1.")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise KvreplayError(f"{where}: 'stop' must be a list of non-empty strings.")
+        if not isinstance(self.opener, str):
+            raise KvreplayError(f"{where}: 'opener' must be a string.")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -32,8 +48,12 @@ class StagePlan:
     boundary: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise KvreplayError("A stage plan's 'name' must be a non-empty string.")
         if not self.stages:
             raise KvreplayError("A stage plan needs at least one stage.")
+        if not isinstance(self.boundary, int) or isinstance(self.boundary, bool):
+            raise KvreplayError("A stage plan's 'boundary' must be a stage index (an integer).")
         if not 0 <= self.boundary < len(self.stages) - 1:
             raise KvreplayError(
                 f"The boundary must end one of the first {len(self.stages) - 1} stages "
@@ -60,17 +80,31 @@ class StagePlan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StagePlan:
-        stages = tuple(
-            Stage(
-                name=s["name"],
-                max_new_tokens=int(s["max_new_tokens"]),
-                stop=tuple(s.get("stop", ())),
-                opener=s.get("opener", ""),
+    def from_dict(cls, data: Any) -> StagePlan:
+        """A plan from JSON data; the types are checked, never coerced (a string ``stop``
+        is not split into characters, ``0.5`` is not a boundary)."""
+        if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
+            raise KvreplayError("A stage plan must be an object with a list 'stages'.")
+        stages = []
+        for index, entry in enumerate(data["stages"]):
+            if not isinstance(entry, dict):
+                raise KvreplayError(f"Stage {index} of the plan must be an object.")
+            stop = entry.get("stop", [])
+            if not isinstance(stop, list | tuple):
+                raise KvreplayError(
+                    f"Stage {entry.get('name', index)!r}: 'stop' must be a list of strings."
+                )
+            stages.append(
+                Stage(
+                    name=entry.get("name"),  # type: ignore[arg-type]  # checked by Stage
+                    max_new_tokens=entry.get("max_new_tokens"),  # type: ignore[arg-type]
+                    stop=tuple(stop),
+                    opener=entry.get("opener", ""),
+                )
             )
-            for s in data["stages"]
+        return cls(
+            name=data.get("name", "custom"), stages=tuple(stages), boundary=data.get("boundary", 0)
         )
-        return cls(name=data.get("name", "custom"), stages=stages, boundary=data.get("boundary", 0))
 
 
 # The embedded instruct model has no think tags, so the boundary is cut mid-reasoning

@@ -59,6 +59,7 @@ def make_ledger(tmp_path: Path, rows: int = 4) -> RunLedger:
     ledger.start(CONTRACT, HEADER)
     for i in range(rows):
         ledger.append(f"exp/i{i}/bf16", "exp", {"item_id": f"i{i}", "value": i}, "w", {"s": 0.5})
+    ledger.close()  # the run ends: another writer (a resume) may open the folder
     return ledger
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.errors import KvreplayError
@@ -14,6 +15,7 @@ def make_engine(
     config: RunConfig, name: str, workers: int, gpus_per_worker: float, address: str | None
 ) -> Any:
     """The engine ``run`` and ``audit`` share; Ray is imported only when asked for."""
+    check_engine(name, workers, gpus_per_worker)
     if name == "local":
         from kvreplay.engines.local import LocalEngine
 
@@ -23,3 +25,13 @@ def make_engine(
 
         return RayEngine(config, workers, gpus_per_worker, address)
     raise KvreplayError(f"Unknown engine {name!r}; choose local or ray.")
+
+
+def check_engine(name: str, workers: int, gpus_per_worker: float) -> None:
+    """Engine options, refused before a run writes anything."""
+    if name not in ("local", "ray"):
+        raise KvreplayError(f"Unknown engine {name!r}; choose local or ray.")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise KvreplayError(f"--workers is {workers!r}; it must be an integer of at least 1.")
+    if not (math.isfinite(gpus_per_worker) and gpus_per_worker >= 0):
+        raise KvreplayError(f"--gpus-per-worker is {gpus_per_worker!r}; it must be 0 or more.")

@@ -7,6 +7,7 @@ units and returns plain-data rows, so both engines run the same code.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections.abc import Iterator
@@ -52,18 +53,23 @@ class RunConfig:
     @classmethod
     def from_contract(cls, data: dict[str, Any], run_dir: str = "") -> RunConfig:
         """Rebuild the configuration a run recorded (for audit and resume)."""
-        return cls(
-            model=data["model"],
-            model_digest=data["model_digest"],
-            plan=StagePlan.from_dict(data["plan"]),
-            device=data["device"],
-            extractor=data["extractor"],
-            sampler=Sampler(**data["sampler"]),
-            chat=data["chat"],
-            attn_implementation=data["attn_implementation"],
-            trust_remote_code=data["trust_remote_code"],
-            run_dir=run_dir,
-        )
+        try:
+            return cls(
+                model=data["model"],
+                model_digest=data["model_digest"],
+                plan=StagePlan.from_dict(data["plan"]),
+                device=data["device"],
+                extractor=data["extractor"],
+                sampler=Sampler(**data["sampler"]),
+                chat=data["chat"],
+                attn_implementation=data["attn_implementation"],
+                trust_remote_code=data["trust_remote_code"],
+                run_dir=run_dir,
+            )
+        except (KeyError, TypeError, KvreplayError) as exc:  # a hand-edited manifest
+            raise KvreplayError(
+                f"manifest.json: field contract.run is malformed ({type(exc).__name__}: {exc})"
+            ) from exc
 
     def contract(self) -> dict[str, Any]:
         """The result-affecting part (paths and snapshot choice excluded)."""
@@ -177,6 +183,35 @@ class Experiment(Protocol):
 
     def csv_rows(self, rows: list[Any]) -> list[dict[str, Any]]: ...
 
+    def planned(self, config: dict[str, Any], rows: dict[str, Any]) -> list[str]:
+        """Every row key the experiment holds once complete, from its recorded config."""
+        ...
+
+
+def row_key(experiment: str, item_id: str, precision: str) -> str:
+    return f"{experiment}/{item_id}/{precision}"
+
+
+def prefix_key(experiment: str, item_id: str) -> str:
+    """The key of a two-phase experiment's prefix row (its first phase)."""
+    return f"{experiment}/prefix/{item_id}"
+
+
+def planned_keys(
+    experiment: str,
+    item_ids: list[str],
+    precisions: list[str],
+    rows: dict[str, Any],
+    prefixed: bool = False,
+) -> list[str]:
+    """Row keys of a complete experiment; with ``prefixed``, one prefix row per item
+    first, and later rows only for items whose prefix row reached the boundary."""
+    keys = [prefix_key(experiment, i) for i in item_ids] if prefixed else []
+    if prefixed:
+        reached = {k for k in keys if k in rows and rows[k].data.get("status") == "ok"}
+        item_ids = [i for i in item_ids if prefix_key(experiment, i) in reached]
+    return keys + [row_key(experiment, i, p) for p in precisions for i in item_ids]
+
 
 def csv_file(experiment: Experiment, config: dict[str, Any]) -> str:
     """The CSV an experiment derives; a transplant panel names its own in its config."""
@@ -215,8 +250,11 @@ def snapshot(worker: Worker, unit: Unit, arm: str, state: BoundaryState) -> dict
         return None
     from kvreplay.models import file_digests
 
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{unit.key}-{arm}")
-    path = Path(worker.config.run_dir) / "snapshots" / f"{safe}.safetensors"
+    # Readable, and unique: ids that differ only in unsafe characters (x/y, x_y) differ
+    # in the digest of the row key.
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", unit.key)[:80]
+    tag = hashlib.sha256(unit.key.encode("utf-8")).hexdigest()[:12]
+    path = Path(worker.config.run_dir) / "snapshots" / f"{readable}-{tag}-{arm}.safetensors"
     save_state(state, path, {"row": unit.key, "arm": arm})
     return {
         "file": f"snapshots/{path.name}",

@@ -17,8 +17,10 @@ from kvreplay.experiments.base import (
     Worker,
     csv_value,
     functional_state_equal,
+    planned_keys,
     prefix_record,
     prompt_ids,
+    row_key,
     run_arm,
 )
 from kvreplay.items import Item
@@ -82,8 +84,11 @@ class Bridge:
                     "prefix_sha256": historical.data["prefix_sha256"],
                 }
                 inputs["reuse"] = {"key": historical.key, "arm": historical.data["arms"]["left"]}
-            units.append(Unit(f"bridge/{item.id}/{dtype}", self.name, item, dtype, inputs))
+            units.append(Unit(row_key(self.name, item.id, dtype), self.name, item, dtype, inputs))
         return units
+
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+        return planned_keys(self.name, config["item_ids"], [config["dtype"]], rows)
 
     def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
         lm = worker.model(unit.precision)

@@ -10,7 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.construct import live
-from kvreplay.experiments.base import Clock, Unit, Worker, prefix_record, prompt_ids
+from kvreplay.experiments.base import (
+    Clock,
+    Unit,
+    Worker,
+    planned_keys,
+    prefix_key,
+    prefix_record,
+    prompt_ids,
+    row_key,
+)
 from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -108,7 +117,7 @@ class FixedPrefix:
             dtype = options["prefix_dtype"]
             units = [
                 prefix_unit(
-                    f"fixed-prefix/prefix/{item.id}",
+                    prefix_key(self.name, item.id),
                     self.name,
                     item,
                     dtype,
@@ -120,7 +129,7 @@ class FixedPrefix:
         units = []
         for dtype in options["dtypes"]:
             for item in items:
-                prefix = rows[f"fixed-prefix/prefix/{item.id}"]
+                prefix = rows[prefix_key(self.name, item.id)]
                 if prefix.data["status"] != "ok":
                     continue
                 inputs = prefix_inputs(prefix)
@@ -131,9 +140,12 @@ class FixedPrefix:
                         "prefill": {"key": matched.key, "arm": matched.data["arms"]["prefill"]}
                     }
                 units.append(
-                    Unit(f"fixed-prefix/{item.id}/{dtype}", self.name, item, dtype, inputs)
+                    Unit(row_key(self.name, item.id, dtype), self.name, item, dtype, inputs)
                 )
         return units
+
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+        return planned_keys(self.name, config["item_ids"], config["dtypes"], rows, prefixed=True)
 
     def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
         if unit.key.startswith("fixed-prefix/prefix/"):

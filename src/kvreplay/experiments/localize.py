@@ -40,9 +40,11 @@ from kvreplay.experiments.base import (
     csv_value,
     functional_state_equal,
     pair_record,
+    planned_keys,
     prefix_from_inputs,
     prefix_record,
     replicate_and_run,
+    row_key,
 )
 from kvreplay.experiments.fixed_prefix import prefix_inputs
 from kvreplay.items import Item
@@ -288,9 +290,13 @@ class Localize:
             }
             item = by_id[entry["item_id"]]
             units.append(
-                Unit(f"localize/{item.id}/{precision}", self.name, item, precision, inputs)
+                Unit(row_key(self.name, item.id, precision), self.name, item, precision, inputs)
             )
         return units
+
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+        ids = [entry["item_id"] for entry in config["selection"]["rows"]]
+        return planned_keys(self.name, ids, [config["precision"]], rows)
 
     def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
         lm = worker.model(unit.precision)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.base import Clock, Unit, Worker
+from kvreplay.experiments.base import Clock, Unit, Worker, planned_keys, row_key
 from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -24,10 +24,13 @@ class Matched:
         self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
     ) -> list[Unit]:
         return [
-            Unit(f"matched/{item.id}/{dtype}", self.name, item, dtype)
+            Unit(row_key(self.name, item.id, dtype), self.name, item, dtype)
             for dtype in options["dtypes"]
             for item in items
         ]
+
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+        return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
 
     def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
         row = run_matrix(worker, unit, clock, left="live")

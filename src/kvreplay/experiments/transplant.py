@@ -39,9 +39,12 @@ from kvreplay.experiments.base import (
     csv_value,
     functional_state_equal,
     pair_record,
+    planned_keys,
     prefix_from_inputs,
+    prefix_key,
     prefix_record,
     replicate_and_run,
+    row_key,
 )
 from kvreplay.experiments.bridge import spread_selection
 from kvreplay.experiments.fixed_prefix import prefix_inputs, prefix_row, prefix_unit
@@ -314,10 +317,10 @@ class Transplant:
             item = by_id[entry["item_id"]]
             if phase == 0:
                 source = options["prefix_source_rows"].get(entry["source_key"])
-                key = f"transplant/prefix/{item.id}"
+                key = prefix_key(self.name, item.id)
                 units.append(prefix_unit(key, self.name, item, options["prefix_dtype"], source))
                 continue
-            prefix = rows[f"transplant/prefix/{item.id}"]
+            prefix = rows[prefix_key(self.name, item.id)]
             if prefix.data["status"] != "ok":
                 continue
             inputs = {
@@ -333,9 +336,13 @@ class Transplant:
             }
             precision = options["dtypes"][0]
             units.append(
-                Unit(f"transplant/{item.id}/{precision}", self.name, item, precision, inputs)
+                Unit(row_key(self.name, item.id, precision), self.name, item, precision, inputs)
             )
         return units
+
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+        ids = [entry["item_id"] for entry in config["selection"]["rows"]]
+        return planned_keys(self.name, ids, [config["precision"]], rows, prefixed=True)
 
     def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
         if unit.key.startswith("transplant/prefix/"):

@@ -1,0 +1,79 @@
+"""Strict JSON: the one reader for every JSON file and line kvreplay reads.
+
+Standard JSON only. NaN and Infinity, lone surrogates (not UTF-8: they could never be
+written back), integers too long to be an id or a count, and nesting deeper than any
+item, plan or ledger needs are refused with a reason, so that whatever kvreplay accepts
+it can also write back, hash and re-read exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvreplay.errors import KvreplayError
+
+MAX_DEPTH = 64
+MAX_INT_DIGITS = 64
+
+
+class JsonError(ValueError):
+    """Input that is not strict JSON; the message is the reason, for a caller's sentence."""
+
+
+def _constant(name: str) -> Any:
+    raise JsonError(f"{name} is not a JSON number")
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise JsonError(f"an integer has {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _check(value: Any) -> None:
+    """Depth and string checks, iteratively (no recursion limit to hit)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise JsonError("a string holds a lone surrogate (not valid Unicode)") from None
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        if depth > MAX_DEPTH:
+            raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels")
+        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children)
+
+
+def parse_json(text: str | bytes) -> Any:
+    """Parse strict JSON; raise :class:`JsonError` with the reason."""
+    try:
+        value = json.loads(text, parse_constant=_constant, parse_int=_integer)
+    except JsonError:
+        raise
+    except RecursionError:
+        raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels") from None
+    except UnicodeDecodeError:
+        raise JsonError("the bytes are not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise JsonError(f"malformed JSON ({exc.msg})") from None
+    except ValueError as exc:
+        raise JsonError(f"malformed JSON ({exc})") from None
+    _check(value)
+    return value
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A whole JSON file; bad input names ``what`` (e.g. "the stage plan file p.json")."""
+    try:
+        return parse_json(path.read_bytes())
+    except OSError as exc:
+        raise KvreplayError(f"Cannot read {what} ({exc.strerror or exc}).") from exc
+    except JsonError as exc:
+        raise KvreplayError(f"Cannot read {what}: {exc}.") from exc
