@@ -57,21 +57,32 @@ def _strip(data: Any) -> Any:
     return data
 
 
-def check_csvs(ledger: RunLedger, records: list[Record]) -> list[str]:
-    """Each experiment's CSV must equal the one derived from rows.jsonl, cell for cell."""
+def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = False) -> list[str]:
+    """Each experiment's CSV must equal the one derived from rows.jsonl, cell for cell;
+    ``present_only`` skips experiments whose CSV is not written yet (a run in progress)."""
     problems = []
     for name in ledger.manifest.get("experiments", {}):
         experiment = EXPERIMENTS.get(name)
         if experiment is None:
             problems.append(f"experiment {name}: unknown to this kvreplay version")
             continue
-        rows = [r for r in records if r.experiment == name]
-        expected = render_csv(experiment.columns, experiment.csv_rows(rows))
         path = ledger.run_dir / csv_file(experiment, ledger.manifest["experiments"][name]["config"])
+        if present_only and not path.exists():
+            continue
+        rows = [r for r in records if r.experiment == name]
+        try:
+            expected = render_csv(experiment.columns, experiment.csv_rows(rows))
+        except (KeyError, TypeError, IndexError, ValueError) as exc:  # hand-edited row data
+            problems.append(f"{path.name}: cannot be derived from rows.jsonl ({exc!r})")
+            continue
         if not path.exists():
             problems.append(f"{path.name}: missing although {name} has rows")
             continue
-        actual = path.read_text(encoding="utf-8")
+        try:
+            actual = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            problems.append(f"{path.name}: not UTF-8 text")
+            continue
         if actual == expected:
             continue
         want = list(csv.DictReader(io.StringIO(expected)))
@@ -134,6 +145,18 @@ MACHINE_FIELDS = (
     "device_name",
     "threads",
 )
+
+
+def malformed_field(record: Record) -> str | None:
+    """The first row field every check relies on that is missing or of the wrong kind."""
+    data = record.data
+    checks = {
+        "item_id": isinstance(data.get("item_id"), str),
+        "precision": data.get("precision") in DTYPES,
+        "status": isinstance(data.get("status"), str),
+        "inputs": isinstance(data.get("inputs", {}), dict),
+    }
+    return next((name for name, ok in checks.items() if not ok), None)
 
 
 def check_contract(
@@ -254,6 +277,11 @@ def audit(
     for key in sorted({k for k in keys if keys.count(k) > 1}):
         result.problems.append(f"row {key}: appears more than once")
     result.problems += check_plan(ledger, records, [i.id for i in item_list or []])
+    malformed = {r.key: name for r in records if (name := malformed_field(r))}
+    result.problems += [
+        f"row {k}: field {name} is missing or malformed" for k, name in malformed.items()
+    ]
+    records = [r for r in records if r.key not in malformed]
     result.problems += check_csvs(ledger, records)
     result.problems += check_snapshots(run_dir, records)
     if item_list is None:
@@ -264,16 +292,14 @@ def audit(
         chosen = sorted(random.Random(seed).sample(records, sample), key=lambda r: r.seq)
     units = []
     for record in chosen:
-        item: Item | None = items.get(record.data.get("item_id"))  # type: ignore[arg-type]
-        precision, inputs = record.data.get("precision"), record.data.get("inputs", {})
+        data = record.data
+        item: Item | None = items.get(data["item_id"])
         if item is None:
             result.problems.append(f"row {record.key}: field item_id names no item")
-        elif precision not in DTYPES:
-            result.problems.append(f"row {record.key}: field precision is missing or unknown")
-        elif not isinstance(inputs, dict):
-            result.problems.append(f"row {record.key}: field inputs is not an object")
-        else:
-            units.append(Unit(record.key, record.experiment, item, precision, inputs))
+            continue
+        units.append(
+            Unit(record.key, record.experiment, item, data["precision"], data.get("inputs", {}))
+        )
     runner = make_engine(config, engine, workers, gpus_per_worker, ray_address)
     by_key = {r.key: r for r in chosen}
     try:

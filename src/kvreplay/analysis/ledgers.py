@@ -138,8 +138,13 @@ def _column_array(kind: Kind, values: list[object]) -> np.ndarray:
 def read_ledger(path: Path, spec: LedgerSpec) -> Ledger:
     """Parse and validate one ledger; any defect raises LedgerError."""
     name = path.name
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        lines = [line for line in csv.reader(handle) if line]
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            lines = [line for line in csv.reader(handle) if line]
+    except UnicodeDecodeError:
+        raise LedgerError(name, "the file is not UTF-8 text") from None
+    except (OSError, csv.Error) as error:
+        raise LedgerError(name, f"the file cannot be read as CSV ({error})") from None
     if not lines:
         raise LedgerError(name, "the file has no header row")
     header, body = lines[0], lines[1:]
@@ -521,4 +526,23 @@ def load_ledger_dir(folder: Path) -> dict[str, Ledger]:
     }
     if not ledgers:
         raise LedgerError(str(folder), "the folder holds none of the known ledger CSVs")
+    if (folder / "manifest.json").is_file():
+        _check_against_run(folder)
     return ledgers
+
+
+def _check_against_run(folder: Path) -> None:
+    """A kvreplay run's CSVs are derived from its rows.jsonl: one cut at a row boundary
+    (or edited) would otherwise be analysed as a smaller (or different) run."""
+    from kvreplay.audit import check_csvs
+    from kvreplay.ledger import RunLedger, parse_rows
+
+    ledger = RunLedger.open_existing(folder)
+    records, problems = parse_rows(ledger.rows_path, ledger.contract_hash)
+    problems += check_csvs(ledger, records, present_only=True)
+    if problems:
+        raise LedgerError(
+            str(folder),
+            f"the run's CSVs do not match its rows.jsonl ({problems[0]}); "
+            "rerun the experiment to rewrite them, or run kvreplay audit",
+        )
