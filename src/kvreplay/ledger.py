@@ -242,6 +242,13 @@ class RunLedger:
         """
         contract = json.loads(canonical(contract))  # tuples become lists, as when re-read
         self._lock.acquire()
+        try:
+            self._open(contract, header)
+        except BaseException:
+            self.close()  # a refused start ends this writer's turn
+            raise
+
+    def _open(self, contract: dict[str, Any], header: dict[str, Any]) -> None:
         probe = self.run_dir / ".write-probe"
         try:
             probe.write_text("ok")

@@ -526,14 +526,15 @@ def load_ledger_dir(folder: Path) -> dict[str, Ledger]:
     }
     if not ledgers:
         raise LedgerError(str(folder), "the folder holds none of the known ledger CSVs")
-    if (folder / "manifest.json").is_file():
+    if (folder / "manifest.json").is_file() and (folder / "rows.jsonl").is_file():
         _check_against_run(folder)
     return ledgers
 
 
 def _check_against_run(folder: Path) -> None:
-    """A kvreplay run's CSVs are derived from its rows.jsonl: one cut at a row boundary
-    (or edited) would otherwise be analysed as a smaller (or different) run."""
+    """A kvreplay run's CSVs are derived from its rows.jsonl, the source of truth: one
+    cut at a row boundary (or edited) would otherwise be analysed as a smaller (or
+    different) run."""
     from kvreplay.audit import check_csvs
     from kvreplay.ledger import RunLedger, parse_rows
 
