@@ -28,12 +28,11 @@ REPO = TESTS.parent
 if str(TESTS) not in sys.path:  # `import tiny` from any test module
     sys.path.insert(0, str(TESTS))
 
+from helpers import ARCHS  # noqa: E402
 from tiny import save_tiny  # noqa: E402
 
 from kvreplay import LoadedModel, load_model  # noqa: E402
 
-ARCHS = ("qwen2", "llama", "gemma3")
-DTYPES = ("bf16", "fp32")
 SMOLLM2_CACHE = REPO / ".cache" / "kvreplay-test"
 
 
@@ -76,9 +75,9 @@ def _isolated_test(
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The three tiny model folders, written once per session."""
+    """The three tiny model folders and drift_qwen2 (tests/tiny.py), written once."""
     root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: save_tiny(root / arch, arch) for arch in ARCHS}
+    return {arch: save_tiny(root / arch, arch) for arch in (*ARCHS, "drift_qwen2")}
 
 
 @pytest.fixture(scope="session")

@@ -4,11 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import pytest
 import torch
+from click.testing import CliRunner, Result
 
-from kvreplay import BoundaryState, LoadedModel, Prefix, StagePlan, encode_prompt, live
+from kvreplay import (
+    BoundaryState,
+    LoadedModel,
+    Prefix,
+    StagePlan,
+    build,
+    clone,
+    continue_from,
+    encode_prompt,
+    live,
+)
+from kvreplay.cli import main
 from kvreplay.stages import Stage
+
+ARCHS = ("qwen2", "llama", "gemma3")
+DTYPES = ("bf16", "fp32")
 
 # Long enough on the tiny models for bf16 prefill to drift from live (24 decoded tokens
 # in the prefix) and for that drift to flip a suffix token on some prompt of each arch.
@@ -37,6 +54,69 @@ PROMPTS = (
     "hello world",
     "The quick brown fox jumps over the lazy dog. " * 3,
 )
+
+
+_WORDS = "apple river seven blue window market quiet stone number garden".split()
+# Prompts of 12 to 44 tokens: on drift_qwen2 (tests/tiny.py) the short ones stay exact
+# and most long ones diverge, on every kernel family.
+PROMPT_POOL = tuple(
+    f"Item {i}: " + " ".join(_WORDS[(i * 7 + j * 3) % 10] for j in range(i % 6)) + "?"
+    for i in range(16)
+)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Prompts of a bounded pool on which prefill's suffix differs from replay's (with
+    equal boundary argmaxes, as a transplant panel needs) and does not differ."""
+
+    divergent: tuple[str, ...]
+    exact: tuple[str, ...]
+
+
+def find_divergence(
+    lm: LoadedModel, plan: StagePlan, want: int = 1, pool: tuple[str, ...] = PROMPT_POOL
+) -> Divergence:
+    """Search ``pool`` in order; fail with a clear message if it holds too few cases."""
+    divergent: list[str] = []
+    exact: list[str] = []
+    for prompt in pool:
+        _, prefix = reach(lm, plan, prompt)
+        replay, prefill = build(lm, prefix, "replay"), build(lm, prefix, "prefill")
+        differs = (
+            continue_from(lm, clone(replay), plan).token_ids
+            != continue_from(lm, clone(prefill), plan).token_ids
+        )
+        if differs and replay.argmax() == prefill.argmax():
+            divergent.append(prompt)
+        elif not differs:
+            exact.append(prompt)
+        if len(divergent) >= want and exact:
+            return Divergence(tuple(divergent), tuple(exact))
+    pytest.fail(
+        f"{lm.spec}: {len(divergent)} divergent and {len(exact)} exact prompts in the "
+        f"{len(pool)}-prompt pool under {torch.backends.cpu.get_cpu_capability()} kernels; "
+        f"the test needs {want} and 1"
+    )
+
+
+def perturbed(state: BoundaryState, seed: int = 0) -> BoundaryState:
+    """A copy of ``state`` whose K/V differ from it by seeded noise (logits kept): a donor
+    that differs by construction, whatever the CPU's rounding."""
+    copy = clone(state)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():  # the cache holds inference tensors
+        for layer in copy.cache.layers:
+            for tensor in (layer.keys, layer.values):
+                noise = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+                tensor.add_(noise * 0.1)
+    copy.construction = "perturbed"
+    return copy
+
+
+def invoke(*args: object) -> Result:
+    """``kvreplay ARGS`` through click's runner, in this process."""
+    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def reach(

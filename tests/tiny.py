@@ -1,6 +1,17 @@
 """Tiny randomly initialised causal LMs with a byte-level tokenizer, saved as local
 model folders: they load through the same path as a user's model and run in
-milliseconds, yet still show bf16 prefill-vs-decode drift."""
+milliseconds.
+
+Whether their bf16 prefill drifts from decode is a property of the CPU's kernel family:
+with torch's portable kernels (``ATEN_CPU_CAPABILITY=default``) a tiny model's prefill
+cache is usually bit-exact with live and no suffix diverged on 216 tries, while AVX-512
+diverges on about one prompt in four. Tests of kvreplay's machinery (transplants, panels,
+localisation) therefore use ``drift_qwen2``: the tiny Qwen2 with a registered forward
+hook that makes any forward pass over more than ``DRIFT_CHUNK`` tokens (a prefill, never
+a decode step) scale the embeddings of its inner positions by ``1 + DRIFT_SCALE``. It
+stands in for a kernel whose prefill rounds differently from decode, and it does so the
+same way on every CPU.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +20,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -19,6 +32,8 @@ from transformers import (
 )
 
 VOCAB = 320
+DRIFT_CHUNK = 40
+DRIFT_SCALE = 0.5
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -52,10 +67,39 @@ def _common(layers: int) -> dict:
     )
 
 
+def _drift(module: torch.nn.Module, _inputs: tuple, embeddings: torch.Tensor) -> torch.Tensor:
+    """A prefill-only perturbation: inner positions of a long chunk (first and last kept)."""
+    if embeddings.shape[1] <= DRIFT_CHUNK:
+        return embeddings
+    drifted = embeddings.clone()
+    drifted[:, 1:-1] = (embeddings[:, 1:-1].float() * (1 + DRIFT_SCALE)).to(embeddings.dtype)
+    return drifted
+
+
+class DriftQwen2Config(Qwen2Config):
+    model_type = "drift_qwen2"
+
+
+class DriftQwen2ForCausalLM(Qwen2ForCausalLM):
+    """Tiny Qwen2 whose prefill drifts from decode by construction (see the module doc)."""
+
+    config_class = DriftQwen2Config
+
+    def __init__(self, config: DriftQwen2Config):
+        super().__init__(config)
+        self.get_input_embeddings().register_forward_hook(_drift)
+
+
+AutoConfig.register("drift_qwen2", DriftQwen2Config)
+AutoModelForCausalLM.register(DriftQwen2Config, DriftQwen2ForCausalLM)
+
+
 def build(arch: str, seed: int = 0, layers: int = 3):
     torch.manual_seed(seed)
     if arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**_common(layers)))
+    if arch == "drift_qwen2":
+        return DriftQwen2ForCausalLM(DriftQwen2Config(**_common(layers)))
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**_common(layers)))
     if arch == "gemma3":

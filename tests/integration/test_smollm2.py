@@ -1,8 +1,8 @@
 """The core engine on the real embedded ``smollm2-135m`` with the built-in instruct plan.
 
 Each dtype runs once over six built-in arith items (about a minute per dtype on a laptop
-CPU); the tests below check integrity on those runs, and one prints how many suffixes
-differ between live and prefill: a measurement, not an assertion.
+CPU); the tests below check integrity on those runs and the direction of the live vs
+prefill disagreement (some bf16 suffix differs, no fp32 suffix does), printing counts.
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ def test_prefill_cache_is_not_exact_in_bf16(request, runs: list[ItemRun]) -> Non
     assert not any(r.prefill.cache_exact for r in runs)
 
 
-def test_print_live_vs_prefill_suffix_disagreement(request, runs: list[ItemRun]) -> None:
+def test_live_vs_prefill_suffixes_differ_in_bf16_only(request, runs: list[ItemRun]) -> None:
+    """The direction, not the count: how many of the six bf16 suffixes diverge depends on
+    the CPU's kernel family (4/6 with AVX-512), but at least one does and none in fp32."""
     dtype = _dtype(request)
     differ = [r for r in runs if r.live_suffix != r.prefill_suffix]
     print(f"\nsmollm2-135m {dtype}, plan instruct, {len(runs)} arith items:")
@@ -120,3 +122,7 @@ def test_print_live_vs_prefill_suffix_disagreement(request, runs: list[ItemRun])
             f"rel L2 {r.prefill.cache['relative_l2_diff']:.2e}, first divergence {where}"
         )
     print(f"  live vs prefill: {len(differ)}/{len(runs)} suffixes differ ({dtype})")
+    if dtype == "bf16":
+        assert differ, "no bf16 suffix of six SmolLM2 items diverged"
+    else:
+        assert not differ, f"{len(differ)} fp32 suffixes diverged"

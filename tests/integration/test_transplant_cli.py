@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from helpers import PROMPTS
+from helpers import find_divergence
 
 from kvreplay.cli import main
 from kvreplay.experiments.transplant import PAPER_COLUMNS
 from kvreplay.stages import Stage, StagePlan
 
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"
-# qwen2's bf16 suffix diverges on PROMPTS[0] at trace token 18 and not on PROMPTS[1]
-# (test_construct); a 24-token trace keeps that divergence and halves the decoding.
 PLAN = StagePlan(
     name="test-transplant",
     stages=(
@@ -30,13 +28,19 @@ PLAN = StagePlan(
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
-    """Tiny qwen2, a plan file, two items (one divergent, one exact), a fixed-prefix run."""
+def setup(tiny_dirs, tiny_lm, tmp_path_factory) -> dict[str, Path]:
+    """drift_qwen2, a plan file, two items (p0 divergent, p1 exact), a fixed-prefix run.
+
+    drift_qwen2's prefill drifts by construction (tests/tiny.py), so a bounded prompt
+    pool holds both kinds of item on every kernel family; the search fails loudly if not.
+    """
     root = tmp_path_factory.mktemp("transplant")
     (root / "plan.json").write_text(json.dumps(PLAN.to_dict()))
-    items = [{"id": f"p{i}", "prompt": PROMPTS[i], "answer": 23} for i in (0, 1)]
+    found = find_divergence(tiny_lm("drift_qwen2", "bf16"), PLAN)
+    prompts = (found.divergent[0], found.exact[0])
+    items = [{"id": f"p{i}", "prompt": prompts[i], "answer": 23} for i in (0, 1)]
     (root / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
-    paths = {"root": root, "model": tiny_dirs["qwen2"], "source": root / "source"}
+    paths = {"root": root, "model": tiny_dirs["drift_qwen2"], "source": root / "source"}
     _ok(_run(paths, "fixed-prefix", paths["source"]))
     return paths
 

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import pytest
-from helpers import PLAN, PROMPTS, SHORT, reach, state_equal
+from helpers import (
+    ARCHS,
+    DTYPES,
+    PLAN,
+    PROMPT_POOL,
+    PROMPTS,
+    SHORT,
+    find_divergence,
+    reach,
+    state_equal,
+)
 
 from kvreplay import KvreplayError, build, clone, compare, continue_from, encode_prompt, live
 from kvreplay.construct import parse_construction
 from kvreplay.decode import opener_ids
 from kvreplay.stages import Stage, StagePlan
 from kvreplay.state import BoundaryState, sha256_tokens
-
-ARCHS = ("qwen2", "llama", "gemma3")
-DTYPES = ("bf16", "fp32")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -31,13 +38,22 @@ def test_replay_is_bit_exact_with_live(tiny_lm, arch: str, dtype: str) -> None:
     assert [s.margins for s in live_suffix.segments] == [s.margins for s in replay_suffix.segments]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_cache_is_not_exact_in_bf16(tiny_lm, arch: str) -> None:
-    lm = tiny_lm(arch, "bf16")
-    state, prefix = reach(lm, PLAN)
-    comparison = compare(state, build(lm, prefix, "prefill"))
-    assert not comparison.cache_exact
-    assert 0 < comparison.cache["relative_l2_diff"] < 0.1
+def test_bf16_prefill_cache_drifts_from_live_on_some_prompt(tiny_lm) -> None:
+    """The robust form of the phenomenon on tiny models: over ARCHS x PROMPT_POOL, some
+    bf16 prefill cache is not bit-exact with live, and no drift is large. How many drift,
+    and whether a suffix then changes, depends on the CPU's kernel family: measured with
+    the portable kernels, 4 of 48 tiny-model prefills drift (llama's none) and no suffix
+    diverged in 216 tries, against 44 of 48 with AVX2. The suffix
+    divergence itself is asserted on SmolLM2 (test_smollm2.py)."""
+    drifted = []
+    for arch in ARCHS:
+        lm = tiny_lm(arch, "bf16")
+        for prompt in PROMPT_POOL:
+            state, prefix = reach(lm, PLAN, prompt)
+            comparison = compare(state, build(lm, prefix, "prefill"))
+            assert comparison.cache["relative_l2_diff"] < 0.1
+            drifted += [(arch, prompt)] * (not comparison.cache_exact)
+    assert drifted, "every tiny-model bf16 prefill cache was bit-exact with live"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -48,21 +64,18 @@ def test_prefill_agrees_with_live_to_fp32_rounding(tiny_lm, arch: str) -> None:
     assert comparison.cache["relative_l2_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_prefill_changes_the_suffix_on_some_prompt(tiny_lm, arch: str) -> None:
-    """Each arch diverges on at least one of PROMPTS (measured: qwen2 on the first and
-    third, llama on the third, gemma3 on the fourth; first divergence at suffix token
-    17, 18 or 46, the same with 1 or 2 threads)."""
-    lm = tiny_lm(arch, "bf16")
-
-    def diverges(prompt: str) -> bool:
-        state, prefix = reach(lm, PLAN, prompt)
-        prefill = build(lm, prefix, "prefill")
-        return (
-            continue_from(lm, prefill, PLAN).token_ids != continue_from(lm, state, PLAN).token_ids
-        )
-
-    assert any(diverges(prompt) for prompt in PROMPTS), f"no bf16 suffix diverged on {arch}"
+def test_a_drifting_prefill_is_found_and_its_suffix_differs(tiny_lm) -> None:
+    """kvreplay's detection on a prefill that drifts by construction (drift_qwen2, the
+    same on every CPU): replay stays bit-exact with live, prefill does not, and the pool
+    holds both a divergent and an exact prompt."""
+    lm = tiny_lm("drift_qwen2", "bf16")
+    found = find_divergence(lm, PLAN)
+    state, prefix = reach(lm, PLAN, found.divergent[0])
+    assert state_equal(state, build(lm, prefix, "replay"))
+    prefill = build(lm, prefix, "prefill")
+    assert not compare(state, prefill).cache_exact
+    live_suffix = continue_from(lm, clone(state), PLAN).token_ids
+    assert continue_from(lm, prefill, PLAN).token_ids != live_suffix
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
