@@ -152,6 +152,18 @@ def state_equal(a: BoundaryState, b: BoundaryState) -> bool:
 
 
 @contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as the session runs (conftest); said explicitly where it
+    matters, e.g. a Ray actor reserves one of the machine's CPUs per driver thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
 def default_threads() -> Iterator[None]:
     """Run with torch's default intra-op thread count, as a user's run would."""
     threads = torch.get_num_threads()

@@ -12,29 +12,15 @@ import io
 import json
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
-
-from kvreplay.cli import main
+from click.testing import Result
+from helpers import invoke
 
 PROMPTS = ["What is 2+3?", "Compute 4*5."]
 CSV = "matched_live_prefill.csv"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def invoke(*args: object) -> Result:
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import importlib.util
 import io
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,9 @@ import numpy
 import pytest
 import torch
 import transformers
-from click.testing import CliRunner, Result
+from click.testing import Result
+from helpers import invoke
 
-from kvreplay.cli import main
 from kvreplay.items import items_digest, load_items
 from kvreplay.ledger import parse_rows, sha256_json
 
@@ -84,18 +83,6 @@ N = 2  # items per experiment
 ARCH = "qwen2"
 # Fields that name where a row's inputs came from, not what it computed.
 PROVENANCE = {"reused_from", "source", "inputs", "historical"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def invoke(*args: str) -> Result:
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def run_ok(experiment: str, out: Path, model: Path, items: Path, *extra: str) -> Result:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from helpers import invoke
 from tiny import build
 
 from integration.test_bad_input import (
@@ -23,15 +23,10 @@ from integration.test_bad_input import (
     good_lines,
     jsonl,
 )
-from kvreplay.cli import main
 from kvreplay.errors import KvreplayError
 from kvreplay.models import load_model
 
 QUICK = ["--n", "1", "--dtypes", "fp32"]
-
-
-def invoke(args: list[str]) -> Result:
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def items_with(tmp: Path, line: str) -> list[str]:
@@ -91,7 +86,7 @@ def run_case(case: Callable[[Path], tuple[list[str], str]], tmp: Path, model: Pa
     args, _, out = argv("matched", "unknown_plan", tmp, model)
     args[args.index("no-such-plan")] = "short"
     args += extra
-    check(invoke(args), expected, out)
+    check(invoke(*args), expected, out)
     assert not (out / "manifest.json").exists()  # refused before the manifest
 
 
@@ -115,7 +110,7 @@ def test_token_id_above_the_vocabulary(tmp_path: Path, tiny_dirs: dict[str, Path
     out = tmp_path / "out"
     args = ["run", "fixed-prefix", "--model", tiny_dirs["qwen2"], "--items", items,
             "--plan", "short", "--out", out]  # fmt: skip
-    check(invoke(args), "Item t has token id 99999 in prefix_token_ids, outside", out)
+    check(invoke(*args), "Item t has token id 99999 in prefix_token_ids, outside", out)
     assert not (out / "manifest.json").exists()
 
 
@@ -124,7 +119,7 @@ def test_u2028_inside_a_string_is_accepted(tmp_path: Path, tiny_dirs: dict[str, 
     assert "\u2028" in line
     items = jsonl(tmp_path / "items.jsonl", [line])
     out = tmp_path / "out"
-    result = invoke(["run", "matched", "--model", tiny_dirs["qwen2"], "--items", items,
+    result = invoke(*["run", "matched", "--model", tiny_dirs["qwen2"], "--items", items,
                      "--plan", "short", "--out", out, *QUICK])  # fmt: skip
     assert result.exit_code == 0, result.output
     frozen = json.loads((out / "items.jsonl").read_text(encoding="utf-8"))
@@ -136,12 +131,12 @@ def test_ids_that_differ_in_unsafe_characters_keep_their_own_snapshots(
 ) -> None:
     lines = [json.dumps({"id": i, "prompt": f"{i}?", "answer": "1"}) for i in ("x/y", "x_y")]
     out = tmp_path / "out"
-    result = invoke(["run", "matched", "--model", tiny_dirs["qwen2"], "--items",
+    result = invoke(*["run", "matched", "--model", tiny_dirs["qwen2"], "--items",
                      jsonl(tmp_path / "items.jsonl", lines), "--plan", "short", "--out", out,
                      "--dtypes", "fp32", "--save-snapshots"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert len(list((out / "snapshots").glob("*.safetensors"))) == 8  # 2 rows x 4 arms
-    audited = invoke(["audit", out])
+    audited = invoke(*["audit", out])
     assert audited.exit_code == 0, audited.output
 
 
@@ -160,10 +155,10 @@ def test_damaged_weights_are_refused_before_the_manifest_and_the_folder_stays_re
     weights.write_bytes(good[: len(good) // 2] if damage == "truncated" else b"garbage" * 99)
     args, _, out = argv("matched", "unknown_plan", tmp_path, model)
     args[args.index("no-such-plan")] = "short"
-    check(invoke(args + QUICK), "The weights file model.safetensors of model", out)
+    check(invoke(*args + QUICK), "The weights file model.safetensors of model", out)
     assert not (out / "manifest.json").exists()
     weights.write_bytes(good)
-    result = invoke(args + QUICK)
+    result = invoke(*args + QUICK)
     assert result.exit_code == 0, result.output
 
 
@@ -180,9 +175,9 @@ def test_damage_after_the_manifest_leaves_the_folder_reusable(
         )
     )
     (out / "items.jsonl").write_text("stale\n")  # fmt: skip
-    result = invoke(args + QUICK)
+    result = invoke(*args + QUICK)
     assert result.exit_code == 0, result.output
-    assert invoke(["audit", out]).exit_code == 0
+    assert invoke(*["audit", out]).exit_code == 0
 
 
 def test_folder_without_a_tokenizer(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
@@ -195,9 +190,9 @@ def test_folder_without_a_tokenizer(tmp_path: Path, tiny_dirs: dict[str, Path]) 
 def test_trailing_slash_resumes_the_same_run(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
     args, _, out = argv("matched", "unknown_plan", tmp_path, tiny_dirs["qwen2"])
     args[args.index("no-such-plan")] = "short"
-    assert invoke(args + QUICK).exit_code == 0
+    assert invoke(*args + QUICK).exit_code == 0
     args[args.index("--model") + 1] = str(tiny_dirs["qwen2"]) + "/"
-    result = invoke(args + QUICK)
+    result = invoke(*args + QUICK)
     assert result.exit_code == 0, result.output
 
 
@@ -260,7 +255,7 @@ def test_trust_remote_code_is_passed_on_and_off_by_default(
     run_case(lambda t: ([], "pass --trust-remote-code"), tmp_path / "off", model)
     args, _, out = argv("matched", "unknown_plan", tmp_path, model)
     args[args.index("no-such-plan")] = "short"
-    result = invoke([*args, *QUICK, "--trust-remote-code"])
+    result = invoke(*[*args, *QUICK, "--trust-remote-code"])
     assert result.exit_code == 0, result.output
     assert (
         json.loads((out / "manifest.json").read_text())["contract"]["model_info"]["model_type"]
@@ -284,10 +279,10 @@ def test_full_disk_is_one_sentence_and_leaves_no_temporary_files(
     args[args.index("no-such-plan")] = "short"
     with monkeypatch.context() as patch:
         patch.setattr(os, "fsync", full)
-        check(invoke(args + QUICK), "No space left on device", out)
+        check(invoke(*args + QUICK), "No space left on device", out)
     assert not list(out.glob("*.tmp")) and not (out / ".write-probe").exists()
     assert not (out / "items.jsonl").exists()
-    result = invoke(args + QUICK)
+    result = invoke(*args + QUICK)
     assert result.exit_code == 0, result.output
 
 
@@ -295,7 +290,7 @@ def test_analyze_refuses_a_csv_that_is_not_utf8(tmp_path: Path) -> None:
     folder = tmp_path / "ledgers"
     folder.mkdir()
     (folder / "matched_live_prefill.csv").write_bytes(b"row_id,precision\n\xff\xfe,bf16\n")
-    result = invoke(["analyze", folder])
+    result = invoke(*["analyze", folder])
     check(result, "matched_live_prefill.csv: the file is not UTF-8 text", tmp_path / "none")
 
 
@@ -304,13 +299,13 @@ def test_analyze_refuses_a_run_csv_cut_at_a_row_boundary(
 ) -> None:
     lines = [json.dumps({"id": f"c{i}", "prompt": f"{i}+1?", "answer": "1"}) for i in range(2)]
     out = tmp_path / "out"
-    result = invoke(["run", "matched", "--model", tiny_dirs["qwen2"], "--items",
+    result = invoke(*["run", "matched", "--model", tiny_dirs["qwen2"], "--items",
                      jsonl(tmp_path / "items.jsonl", lines), "--plan", "short", "--out", out,
                      "--dtypes", "fp32"])  # fmt: skip
     assert result.exit_code == 0, result.output
     csv = out / "matched_live_prefill.csv"
     csv.write_text("".join(csv.read_text().splitlines(keepends=True)[:-1]))
-    refused = invoke(["analyze", out, "-o", tmp_path / "claims.json"])
+    refused = invoke(*["analyze", out, "-o", tmp_path / "claims.json"])
     assert refused.exit_code == 2, refused.output
     assert "do not match its rows.jsonl" in refused.stderr
     assert len(refused.stderr.splitlines()) == 1 and "Traceback" not in refused.output
@@ -324,8 +319,8 @@ def test_audit_refuses_a_manifest_with_wrong_types(edit: dict, tmp_path: Path) -
     manifest = {"format": "kvreplay-run-v1", "contract": {}, "contract_sha256": "",
                 "experiments": {}} | edit  # fmt: skip
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    check(invoke(["audit", folder]), "manifest.json: field", tmp_path / "none")
+    check(invoke(*["audit", folder]), "manifest.json: field", tmp_path / "none")
 
 
 def test_audit_sample_must_not_be_negative(tmp_path: Path) -> None:
-    check(invoke(["audit", tmp_path, "--sample", "-1"]), "--sample", tmp_path / "none")
+    check(invoke(*["audit", tmp_path, "--sample", "-1"]), "--sample", tmp_path / "none")

@@ -16,31 +16,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from click.testing import CliRunner, Result
+from helpers import DTYPES, invoke
 
-from kvreplay.cli import main
 from kvreplay.ledger import parse_rows, sha256_json
 
 N = 6
-DTYPES = "bf16,fp32"
 TOTAL = 2 * N
 TORN = b'{"contract":"0123","data":{"all_storage_disjoint":tr'
 # Record fields that hold wall time, or commit to it, so differ between any two runs.
 TIMED = {"timing", "hash", "prev", "worker"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +52,8 @@ def items(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def args(out: Path, model: Path, items: Path, n: int = N, plan: str = "short") -> list[str]:
     return [
         "run", "matched", "--model", str(model), "--items", str(items), "--n", str(n),
-        "--dtypes", DTYPES, "--plan", plan, "--out", str(out),
+        "--dtypes", ",".join(DTYPES), "--plan", plan, "--out", str(out),
     ]  # fmt: skip
-
-
-def invoke(argv: list[str]) -> Result:
-    return CliRunner().invoke(main, argv)
 
 
 def subprocess_env() -> dict[str, str]:
@@ -91,7 +75,7 @@ def records(run: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, model: Path, items: Path) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    result = invoke(args(out, model, items))
+    result = invoke(*args(out, model, items))
     assert result.exit_code == 0, (result.output, result.exception)
     return out
 
@@ -129,7 +113,7 @@ def resumed(
         handle.write(TORN)
     # The same command again, to completion (in process: a second interpreter start costs
     # ~10 s on a loaded box; its contract, threads included, must equal the killed run's).
-    rerun = invoke(argv)
+    rerun = invoke(*argv)
     assert rerun.exit_code == 0, (rerun.output[-3000:], rerun.exception)
     return out, done, rerun.stderr
 
@@ -196,13 +180,13 @@ def test_resume_refuses_a_different_contract(
         (args(out, model, items, plan="instruct"), "plan"),
         (args(out, tiny_dirs["qwen2"], items), "model"),
     ):
-        result = invoke(argv)
+        result = invoke(*argv)
         assert result.exit_code == 2, result.output
         lines = result.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvreplay: error:"), result.stderr
         assert "different contract" in lines[0] and field in lines[0]
         assert "Traceback" not in result.output
-    result = invoke(args(out, model, items, n=N - 1))
+    result = invoke(*args(out, model, items, n=N - 1))
     assert result.exit_code == 2, result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "already ran matched with different settings" in lines[0]

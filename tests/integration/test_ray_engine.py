@@ -10,13 +10,12 @@ import json
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from click.testing import CliRunner
+from helpers import one_thread
 
 pytest.importorskip("ray")
 
@@ -57,18 +56,6 @@ def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         finally:
             ray.shutdown()
             shutil.rmtree(root, ignore_errors=True)
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Each actor uses the driver's thread count and reserves that many of Ray's 2 CPUs;
-    one thread lets both actors fit (and keeps OpenMP from spinning on a busy box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _request(model: Path, out: Path, **engine: Any) -> RunRequest:

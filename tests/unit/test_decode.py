@@ -6,13 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import PLAN, SHORT, reach
+from helpers import ARCHS, PLAN, SHORT, reach
 
 from kvreplay import KvreplayError, Sampler, Trajectory, clone, continue_from, encode_prompt, live
 from kvreplay.decode import eos_ids, opener_ids, top2_margin
 from kvreplay.stages import Stage, StagePlan
-
-ARCHS = ("qwen2", "llama", "gemma3")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
