@@ -405,11 +405,7 @@ def text_config(spec: str, trust_remote_code: bool = False) -> Any:
     """The decoder's config (layers, context window, vocabulary), without the weights."""
     from transformers import AutoConfig
 
-    _quiet_transformers()
-    source, gguf_file = resolve_source(spec, trust_remote_code)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
+    source, _, kwargs = _pretrained(spec, trust_remote_code)
     try:
         return AutoConfig.from_pretrained(source, **kwargs).get_text_config(decoder=True)
     except (OSError, ValueError, KeyError) as exc:
@@ -420,12 +416,8 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
     """Just the tokenizer (for selections that must not wait for a model load)."""
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
-    source, gguf_file = resolve_source(spec, trust_remote_code)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    elif not any((source / name).is_file() for name in TOKENIZER_FILES):
+    source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
+    if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
         raise KvreplayError(
             f"Model {spec!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
             "save its tokenizer into the folder with save_pretrained."
@@ -434,6 +426,16 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvreplayError(f"Could not read the tokenizer of model {spec!r} ({exc}).") from exc
+
+
+def _pretrained(spec: str, trust_remote_code: bool) -> tuple[Path, str | None, dict[str, Any]]:
+    """Where ``spec`` lives and the keyword arguments every ``from_pretrained`` gets."""
+    _quiet_transformers()
+    source, gguf_file = resolve_source(spec, trust_remote_code)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    return source, gguf_file, kwargs
 
 
 def _quiet_transformers() -> None:
@@ -461,13 +463,9 @@ def load_model(
     device = parse_device(device)
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
     tokenizer = load_tokenizer(spec, trust_remote_code)
-    source, gguf_file = resolve_source(spec, trust_remote_code)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    else:
+    source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
+    if not gguf_file:
         kwargs["use_safetensors"] = True  # a second belt: never reach torch.load
     try:
         model = AutoModelForCausalLM.from_pretrained(
