@@ -1,5 +1,5 @@
-"""Items: the built-in ``arith`` set, user JSONL (prompts or pre-generated trajectories),
-validation that names the offending line, and prompt encoding.
+"""Items: the built-in ``arith`` and ``arith-easy`` sets, user JSONL (prompts or
+pre-generated trajectories), validation that names the offending line, prompt encoding.
 """
 
 from __future__ import annotations
@@ -118,7 +118,85 @@ def arith_items(count: int = 240, seed: int = 20261202) -> list[Item]:
     return items
 
 
-BUILTIN_ITEMS: dict[str, Callable[[], list[Item]]] = {"arith": arith_items}
+PEOPLE = ("Sam", "Lily", "Tom", "Anna", "Ben", "Mia")
+FRUITS = ("apples", "oranges", "pears", "plums")
+COLORS = (("red", "blue"), ("green", "yellow"), ("black", "white"), ("pink", "gray"),
+          ("orange", "purple"), ("brown", "silver"))  # fmt: skip
+BAGS = (
+    ("bags", "bag", "marbles"),
+    ("boxes", "box", "crayons"),
+    ("jars", "jar", "buttons"),
+    ("cups", "cup", "beads"),
+    ("baskets", "basket", "eggs"),
+    ("packs", "pack", "cards"),
+)
+# Sums twice as often as products: SmolLM2-135M solves more sums than products.
+EASY_CYCLE = (0, 1, 0, 1, 2)
+
+
+def _easy_template(rng: random.Random, template: int) -> tuple[str, int, list[int]]:
+    """One single-step word problem with small numbers: (text, answer, operands)."""
+    name, fruit, (c1, c2), (bags, bag, what) = (
+        rng.choice(PEOPLE), rng.choice(FRUITS), rng.choice(COLORS), rng.choice(BAGS)
+    )  # fmt: skip
+    a, b = rng.randint(2, 6), rng.randint(2, 6)
+    x, y = rng.randint(2, 3), rng.randint(2, 6)
+    if template == 0:
+        text = f"{name} has {a} {fruit} and buys {b} more. How many {fruit} are there now?"
+        return text, a + b, [a, b]
+    if template == 1:
+        text = f"A box has {a} {c1} balls and {b} {c2} balls. How many balls are in the box?"
+        return text, a + b, [a, b]
+    text = f"There are {x} {bags} with {y} {what} in each {bag}. How many {what} are there?"
+    return text, x * y, [x, y]
+
+
+def arith_easy_items(count: int = 240, seed: int = 20261215) -> list[Item]:
+    """Single-step word problems with numbers 2-6 (ids ``e0000``...) that SmolLM2-135M
+    half-solves live under the ``instruct`` plan, with a suffix after the boundary.
+
+    Templates follow ``EASY_CYCLE`` by index (0 and 1 add, 2 multiplies), so every
+    prefix of the set has the same mix; prompts are distinct. Tuned by measurement
+    through the ``matched`` live path (docs/items.md): first 48 items 23/48 correct in
+    bf16 greedy, first 16 11/16 in fp32, mean suffix 46 tokens, never EOS before the
+    boundary. Harder candidates (sums up to 40, subtractions, two steps) scored 14-26%;
+    bare "What is a + b?" prompts ended with EOS before the boundary. ``meta`` holds the
+    template, operands in order of appearance, ``difficulty`` (largest operand) and seed.
+    """
+    rng = random.Random(seed)
+    items: list[Item] = []
+    seen: set[str] = set()
+    for _ in range(100 * count):  # bounded: a template has finitely many prompts
+        if len(items) == count:
+            break
+        template = EASY_CYCLE[len(items) % len(EASY_CYCLE)]
+        text, answer, operands = _easy_template(rng, template)
+        if text in seen:
+            continue
+        seen.add(text)
+        items.append(
+            Item(
+                id=f"e{len(items):04d}",
+                prompt=INSTRUCTION + text,
+                answer=str(answer),
+                meta={
+                    "set": "arith-easy",
+                    "template": template,
+                    "operands": operands,
+                    "difficulty": max(operands),
+                    "seed": seed,
+                },
+            )
+        )
+    if len(items) < count:
+        raise KvreplayError(f"arith-easy has fewer than {count} distinct items.")
+    return items
+
+
+BUILTIN_ITEMS: dict[str, Callable[[], list[Item]]] = {
+    "arith": arith_items,
+    "arith-easy": arith_easy_items,
+}
 
 
 def _fail(path: Path, line: int, why: str) -> KvreplayError:

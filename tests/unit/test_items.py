@@ -124,3 +124,44 @@ def test_encode_prompt_uses_the_chat_template_when_there_is_one() -> None:
     assert tokenizer.decode(encode_prompt(tokenizer, "hi", chat=False)) == "hi"
     with pytest.raises(KvreplayError, match="chat template"):
         encode_prompt(tokenizer, [{"role": "user", "content": "hi"}], chat=False)
+
+
+# ``arith``'s digest before ``arith-easy`` was added; runs on ``arith`` depend on it.
+ARITH_DIGEST = "a1d025cee9c2af6b89c22cc28a1407c7f6361fa7df0d3e9e16488aac741953ae"
+
+# Each arith-easy template's answer from its operands (meta), in order of appearance.
+EASY_SOLVERS = {0: lambda n: n[0] + n[1], 1: lambda n: n[0] + n[1], 2: lambda n: n[0] * n[1]}
+
+
+def test_arith_digest_is_unchanged() -> None:
+    assert items_digest(arith_items()) == ARITH_DIGEST
+
+
+def test_arith_easy_is_deterministic_with_stable_unique_ids() -> None:
+    from kvreplay.items import arith_easy_items
+
+    items = arith_easy_items()
+    assert len(items) >= 240
+    assert [i.id for i in items] == [f"e{k:04d}" for k in range(len(items))]
+    assert len({i.prompt for i in items}) == len(items)
+    assert items_digest(items) == items_digest(arith_easy_items())
+    assert items_digest(arith_easy_items(seed=1)) != items_digest(items)
+    assert load_items("arith-easy") == items
+    assert {i.meta["template"] for i in items[:200]} == set(EASY_SOLVERS)
+    with pytest.raises(KvreplayError, match="distinct items"):
+        arith_easy_items(count=1000)  # finitely many prompts: refused, not an endless loop
+
+
+def test_arith_easy_answers_are_correct() -> None:
+    from kvreplay.items import arith_easy_items
+
+    for item in arith_easy_items():
+        solve = EASY_SOLVERS[item.meta["template"]]
+        assert item.prompt.startswith(INSTRUCTION)
+        assert item.meta["set"] == "arith-easy"
+        assert item.meta["difficulty"] == max(item.meta["operands"])
+        assert isinstance(item.meta["seed"], int)
+        numbers = [int(x) for x in re.findall(r"\d+", item.prompt.removeprefix(INSTRUCTION))]
+        assert numbers == item.meta["operands"], item.id
+        assert str(solve(numbers)) == item.answer, item.id
+        assert int(item.answer) >= 0
