@@ -31,6 +31,7 @@ from kvreplay.ledger import (
 )
 from kvreplay.models import DTYPES, describe_source, file_digests
 from kvreplay.state import read_state_metadata
+from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
 # Keys that legitimately differ between a run and its re-execution.
 UNCHECKED = {"reused_from", "snapshot"}
@@ -135,7 +136,8 @@ def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
 
 
 # Environment fields that describe the machine rather than the software stack: an audit
-# elsewhere announces them (a bf16 mismatch that follows is then no surprise).
+# elsewhere announces them (a bf16 mismatch that follows is then no surprise). The thread
+# count is not one of them: the audit runs on the count the run recorded or refuses.
 MACHINE_FIELDS = (
     "platform",
     "machine",
@@ -143,7 +145,6 @@ MACHINE_FIELDS = (
     "libc",
     "cpu_capability",
     "device_name",
-    "threads",
 )
 
 
@@ -248,14 +249,30 @@ def audit(
     gpus_per_worker: float = 0.0,
     ray_address: str | None = None,
     announce: Callable[[str], None] | None = None,
+    threads: int = DEFAULT_THREADS,
 ) -> AuditResult:
-    """Verify a run; see the module docstring. Bad input raises KvreplayError.
+    """Verify a run; see the module docstring. Bad input raises KvreplayError, and so
+    does a ``threads`` count other than the one the run recorded.
 
     ``announce`` hears, before any re-execution starts, which recorded environment
-    fields differ from this machine's (a different torch or thread count may change bf16
+    fields differ from this machine's (a different torch or CPU may change bf16
     results, so a mismatch that follows is then no surprise).
     """
     ledger = RunLedger.open_existing(run_dir)
+    check_recorded(ledger.manifest["contract"], threads, run_dir, "audit")
+    placement = (engine, workers, gpus_per_worker, ray_address)
+    with intra_op_threads(threads):
+        return _audit(ledger, sample, seed, placement, announce)
+
+
+def _audit(
+    ledger: RunLedger,
+    sample: int | None,
+    seed: int,
+    engine: tuple[str, int, float, str | None],
+    announce: Callable[[str], None] | None,
+) -> AuditResult:
+    run_dir = ledger.run_dir
     result = AuditResult(run_dir)
     config = RunConfig.from_contract(ledger.manifest["contract"].get("run"), str(run_dir))
     try:
@@ -300,7 +317,7 @@ def audit(
         units.append(
             Unit(record.key, record.experiment, item, data["precision"], data.get("inputs", {}))
         )
-    runner = make_engine(config, engine, workers, gpus_per_worker, ray_address)
+    runner = make_engine(config, *engine)
     by_key = {r.key: r for r in chosen}
     try:
         for unit, data, _, _ in runner.run(units):

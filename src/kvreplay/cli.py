@@ -48,6 +48,17 @@ def _device(value: str) -> str:
     return parse_device(value)
 
 
+def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--threads``: torch intra-op threads per worker process (default one; see
+    :mod:`kvreplay.threads`)."""
+    from kvreplay.threads import DEFAULT_THREADS
+
+    return click.option(
+        "--threads", type=click.IntRange(min=1), default=DEFAULT_THREADS, show_default=True,
+        help="torch threads per worker process; a resume or audit needs the run's count.",
+    )(func)  # fmt: skip
+
+
 def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every ``run`` experiment (and the demo)."""
     options = [
@@ -78,10 +89,12 @@ def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Also save boundary states as safetensors (large for big models)."),
         click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
                      show_default=True),
-        click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Worker processes (local: spawned on this machine; ray: actors)."),
         click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
                      show_default=True),
         click.option("--ray-address", default=None, help="Join this Ray cluster."),
+        threads_option,
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -139,6 +152,7 @@ def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
         workers=kwargs["workers"],
         gpus_per_worker=kwargs["gpus_per_worker"],
         ray_address=kwargs["ray_address"],
+        threads=kwargs["threads"],
         extra=kwargs.get("extra", {}),
     )
 
@@ -181,12 +195,17 @@ def run_command(experiment: str, out: Path, **kwargs: Any) -> None:
 @click.option(
     "--n", type=click.IntRange(min=1), default=3, show_default=True, help="Items per experiment."
 )
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=None,
+    help="Local worker processes (default: one per core, at most one per row).",
+)  # fmt: skip
+@threads_option
 @plain_errors
-def demo_command(out: Path, n: int) -> None:
+def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
     """All three experiments on the embedded default model, then analysis and report."""
     from kvreplay.demo import run_demo
 
-    run_demo(out, n)
+    run_demo(out, n, workers=workers, threads=threads)
 
 
 @main.command("audit")
@@ -202,6 +221,7 @@ def demo_command(out: Path, n: int) -> None:
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--ray-address", default=None)
+@threads_option
 @plain_errors
 def audit_command(run_dir: Path, sample: int | None, seed: int, **engine: Any) -> None:
     """Re-execute a run's rows and verify every fingerprint, hash and derived CSV."""

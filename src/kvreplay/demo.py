@@ -3,6 +3,7 @@ model at a size that finishes in minutes on a laptop CPU, then claims and a repo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -10,19 +11,49 @@ import click
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.models import DEFAULT_MODEL
 from kvreplay.runner import RunRequest, run
+from kvreplay.threads import DEFAULT_THREADS
+
+EXPERIMENTS = (
+    ("matched", ("bf16", "fp32")),
+    ("fixed-prefix", ("bf16", "fp32")),
+    ("bridge", ("bf16",)),
+)
 
 
-def run_demo(out: Path, n: int = 3, model: str = DEFAULT_MODEL) -> Path:
-    """matched and fixed-prefix in bf16 and fp32, the bridge in bf16; return report.html."""
+def default_workers(n: int, threads: int) -> int:
+    """One worker process per ``threads`` cores this process may use, and no more workers
+    than the largest experiment has rows (precisions x items)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    rows = max(len(dtypes) for _, dtypes in EXPERIMENTS) * n
+    return max(1, min((cores or 1) // threads, rows))
+
+
+def run_demo(
+    out: Path,
+    n: int = 3,
+    model: str = DEFAULT_MODEL,
+    workers: int | None = None,
+    threads: int = DEFAULT_THREADS,
+) -> Path:
+    """matched and fixed-prefix in bf16 and fp32, the bridge in bf16; return report.html.
+
+    Rows run on ``workers`` local processes (default :func:`default_workers`) of
+    ``threads`` torch threads each; the ledger is the same as a serial run's.
+    """
     from kvreplay.report import build_report
 
-    for experiment, dtypes in (
-        ("matched", ("bf16", "fp32")),
-        ("fixed-prefix", ("bf16", "fp32")),
-        ("bridge", ("bf16",)),
-    ):
-        click.echo(f"== {experiment} on {model}, {n} items, {'/'.join(dtypes)}")
-        run(RunRequest(experiment=experiment, out=out, model=model, n=n, dtypes=dtypes))
+    workers = workers or default_workers(n, threads)
+    for experiment, dtypes in EXPERIMENTS:
+        click.echo(
+            f"== {experiment} on {model}, {n} items, {'/'.join(dtypes)} "
+            f"({workers} worker process{'es' if workers > 1 else ''}, {threads} thread"
+            f"{'s' if threads > 1 else ''} each)"
+        )
+        request = RunRequest(
+            experiment=experiment, out=out, model=model, n=n, dtypes=dtypes,
+            workers=workers, threads=threads,
+        )  # fmt: skip
+        run(request)
     claims = analyze_dir(out)
     write_claims(claims, out / "claims.json")
     for line in summary_lines(claims):

@@ -47,6 +47,7 @@ from kvreplay.models import (
 )
 from kvreplay.scoring import get_extractor
 from kvreplay.stages import StagePlan, get_plan
+from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
 
 @dataclass
@@ -72,6 +73,7 @@ class RunRequest:
     workers: int = 1
     gpus_per_worker: float = 0.0
     ray_address: str | None = None
+    threads: int = DEFAULT_THREADS  # torch intra-op threads per worker process
     command: list[str] = field(default_factory=lambda: list(sys.argv))
     extra: dict[str, Any] = field(default_factory=dict)  # experiment-specific options
 
@@ -177,6 +179,14 @@ def _recorded_scheme(out: Path) -> int:
     return contract_scheme(RunLedger.open_existing(out).manifest["contract"])
 
 
+def _check_resume_threads(request: RunRequest) -> None:
+    """A run with rows resumes only on the thread count it recorded (named in the refusal)."""
+    if (request.out / MANIFEST).exists():
+        existing = RunLedger.open_existing(request.out)
+        if existing.has_rows():
+            check_recorded(existing.manifest["contract"], request.threads, request.out, "resume")
+
+
 def build_contract(
     config: RunConfig, info: dict[str, Any], items_source: str, items: list[Item], scheme: int
 ) -> dict[str, Any]:
@@ -210,6 +220,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
                 "has only a recorded prefix; use fixed-prefix or transplant for trajectories."
             )
     scheme = _recorded_scheme(request.out)
+    _check_resume_threads(request)
     info = describe_source(request.model, request.trust_remote_code, scheme)
     _check_prompts(request, plan, items, info)
     config = RunConfig(
@@ -262,13 +273,15 @@ def run(request: RunRequest, quiet: bool = False) -> dict[str, Any]:
     """Run (or resume) one experiment into ``request.out``; return its summary.
 
     The run holds the folder's lock (see :mod:`kvreplay.runlock`) from before its first
-    write until it returns, so a second run on the same folder is refused.
+    write until it returns, so a second run on the same folder is refused. It runs on
+    ``request.threads`` torch threads per worker process, which its contract records.
     """
-    ledger, config, items, _ = prepare(request)
-    try:
-        return _run_prepared(request, ledger, config, items, quiet)
-    finally:
-        ledger.close()
+    with intra_op_threads(request.threads):
+        ledger, config, items, _ = prepare(request)
+        try:
+            return _run_prepared(request, ledger, config, items, quiet)
+        finally:
+            ledger.close()
 
 
 def _run_prepared(

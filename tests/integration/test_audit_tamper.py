@@ -10,12 +10,12 @@ import csv
 import hashlib
 import io
 import json
+import platform
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import Result
 from helpers import invoke
 
@@ -205,13 +205,19 @@ def test_a_folder_that_is_not_a_run_is_bad_input(tmp_path: Path, setup: str) -> 
     assert isinstance(result.exception, SystemExit)
 
 
-def test_audit_elsewhere_names_the_environment_fields_that_differ(run: Path) -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the run recorded one thread
-    try:
-        result = audit(run, "--sample", 0)  # the structural checks only
-    finally:
-        torch.set_num_threads(before)
+def test_audit_elsewhere_names_the_environment_fields_that_differ(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")  # the run recorded x86_64
+    result = audit(run, "--sample", 0)  # the structural checks only
     assert result.exit_code == 0, result.output
-    assert "environment differs from the run's in: threads" in result.stdout
+    assert re.search(r"environment differs from the run's in: .*\bmachine\b", result.stdout)
     assert "rows in ledger: 4; re-executed: 0" in result.stdout
+
+
+def test_audit_on_another_thread_count_is_refused(run: Path) -> None:
+    """The run recorded one thread; the refusal names the flag that restores it."""
+    result = audit(run, "--sample", 0, "--threads", 2)
+    assert result.exit_code == 2
+    assert "recorded 1 thread per worker process" in result.stderr
+    assert "pass --threads 1 to audit it" in result.stderr

@@ -1,4 +1,5 @@
-"""Engines run units of work and yield their rows in the order given."""
+"""Engines run units of work and yield their rows in the order given: ``local`` in this
+process (one worker) or in spawned processes (``--workers N``), ``ray`` on Ray actors."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ def make_engine(
 ) -> Any:
     """The engine ``run`` and ``audit`` share; Ray is imported only when asked for."""
     check_engine(name, workers, gpus_per_worker)
+    if name == "local" and workers > 1:
+        from kvreplay.engines.processes import ProcessEngine
+
+        return ProcessEngine(config, workers)
     if name == "local":
         from kvreplay.engines.local import LocalEngine
 

@@ -15,7 +15,7 @@ class LocalEngine:
         self.worker = Worker(config, name="local")
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": self.name, "workers": [self.worker.device_info()]}
+        return {"engine": self.name, "worker_count": 1, "workers": [self.worker.device_info()]}
 
     def run(self, units: list[Unit]) -> Iterator[tuple[Unit, dict, dict, str]]:
         for unit in units:
