@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvreplay.analysis.flip import analyze_flip, flip_summary_lines
 from kvreplay.analysis.ledgers import (
     BRIDGE_FILE,
     FIXED_FILE,
@@ -341,8 +342,13 @@ def build_claims(ledgers: Mapping[str, Ledger]) -> Json:
 
 
 def analyze_dir(folder: Path) -> Json:
-    """Validate every known ledger in a folder and compute its claims."""
-    return build_claims(load_ledger_dir(folder))
+    """Validate every known ledger in a folder and compute its claims, with the flip
+    predictor (which needs rows.jsonl, not only the CSVs) under extra.flip_predictor."""
+    ledgers = load_ledger_dir(folder)
+    claims = build_claims(ledgers)
+    if "extra" in claims:  # only matrix ledgers have rows to rank
+        claims["extra"]["flip_predictor"] = analyze_flip(folder, ledgers).to_json()
+    return claims
 
 
 def write_claims(claims: Json, path: Path) -> None:
@@ -398,4 +404,4 @@ def summary_lines(claims: Json) -> list[str]:
             f"stock_qwen_diagnostic: singleton vs pair tokens exact"
             f" {stock['singleton_pair_token_exact_rows']}/{stock['rows']}"
         )
-    return lines
+    return lines + flip_summary_lines(claims.get("extra", {}).get("flip_predictor"))

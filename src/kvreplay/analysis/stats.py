@@ -7,6 +7,8 @@ regenerated bit-for-bit from its ledgers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
@@ -59,15 +61,66 @@ def paired_bootstrap_ci_pp(values: ArrayLike, stream: int) -> tuple[float, float
     n = x.shape[0]
     if n == 0:
         raise ValueError("the paired bootstrap needs at least one row")
-    rng = np.random.default_rng(BOOTSTRAP_SEED + stream)
     replicates = np.concatenate(
-        [
-            x[rng.integers(0, n, size=(BOOTSTRAP_BLOCK, n))].mean(axis=1)
-            for _ in range(BOOTSTRAP_REPLICATES // BOOTSTRAP_BLOCK)
-        ]
+        [x[indices].mean(axis=1) for indices in bootstrap_index_blocks(n, stream)]
     )
     low, high = np.quantile(replicates * 100.0, [0.025, 0.975])
     return float(low), float(high)
+
+
+def bootstrap_index_blocks(n: int, stream: int) -> Iterator[np.ndarray]:
+    """METHOD.md's resamples of n rows: (block, n) row-index matrices from one seeded stream.
+
+    Every row bootstrap in kvreplay draws through here, so a statistic's interval
+    is reproducible draw for draw from its stream number alone.
+    """
+    rng = np.random.default_rng(BOOTSTRAP_SEED + stream)
+    for _ in range(BOOTSTRAP_REPLICATES // BOOTSTRAP_BLOCK):
+        yield rng.integers(0, n, size=(BOOTSTRAP_BLOCK, n))
+
+
+@dataclass(frozen=True)
+class BootstrapInterval:
+    """Percentile 95% interval and how many resamples had the statistic defined."""
+
+    low: float
+    high: float
+    defined_replicates: int
+
+
+def row_bootstrap_ci(
+    statistic: Callable[[np.ndarray], np.ndarray], n: int, stream: int
+) -> BootstrapInterval | None:
+    """Percentile 95% interval of any row statistic over METHOD.md's resamples.
+
+    ``statistic`` maps a (block, n) index matrix to one value per resample, NaN
+    where the resample leaves it undefined (an AUC with no positive row); those
+    resamples are dropped and counted. None when no resample is defined.
+    """
+    if n == 0:
+        return None
+    values = np.concatenate([statistic(indices) for indices in bootstrap_index_blocks(n, stream)])
+    values = values[~np.isnan(values)]
+    if not values.size:
+        return None
+    low, high = np.quantile(values, [0.025, 0.975])
+    return BootstrapInterval(float(low), float(high), int(values.size))
+
+
+def mann_whitney_auc(scores: ArrayLike, labels: ArrayLike) -> float | None:
+    """ROC AUC as P(score of a positive > score of a negative), ties counted half.
+
+    The Mann-Whitney form needs no threshold sweep and treats tied scores
+    exactly; None when either class is empty, where the AUC is undefined.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels, dtype=bool)
+    positive, negative = s[y], s[~y]
+    if not positive.size or not negative.size:
+        return None
+    above = np.count_nonzero(positive[:, None] > negative[None, :])
+    tied = np.count_nonzero(positive[:, None] == negative[None, :])
+    return float((above + 0.5 * tied) / (positive.size * negative.size))
 
 
 def newcombe_paired_difference_ci(

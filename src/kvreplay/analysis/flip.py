@@ -1,0 +1,427 @@
+"""The flip predictor: rank rows by how likely a rebuilt prefix changes their suffix.
+
+Beyond the paper. A suffix can only change where the rebuilt state's logits move
+enough to swap the greedy argmax, and the live trajectory already records how
+close every step came to that: its top-1 minus top-2 logit margin. A risk score
+built from those margins alone is known before any prefill is built, so an
+auditor can spend a prefill budget on the riskiest rows first.
+
+The label is suffix divergence (the matrix ledger's ``suffix_equal`` is false).
+The margins are those of the left arm's suffix in rows.jsonl: the live arm of
+``matched`` rows, and the replay arm of ``fixed-prefix`` rows (bit-exact with live,
+so it is the live trajectory too). Scores, window and threshold are fixed here
+in advance and every one of them is reported; none is tuned on a run's data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvreplay.analysis.ledgers import FIXED_FILE, MATCHED_FILE, Ledger
+from kvreplay.analysis.stats import (
+    BOOTSTRAP_REPLICATES,
+    BOOTSTRAP_SEED,
+    BootstrapInterval,
+    mann_whitney_auc,
+    row_bootstrap_ci,
+)
+
+Json = dict[str, Any]
+
+DEFAULT_WINDOW = 32
+"""Decoded suffix steps a windowed score reads: an early, fixed budget that does not
+grow with a plan's token caps, so scores compare across runs."""
+DEFAULT_THRESHOLD = 0.5
+"""Logits. BF16 logits of magnitude 16-32 are spaced 0.125 apart, so a margin of at
+most 4 such steps is within reach of the rounding drift a one-shot prefill adds."""
+AUDIT_SHARE = 0.2
+"""The audit budget: the riskiest ceil(20% of n) rows are rebuilt and checked."""
+FLIP_STREAM_BASE = 400
+"""Bootstrap streams 400 + 10 * section + precision; claims.py uses 0-123."""
+
+SECTIONS = {
+    MATCHED_FILE: ("matched", "matched_live_prefill"),
+    FIXED_FILE: ("fixed-prefix", "fixed_prefix_2x2"),
+}
+"""Matrix ledger file -> (its experiment in rows.jsonl, its claims section)."""
+SKIP_NO_ROWS = (
+    "The flip predictor needs the live margins in rows.jsonl; this folder holds CSV"
+    " ledgers only, so the section is skipped."
+)
+SKIP_NO_MARGINS = (
+    "rows.jsonl records no top-2 margins for {row} (a ledger written before kvreplay"
+    " kept them), so the flip predictor is skipped."
+)
+
+
+@dataclass(frozen=True)
+class RiskScore:
+    """One member of the score family; higher means riskier.
+
+    With no threshold the score is minus the smallest margin (one near-tie is
+    enough to flip); with a threshold it counts margins at or under it (many
+    near-ties give many chances). ``window`` None reads the whole suffix.
+    """
+
+    name: str
+    window: int | None
+    threshold: float | None = None
+
+    def __call__(self, margins: Sequence[float]) -> float:
+        steps = margins[: self.window]
+        if self.threshold is None:
+            return -min(steps) if steps else -math.inf  # no decoded step: nothing can flip
+        return float(sum(1 for margin in steps if margin <= self.threshold))
+
+    @property
+    def description(self) -> str:
+        where = f"the first {self.window} decoded suffix steps" if self.window else "the suffix"
+        if self.threshold is None:
+            return f"minus the smallest top-1/top-2 margin over {where}"
+        return f"steps with margin <= {self.threshold:g} over {where}"
+
+
+SCORES = (
+    RiskScore(f"min_margin_k{DEFAULT_WINDOW}", DEFAULT_WINDOW),
+    RiskScore(
+        f"low_margin_count_k{DEFAULT_WINDOW}_t{DEFAULT_THRESHOLD:g}",
+        DEFAULT_WINDOW,
+        DEFAULT_THRESHOLD,
+    ),
+    RiskScore("min_margin_whole_suffix", None),
+)
+PRIMARY_SCORE = SCORES[0].name
+"""Named before any run was scored; the others are reported beside it, never instead."""
+
+
+def audit_order(risks: np.ndarray, row_ids: Sequence[str]) -> np.ndarray:
+    """Row positions, riskiest first; equal risks in ascending row id, so the audit
+    set does not depend on the order in which workers appended rows."""
+    return np.lexsort((np.asarray(row_ids), -np.asarray(risks, dtype=np.float64)))
+
+
+def audited_rows(n: int, share: float = AUDIT_SHARE) -> int:
+    """ceil(share * n), at least one row when there are any."""
+    return min(n, max(1, math.ceil(share * n - 1e-9))) if n else 0
+
+
+@dataclass(frozen=True)
+class AuditCatch:
+    """What auditing the riskiest rows finds, with the yardsticks to read it by.
+
+    ``expected_if_ties_random`` is the catch averaged over every order of the rows
+    tied at the cut: when many rows share a risk (BF16 margins are often exactly
+    0), the row-id tie-break decides who is audited, and this says how much.
+    """
+
+    rows: int
+    audited: int
+    divergent: int
+    caught: int
+    tied_at_cut: int
+    expected_if_ties_random: float
+
+    @property
+    def share(self) -> float | None:
+        return self.caught / self.divergent if self.divergent else None
+
+    def to_json(self) -> Json:
+        share = (lambda count: count / self.divergent) if self.divergent else (lambda _: None)
+        return {
+            "audited_rows": self.audited,
+            "divergent_caught": self.caught,
+            "share_of_divergent": self.share,
+            "rows_tied_at_cut": self.tied_at_cut,
+            "share_expected_if_ties_random": share(self.expected_if_ties_random),
+            "share_best_possible": share(min(self.audited, self.divergent)),
+            "share_expected_random_audit": self.audited / self.rows if self.divergent else None,
+        }
+
+
+def audit_catch(
+    risks: np.ndarray, order: np.ndarray, labels: np.ndarray, audited: int
+) -> AuditCatch:
+    """Divergent rows among the first ``audited`` rows of ``order``."""
+    caught = int(np.count_nonzero(labels[order[:audited]]))
+    if not audited:
+        return AuditCatch(0, 0, 0, 0, 0, 0.0)
+    cut = risks[order[audited - 1]]
+    above, tied = risks > cut, risks == cut
+    slots = audited - int(np.count_nonzero(above))
+    expected = np.count_nonzero(labels & above) + slots * np.count_nonzero(
+        labels & tied
+    ) / np.count_nonzero(tied)
+    return AuditCatch(
+        len(risks),
+        audited,
+        int(np.count_nonzero(labels)),
+        caught,
+        int(np.count_nonzero(tied)),
+        float(expected),
+    )
+
+
+def resampled_auc(risks: np.ndarray, labels: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Mann-Whitney AUC of each resample in a (block, n) index matrix, NaN where a class is empty.
+
+    A resample is row multiplicities c, so its AUC is c_pos^T W c_neg / (sum c_pos * sum
+    c_neg) with W the positive-by-negative win matrix (1 above, 1/2 tied): one matrix
+    product per block instead of a sort per resample.
+    """
+    block, n = indices.shape
+    counts = np.bincount((indices + n * np.arange(block)[:, None]).ravel(), minlength=block * n)
+    counts = counts.reshape(block, n).astype(np.float64)
+    positive, negative = risks[labels], risks[~labels]
+    wins = (positive[:, None] > negative[None, :]) + 0.5 * (positive[:, None] == negative[None, :])
+    c_pos, c_neg = counts[:, labels], counts[:, ~labels]
+    pairs = c_pos.sum(axis=1) * c_neg.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(pairs > 0, ((c_pos @ wins) * c_neg).sum(axis=1) / pairs, np.nan)
+
+
+def resampled_catch_share(
+    order: np.ndarray, labels: np.ndarray, audited: int, indices: np.ndarray
+) -> np.ndarray:
+    """Top-audited catch share of each resample, ties broken as in the point estimate.
+
+    Rows keep their rank in ``order``; copies of one row are adjacent and share a
+    label, so sorting the resample's ranks reproduces the audit set exactly.
+    """
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    label_at_rank = labels[order]
+    caught = label_at_rank[np.sort(rank[indices], axis=1)[:, :audited]].sum(axis=1)
+    total = labels[indices].sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, caught / np.maximum(total, 1), np.nan)
+
+
+def roc_points(risks: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(false positive rate, true positive rate) at every distinct threshold, from (0, 0).
+
+    Tied risks move both rates at once (a diagonal step), so the trapezoid area
+    under these points equals the Mann-Whitney AUC with ties counted half.
+    """
+    thresholds = np.unique(risks)[::-1]
+    positive = max(1, int(np.count_nonzero(labels)))
+    negative = max(1, int(np.count_nonzero(~labels)))
+    tp = np.array([np.count_nonzero(labels & (risks >= t)) for t in thresholds])
+    fp = np.array([np.count_nonzero(~labels & (risks >= t)) for t in thresholds])
+    return np.concatenate([[0.0], fp / negative]), np.concatenate([[0.0], tp / positive])
+
+
+def _interval_json(interval: BootstrapInterval | None) -> list[float] | None:
+    return [interval.low, interval.high] if interval else None
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreResult:
+    """One score on one (section, precision) panel: AUC and the audit catch."""
+
+    score: RiskScore
+    risks: np.ndarray
+    auc: float | None
+    auc_ci: BootstrapInterval | None
+    catch: AuditCatch
+    catch_ci: BootstrapInterval | None
+
+    def to_json(self) -> Json:
+        return {
+            "auc": self.auc,
+            "auc_bootstrap_95_ci": _interval_json(self.auc_ci),
+            "auc_bootstrap_defined_replicates": self.auc_ci.defined_replicates
+            if self.auc_ci
+            else 0,
+            "audit_top_share": {
+                **self.catch.to_json(),
+                "bootstrap_95_ci": _interval_json(self.catch_ci),
+            },
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class FlipPanel:
+    """The predictor on one precision of one matrix section."""
+
+    section: str
+    precision: str
+    row_ids: tuple[str, ...]
+    labels: np.ndarray
+    stream: int
+    results: tuple[ScoreResult, ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def divergent(self) -> int:
+        return int(np.count_nonzero(self.labels))
+
+    @property
+    def undefined(self) -> str | None:
+        """Why the AUC is undefined on this panel, or None."""
+        if not self.divergent:
+            return "undefined: no row diverges, so there is nothing to predict"
+        if self.divergent == self.rows:
+            return "undefined: every row diverges, so there is no exact row to rank below"
+        return None
+
+    def to_json(self) -> Json:
+        return {
+            "rows": self.rows,
+            "divergent_rows": self.divergent,
+            "exact_rows": self.rows - self.divergent,
+            "auc_status": self.undefined or "defined",
+            "bootstrap_stream": self.stream,
+            "scores": {r.score.name: r.to_json() for r in self.results},
+        }
+
+
+@dataclass(frozen=True)
+class FlipAnalysis:
+    """Every panel of a run, or the plain reason the predictor could not run."""
+
+    panels: tuple[FlipPanel, ...] = ()
+    skipped: str | None = None
+    scores: tuple[RiskScore, ...] = field(default=SCORES)
+
+    def to_json(self) -> Json:
+        if self.skipped:
+            return {"note": self.skipped}
+        out: Json = {
+            "label": "suffix divergence (suffix_equal is false)",
+            "primary_score": PRIMARY_SCORE,
+            "scores": {
+                s.name: {"description": s.description, "window": s.window, "threshold": s.threshold}
+                for s in self.scores
+            },
+            "audit_share": AUDIT_SHARE,
+            "audit_tie_break": "equal risk: ascending row_id",
+            "bootstrap": {"seed": BOOTSTRAP_SEED, "replicates": BOOTSTRAP_REPLICATES},
+        }
+        for panel in self.panels:
+            out.setdefault(panel.section, {})[panel.precision] = panel.to_json()
+        return out
+
+
+def score_panel(
+    section: str,
+    precision: str,
+    row_ids: Sequence[str],
+    margins: Sequence[Sequence[float]],
+    labels: np.ndarray,
+    stream: int,
+    scores: Sequence[RiskScore] = SCORES,
+) -> FlipPanel:
+    """Every score's AUC and audit catch, each with a row bootstrap on one shared stream
+    (so scores are compared on the same resamples)."""
+    labels = np.asarray(labels, dtype=bool)
+    n = len(row_ids)
+    audited = audited_rows(n)
+    results = []
+    for score in scores:
+        risks = np.array([score(m) for m in margins], dtype=np.float64)
+        order = audit_order(risks, row_ids)
+        auc = mann_whitney_auc(risks, labels)
+        catch = audit_catch(risks, order, labels, audited)
+        auc_ci = (
+            row_bootstrap_ci(lambda idx, r=risks: resampled_auc(r, labels, idx), n, stream)
+            if auc is not None
+            else None
+        )
+        catch_ci = (
+            row_bootstrap_ci(
+                lambda idx, o=order: resampled_catch_share(o, labels, audited, idx), n, stream
+            )
+            if catch.share is not None
+            else None
+        )
+        results.append(ScoreResult(score, risks, auc, auc_ci, catch, catch_ci))
+    return FlipPanel(section, precision, tuple(row_ids), labels, stream, tuple(results))
+
+
+def _left_margins(data: Json) -> list[float] | None:
+    """The left arm's decoded-step margins, stage after stage (forced openers have none)."""
+    segments = data["arms"]["left"]["suffix"]["segments"]
+    if any("margins" not in segment for segment in segments):
+        return None
+    return [float(m) for segment in segments for m in segment["margins"]]
+
+
+def _run_records(folder: Path) -> dict[tuple[str, str, str], Json] | None:
+    """Matrix rows of a kvreplay run keyed by (experiment, item, precision); None if no run."""
+    from kvreplay.ledger import RunLedger, parse_rows
+
+    if not ((folder / "manifest.json").is_file() and (folder / "rows.jsonl").is_file()):
+        return None
+    ledger = RunLedger.open_existing(folder)
+    records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)  # load_ledger_dir checked them
+    return {
+        (r.experiment, r.data["item_id"], r.data["precision"]): r.data
+        for r in records
+        if r.data.get("status") == "ok" and "arms" in r.data
+    }
+
+
+def analyze_flip(folder: Path, ledgers: Mapping[str, Ledger]) -> FlipAnalysis:
+    """The predictor on every matrix ledger of a run: rows as in the CSV (so counts match
+    the claims), labels from its suffix_equal, margins from rows.jsonl."""
+    records = _run_records(folder)
+    if records is None:
+        return FlipAnalysis(skipped=SKIP_NO_ROWS)
+    panels = []
+    for index, (file_name, (experiment, section)) in enumerate(SECTIONS.items()):
+        if (ledger := ledgers.get(file_name)) is None:
+            continue
+        precisions = sorted(dict.fromkeys(ledger["precision"].tolist()))
+        for offset, precision in enumerate(precisions):
+            rows = ledger.select(ledger["precision"] == precision)
+            row_ids = [str(r) for r in rows.row_ids]
+            margins = []
+            for row_id in row_ids:
+                data = records.get((experiment, row_id, precision))
+                found = _left_margins(data) if data else None
+                if found is None:
+                    where = f"{experiment}/{row_id}/{precision}"
+                    return FlipAnalysis(skipped=SKIP_NO_MARGINS.format(row=where))
+                margins.append(found)
+            stream = FLIP_STREAM_BASE + 10 * index + offset
+            panels.append(
+                score_panel(section, precision, row_ids, margins, ~rows["suffix_equal"], stream)
+            )
+    return FlipAnalysis(tuple(panels))
+
+
+def flip_summary_lines(section: Json | None) -> list[str]:
+    """One line per panel with the primary score's AUC and audit catch."""
+    if not section:
+        return []
+    if "note" in section:
+        return [f"flip_predictor: {section['note']}"]
+    lines = []
+    for name, panel in section.items():
+        if not (isinstance(panel, dict) and name in {s for _, s in SECTIONS.values()}):
+            continue
+        for precision, block in panel.items():
+            divergent = f"{block['divergent_rows']}/{block['rows']} divergent"
+            head = f"flip_predictor {name} {precision} ({divergent})"
+            result = block["scores"][section["primary_score"]]
+            if result["auc"] is None:
+                lines.append(f"{head}: AUC {block['auc_status']}")
+                continue
+            low, high = result["auc_bootstrap_95_ci"]
+            audit = result["audit_top_share"]
+            lines.append(
+                f"{head}: {section['primary_score']} AUC {result['auc']:.3f}"
+                f" [{low:.3f}, {high:.3f}]; riskiest {audit['audited_rows']} rows catch"
+                f" {audit['divergent_caught']}/{block['divergent_rows']}"
+                f" ({audit['rows_tied_at_cut']} tied at the cut)"
+            )
+    return lines
