@@ -27,6 +27,14 @@ from kvreplay.analysis.claims import (
     matrix_blocks,
     write_claims,
 )
+from kvreplay.analysis.flip import (
+    AUDIT_SHARE,
+    PRIMARY_SCORE,
+    SCORES,
+    FlipAnalysis,
+    analyze_flip,
+    roc_points,
+)
 from kvreplay.analysis.ledgers import LAYER_DRIFT_COLUMN, Ledger, LedgerError, load_ledger_dir
 
 Json = dict[str, Any]
@@ -374,6 +382,130 @@ def _figure_transplant(claims: Json, path: Path) -> Path | None:
     return _save(figure, path)
 
 
+SCORE_COLOURS = ("#8e44ad", "#d35400", "#27ae60")
+FLIP_METHOD_NOTE = (
+    "Flip predictor (beyond the paper). Each row gets a risk score from the left arm's"
+    " trajectory alone, known before any prefill is built: the top-1 minus top-2 logit"
+    " margin of every decoded suffix step (the live arm of `matched`; the replay arm of"
+    " `fixed-prefix`, bit-exact with live). A greedy suffix can only change where a"
+    " rebuilt state moves the logits past such a margin. Scores, fixed in advance and all"
+    " reported: {scores}; `{primary}` was named primary before any run was scored. The"
+    " label is suffix divergence (`suffix_equal` false). AUC is the Mann-Whitney"
+    " probability that a divergent row outranks an exact one, ties counted half; it is"
+    " undefined when a precision has no divergent or no exact row. The audit takes the"
+    " riskiest ceil({share:.0%} of n) rows, equal risks in ascending row id; because BF16"
+    " margins are often exactly 0, many rows tie at the cut, so the catch expected under a"
+    " random order of the tied rows is shown beside it, and a random audit would catch"
+    " about {share:.0%}. Intervals: percentile row bootstrap, 20,000 seeded resamples,"
+    " resamples without both classes dropped."
+)
+
+
+def _figure_roc(flip: FlipAnalysis, path: Path) -> Path | None:
+    """ROC of every score, one panel per matrix section, for precisions with a defined AUC."""
+    sections: dict[str, list[Any]] = {}
+    for panel in flip.panels:
+        if panel.undefined is None:
+            sections.setdefault(panel.section, []).append(panel)
+    if not sections:
+        return None
+    figure, axes = _new_figure(len(sections), height=4.2)
+    for ax, (section, panels) in zip(axes, sections.items(), strict=True):
+        ax.plot([0, 1], [0, 1], color="#999999", linewidth=0.8, linestyle=":", label="chance")
+        for panel in panels:
+            for colour, result in zip(SCORE_COLOURS, panel.results, strict=False):
+                fpr, tpr = roc_points(result.risks, panel.labels)
+                ax.plot(
+                    fpr,
+                    tpr,
+                    color=colour,
+                    linestyle="-" if panel.precision == "bf16" else "--",
+                    linewidth=1.5,
+                    label=f"{panel.precision} {result.score.name}: AUC {result.auc:.2f}",
+                )
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.set_aspect("equal")
+        ax.set_xlabel("exact rows flagged (false positive rate)")
+        ax.set_ylabel("divergent rows flagged (true positive rate)")
+        ax.set_title(f"{section}: flip predictor ROC", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+    return _save(figure, path)
+
+
+def _flip_rows(flip: FlipAnalysis) -> list[tuple[str, ...]]:
+    rows = []
+    for panel in flip.panels:
+        if panel.undefined:
+            undefined = f"undefined: {panel.undefined}"
+            head = (
+                panel.section,
+                panel.precision,
+                "every score",
+                f"{panel.divergent}/{panel.rows}",
+            )
+            rows.append((*head, undefined, str(panel.results[0].catch.audited), "—", "—"))
+            continue
+        for result in panel.results:
+            auc, catch = result.auc, result.catch
+            if auc is None or result.auc_ci is None:
+                auc_text = "undefined"
+            else:
+                auc_text = f"{auc:.3f} [{result.auc_ci.low:.3f}, {result.auc_ci.high:.3f}]"
+            if catch.share is None or result.catch_ci is None:
+                caught = expected = "undefined (no row diverges)"
+            else:
+                low, high = 100 * result.catch_ci.low, 100 * result.catch_ci.high
+                share = f"{100 * catch.share:.0f}% [{low:.0f}, {high:.0f}]"
+                caught = f"{catch.caught}/{catch.divergent} ({share})"
+                expected = f"{100 * catch.expected_if_ties_random / catch.divergent:.0f}%"
+            rows.append(
+                (
+                    panel.section,
+                    panel.precision,
+                    result.score.name,
+                    f"{panel.divergent}/{panel.rows}",
+                    auc_text,
+                    f"{catch.audited} ({catch.tied_at_cut} tied at cut)",
+                    caught,
+                    expected,
+                )
+            )
+    return rows
+
+
+def _flip_blocks(run_dir: Path, ledgers: dict[str, Ledger], figures: Path) -> list[Block]:
+    """The flip predictor's table, ROC figure and method note; a plain note when skipped."""
+    flip = analyze_flip(run_dir, ledgers)
+    blocks: list[Block] = [Heading("Flip predictor: which rows will a rebuilt prefix change?")]
+    if flip.skipped:
+        return [*blocks, Paragraph(flip.skipped)]
+    scores = "; ".join(f"`{s.name}` = {s.description}" for s in SCORES)
+    blocks += [
+        Paragraph(FLIP_METHOD_NOTE.format(scores=scores, primary=PRIMARY_SCORE, share=AUDIT_SHARE)),
+        Table(
+            (
+                "section",
+                "precision",
+                "score",
+                "divergent/rows",
+                "AUC [bootstrap 95% CI]",
+                "audited rows",
+                "divergent caught [95% CI, %]",
+                "caught if ties random",
+            ),
+            _flip_rows(flip),
+        ),
+    ]
+    if figure := _figure_roc(flip, figures / "flip_predictor_roc.png"):
+        blocks.append(
+            Image(figure, "ROC of each margin score against suffix divergence; dashed: not bf16.")
+        )
+    else:
+        blocks.append(Paragraph("No precision has both divergent and exact rows, so no ROC."))
+    return blocks
+
+
 def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
     """The facts a reader needs to judge a run: model, precision contract, machine, items."""
     path = run_dir / "manifest.json"
@@ -534,6 +666,8 @@ def _blocks(run_dir: Path, claims: Json, ledgers: dict[str, Ledger], figures: Pa
                     figure, "Donor recovery after swapping all K/V layers (Wilson 95% intervals)."
                 )
             )
+    if matrix:
+        blocks += _flip_blocks(run_dir, ledgers, figures)
     return blocks
 
 

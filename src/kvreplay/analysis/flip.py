@@ -268,9 +268,9 @@ class FlipPanel:
     def undefined(self) -> str | None:
         """Why the AUC is undefined on this panel, or None."""
         if not self.divergent:
-            return "undefined: no row diverges, so there is nothing to predict"
+            return "no row diverges, so there is nothing to predict"
         if self.divergent == self.rows:
-            return "undefined: every row diverges, so there is no exact row to rank below"
+            return "every row diverges, so there is no exact row to rank below"
         return None
 
     def to_json(self) -> Json:
@@ -278,7 +278,7 @@ class FlipPanel:
             "rows": self.rows,
             "divergent_rows": self.divergent,
             "exact_rows": self.rows - self.divergent,
-            "auc_status": self.undefined or "defined",
+            "auc_status": f"undefined: {self.undefined}" if self.undefined else "defined",
             "bootstrap_stream": self.stream,
             "scores": {r.score.name: r.to_json() for r in self.results},
         }
