@@ -5,13 +5,13 @@ pre-generated trajectories), validation that names the offending line, prompt en
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvreplay.canonical import canonical
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
 
@@ -42,7 +42,7 @@ def items_digest(items: list[Item]) -> str:
     """SHA-256 of the frozen item set as canonical JSONL (order matters)."""
     digest = hashlib.sha256()
     for item in items:
-        digest.update(json.dumps(item.to_dict(), sort_keys=True, separators=(",", ":")).encode())
+        digest.update(canonical(item.to_dict()))
         digest.update(b"\n")
     return digest.hexdigest()
 
