@@ -14,7 +14,9 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,9 +256,22 @@ def special_token_ids(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def model_identity(source: Path, gguf_file: str | None, tokenizer: Any) -> ModelIdentity:
+def hash_model_files(source: Path, gguf_file: str | None) -> Future[dict[str, str]]:
+    """Start :func:`file_digests` of a model's files in a background thread.
+
+    hashlib and file reads release the GIL, so the digests (every byte, read in full)
+    cost no wall time while the caller imports transformers and loads the tokenizer and
+    weights; the read also warms the page cache for the weights.
+    """
     files = [source / gguf_file] if gguf_file else None
-    digests = file_digests(source, files)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreplay-hash")
+    digests = pool.submit(file_digests, source, files)
+    pool.shutdown(wait=False)  # the thread ends when the digests are done
+    return digests
+
+
+def model_identity(digests: dict[str, str], gguf_file: str | None, tokenizer: Any) -> ModelIdentity:
+    """The identity of a model's files (see :func:`hash_model_files`) and tokenizer."""
     scheme1 = tuple(
         name for name in digests if gguf_file or any(Path(name).match(p) for p in _SCHEME1_PATTERNS)
     )
@@ -264,12 +279,21 @@ def model_identity(source: Path, gguf_file: str | None, tokenizer: Any) -> Model
 
 
 def _convert_embedded(embedded: EmbeddedModel) -> Path:
-    """Dequantize the packaged GGUF once into a safetensors folder and return it."""
-    _quiet_transformers()
+    """Dequantize the packaged GGUF once into a safetensors folder and return it.
+
+    A cached folder is returned without importing transformers, so that the caller can
+    start hashing it while transformers imports.
+    """
     parts = embedded.part_paths()
     target = cache_root() / "models" / embedded.name
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
+    _quiet_transformers()
+    print(
+        f"kvreplay: converting the packaged GGUF of {embedded.name} once (about 30 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     staging = target.with_name(target.name + ".staging")
@@ -382,22 +406,25 @@ def _from_hub_cache(hub_id: str) -> Path:
 
 
 def describe_source(
-    spec: str, trust_remote_code: bool = False, scheme: int = IDENTITY_SCHEME
+    spec: str, trust_remote_code: bool = False, scheme: int = IDENTITY_SCHEME, tokenizer: Any = None
 ) -> dict[str, Any]:
     """Identity of a model without loading its weights: digests and architecture.
 
     The driver records this in the manifest's contract (a resumed run in the identity
     scheme it started with); every worker checks that the model it loads matches.
+    ``tokenizer`` is the model's tokenizer when the caller has already loaded it.
     """
     source, gguf_file = resolve_source(spec, trust_remote_code)
+    digests = hash_model_files(source, gguf_file)
     config = text_config(spec, trust_remote_code)
-    tokenizer = load_tokenizer(spec, trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec, trust_remote_code)
     return {
         "spec": spec,
         "model_type": config.model_type,
         "num_layers": int(config.num_hidden_layers),
         "context_length": int(getattr(config, "max_position_embeddings", 0) or 0),
-        **model_identity(source, gguf_file, tokenizer).describe(scheme),
+        **model_identity(digests.result(), gguf_file, tokenizer).describe(scheme),
     }
 
 
@@ -414,9 +441,12 @@ def text_config(spec: str, trust_remote_code: bool = False) -> Any:
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
     """Just the tokenizer (for selections that must not wait for a model load)."""
+    return _tokenizer(spec, *_pretrained(spec, trust_remote_code))
+
+
+def _tokenizer(spec: str, source: Path, gguf_file: str | None, kwargs: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
-    source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
     if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
         raise KvreplayError(
             f"Model {spec!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
@@ -430,8 +460,8 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
 
 def _pretrained(spec: str, trust_remote_code: bool) -> tuple[Path, str | None, dict[str, Any]]:
     """Where ``spec`` lives and the keyword arguments every ``from_pretrained`` gets."""
-    _quiet_transformers()
     source, gguf_file = resolve_source(spec, trust_remote_code)
+    _quiet_transformers()
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -461,10 +491,11 @@ def load_model(
     """
     dtype = parse_dtype(dtype)
     device = parse_device(device)
+    source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
+    digests = hash_model_files(source, gguf_file)  # while transformers imports and loads
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(spec, trust_remote_code)
-    source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
+    tokenizer = _tokenizer(spec, source, gguf_file, kwargs)
     if not gguf_file:
         kwargs["use_safetensors"] = True  # a second belt: never reach torch.load
     try:
@@ -492,5 +523,5 @@ def load_model(
         dtype_name=dtype,
         device=device,
         attn_implementation=str(model.config._attn_implementation),
-        identity=model_identity(source, gguf_file, tokenizer),
+        identity=model_identity(digests.result(), gguf_file, tokenizer),
     )

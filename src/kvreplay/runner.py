@@ -100,11 +100,10 @@ def _plan(request: RunRequest) -> StagePlan:
 
 
 def _check_prompts(
-    request: RunRequest, plan: StagePlan, items: list[Item], info: dict[str, Any]
+    request: RunRequest, plan: StagePlan, items: list[Item], info: dict[str, Any], tokenizer: Any
 ) -> None:
     """Prompts over the context window, token ids outside the vocabulary and empty openers
     are refused before model work."""
-    tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
     config = text_config(request.model, request.trust_remote_code)
     vocabulary = int(getattr(config, "vocab_size", 0) or 0) or len(tokenizer)
@@ -221,8 +220,9 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
             )
     scheme = _recorded_scheme(request.out)
     _check_resume_threads(request)
-    info = describe_source(request.model, request.trust_remote_code, scheme)
-    _check_prompts(request, plan, items, info)
+    tokenizer = load_tokenizer(request.model, request.trust_remote_code)
+    info = describe_source(request.model, request.trust_remote_code, scheme, tokenizer)
+    _check_prompts(request, plan, items, info, tokenizer)
     config = RunConfig(
         model=request.model,
         model_digest=info["model_digest"],

