@@ -50,13 +50,14 @@ SECTIONS = {
     FIXED_FILE: ("fixed-prefix", "fixed_prefix_2x2"),
 }
 """Matrix ledger file -> (its experiment in rows.jsonl, its claims section)."""
+MATRIX_EXPERIMENTS = frozenset(experiment for experiment, _ in SECTIONS.values())
 SKIP_NO_ROWS = (
     "The flip predictor needs the live margins in rows.jsonl; this folder holds CSV"
     " ledgers only, so the section is skipped."
 )
 SKIP_NO_MARGINS = (
-    "rows.jsonl records no top-2 margins for {row} (a ledger written before kvreplay"
-    " kept them), so the flip predictor is skipped."
+    "rows.jsonl holds no left-arm top-2 margins for {row} (a ledger written before kvreplay"
+    " kept them, or in another layout), so the flip predictor is skipped."
 )
 
 
@@ -348,11 +349,13 @@ def score_panel(
 
 
 def _left_margins(data: Json) -> list[float] | None:
-    """The left arm's decoded-step margins, stage after stage (forced openers have none)."""
-    segments = data["arms"]["left"]["suffix"]["segments"]
-    if any("margins" not in segment for segment in segments):
+    """The left arm's decoded-step margins, stage after stage (forced openers have none);
+    None when the row does not hold them where this version writes them."""
+    try:
+        segments = data["arms"]["left"]["suffix"]["segments"]
+        return [float(m) for segment in segments for m in segment["margins"]]
+    except (KeyError, TypeError, ValueError):
         return None
-    return [float(m) for segment in segments for m in segment["margins"]]
 
 
 def _run_records(folder: Path) -> dict[tuple[str, str, str], Json] | None:
@@ -366,7 +369,7 @@ def _run_records(folder: Path) -> dict[tuple[str, str, str], Json] | None:
     return {
         (r.experiment, r.data["item_id"], r.data["precision"]): r.data
         for r in records
-        if r.data.get("status") == "ok" and "arms" in r.data
+        if r.experiment in MATRIX_EXPERIMENTS and r.data.get("status") == "ok" and "arms" in r.data
     }
 
 
