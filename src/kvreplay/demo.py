@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
+from kvreplay.engines import EngineSession
 from kvreplay.models import DEFAULT_MODEL
 from kvreplay.runner import RunRequest, run
 from kvreplay.threads import DEFAULT_THREADS
@@ -38,22 +39,27 @@ def run_demo(
     """matched and fixed-prefix in bf16 and fp32, the bridge in bf16; return report.html.
 
     Rows run on ``workers`` local processes (default :func:`default_workers`) of
-    ``threads`` torch threads each; the ledger is the same as a serial run's.
+    ``threads`` torch threads each, which start and load each model once for all three
+    experiments; the ledger is the same as a serial run's.
     """
     from kvreplay.report import build_report
 
     workers = workers or default_workers(n, threads)
-    for experiment, dtypes in EXPERIMENTS:
-        click.echo(
-            f"== {experiment} on {model}, {n} items, {'/'.join(dtypes)} "
-            f"({workers} worker process{'es' if workers > 1 else ''}, {threads} thread"
-            f"{'s' if threads > 1 else ''} each)"
-        )
-        request = RunRequest(
-            experiment=experiment, out=out, model=model, n=n, dtypes=dtypes,
-            workers=workers, threads=threads,
-        )  # fmt: skip
-        run(request)
+    session = EngineSession()
+    try:
+        for experiment, dtypes in EXPERIMENTS:
+            click.echo(
+                f"== {experiment} on {model}, {n} items, {'/'.join(dtypes)} "
+                f"({workers} worker process{'es' if workers > 1 else ''}, {threads} thread"
+                f"{'s' if threads > 1 else ''} each)"
+            )
+            request = RunRequest(
+                experiment=experiment, out=out, model=model, n=n, dtypes=dtypes,
+                workers=workers, threads=threads,
+            )  # fmt: skip
+            run(request, session=session)
+    finally:
+        session.close()
     claims = analyze_dir(out)
     write_claims(claims, out / "claims.json")
     for line in summary_lines(claims):

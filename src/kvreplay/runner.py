@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvreplay import __version__
 from kvreplay.decode import Sampler, opener_ids
-from kvreplay.engines import check_engine, make_engine
+from kvreplay.engines import EngineSession, check_engine, make_engine
 from kvreplay.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
@@ -269,23 +269,31 @@ def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
         )
 
 
-def run(request: RunRequest, quiet: bool = False) -> dict[str, Any]:
+def run(
+    request: RunRequest, quiet: bool = False, session: EngineSession | None = None
+) -> dict[str, Any]:
     """Run (or resume) one experiment into ``request.out``; return its summary.
 
     The run holds the folder's lock (see :mod:`kvreplay.runlock`) from before its first
     write until it returns, so a second run on the same folder is refused. It runs on
     ``request.threads`` torch threads per worker process, which its contract records.
+    A ``session`` (closed by the caller) keeps its workers and their models for the next run.
     """
     with intra_op_threads(request.threads):
         ledger, config, items, _ = prepare(request)
         try:
-            return _run_prepared(request, ledger, config, items, quiet)
+            return _run_prepared(request, ledger, config, items, quiet, session)
         finally:
             ledger.close()
 
 
 def _run_prepared(
-    request: RunRequest, ledger: RunLedger, config: RunConfig, items: list[Item], quiet: bool
+    request: RunRequest,
+    ledger: RunLedger,
+    config: RunConfig,
+    items: list[Item],
+    quiet: bool,
+    session: EngineSession | None,
 ) -> dict[str, Any]:
     experiment = get_experiment(request.experiment)
     source_rows, source_contract = _prefix_source(request.prefix_from)
@@ -301,16 +309,16 @@ def _run_prepared(
         **{k: v for k, v in request.extra.items() if k not in ("prefix_dtype", "bridge_dtype")},
     }
     ledger.register_experiment(experiment.name, experiment.config(options))
-    engine = make_engine(
-        config, request.engine, request.workers, request.gpus_per_worker, request.ray_address
-    )
+    placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
+    engine = session.engine(config, *placement) if session else make_engine(config, *placement)
     try:
         ledger.note_experiment(experiment.name, "engine", engine.describe())
         for phase in range(experiment.phases):
             units = experiment.units(phase, selected, options, ledger.by_key())
             _run_phase(ledger, engine, [u for u in units if not ledger.is_done(u.key)], quiet)
     finally:
-        engine.close()
+        if session is None:
+            engine.close()
     rows = ledger.rows(experiment.name)
     csv_text = render_csv(experiment.columns, experiment.csv_rows(rows))
     csv_name = csv_file(experiment, ledger.manifest["experiments"][experiment.name]["config"])

@@ -14,6 +14,9 @@ import pytest
 import torch
 from helpers import invoke
 
+from kvreplay.demo import run_demo
+from kvreplay.engines import processes
+
 PROMPTS = [
     ("w1", "What is 2+3?", "5"),
     ("w2", "Tom has 3 apples and gets 4 more. How many?", "7"),
@@ -81,6 +84,30 @@ def test_worker_count_is_a_note_not_the_contract(runs: dict[str, Path]) -> None:
         assert [w["worker"] for w in engine["workers"]] == ["local-0", "local-1"]
         assert all(w["threads"] == 1 for w in engine["workers"])
         assert serial["experiments"][name]["engine"]["worker_count"] == 1
+
+
+def test_demo_on_two_workers_equals_a_serial_demo(
+    tiny_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All three experiments on one pair of worker processes, started once."""
+    started: list[processes.ProcessEngine] = []
+    engine_class = processes.ProcessEngine
+
+    def counted(*args: Any) -> processes.ProcessEngine:
+        started.append(engine_class(*args))
+        return started[-1]
+
+    monkeypatch.setattr(processes, "ProcessEngine", counted)
+    model = str(tiny_dirs["qwen2"])
+    run_demo(tmp_path / "serial", n=1, model=model, workers=1)
+    run_demo(tmp_path / "parallel", n=1, model=model, workers=2)
+    assert len(started) == 1
+    serial, parallel = _rows(tmp_path / "serial"), _rows(tmp_path / "parallel")
+    assert [r["data"] for r in parallel] == [r["data"] for r in serial]
+    for name in (*CSVS, "live_teacher_bridge.csv"):
+        assert (tmp_path / "parallel" / name).read_bytes() == (
+            tmp_path / "serial" / name
+        ).read_bytes()
 
 
 def test_threads_are_recorded_and_a_resume_or_audit_on_another_count_is_refused(

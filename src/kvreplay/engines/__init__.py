@@ -32,6 +32,39 @@ def make_engine(
     raise KvreplayError(f"Unknown engine {name!r}; choose local or ray.")
 
 
+class EngineSession:
+    """Engines kept open across runs that ask for the same workers (configuration, engine,
+    worker count, threads), so each worker starts and loads its models once: the demo's
+    three experiments share one. ``close`` ends them all."""
+
+    def __init__(self) -> None:
+        self._engines: list[tuple[tuple[Any, ...], Any]] = []
+
+    def engine(
+        self,
+        config: RunConfig,
+        name: str,
+        workers: int,
+        gpus_per_worker: float,
+        address: str | None,
+    ) -> Any:
+        """The engine already open for these settings, or a new one."""
+        import torch
+
+        key = (config, name, workers, gpus_per_worker, address, torch.get_num_threads())
+        for known, engine in self._engines:
+            if known == key:
+                return engine
+        engine = make_engine(config, name, workers, gpus_per_worker, address)
+        self._engines.append((key, engine))
+        return engine
+
+    def close(self) -> None:
+        for _, engine in self._engines:
+            engine.close()
+        self._engines.clear()
+
+
 def check_engine(name: str, workers: int, gpus_per_worker: float) -> None:
     """Engine options, refused before a run writes anything."""
     if name not in ("local", "ray"):
