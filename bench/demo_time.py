@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,19 +27,20 @@ DEMO = "from kvreplay.cli import main; main()"
 
 def demo(src: Path, extra: list[str]) -> float:
     """One ``kvreplay demo`` from ``src`` in a fresh process; its wall seconds."""
-    out = Path(tempfile.mkdtemp(prefix="kvr-demo")) / "demo"
+    folder = Path(tempfile.mkdtemp(prefix="kvr-demo"))
     env = dict(os.environ, PYTHONPATH=str(src), HF_HUB_OFFLINE="1")
-    log = out.parent / "demo.log"
     began = time.perf_counter()
-    with log.open("w") as handle:
-        subprocess.run(
-            [sys.executable, "-c", DEMO, "demo", "--out", str(out), *extra],
-            env=env,
-            check=True,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
-    return time.perf_counter() - began
+    done = subprocess.run(
+        [sys.executable, "-c", DEMO, "demo", "--out", str(folder / "demo"), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - began
+    shutil.rmtree(folder)
+    if done.returncode != 0:
+        sys.exit(f"kvreplay demo from {src} failed:\n{done.stderr[-3000:]}")
+    return wall
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def measure(processes: int, threads: int, dtype: str, item: int, plan: str) -> l
     for process in children:
         out, _ = process.communicate()
         times.append(json.loads(out.strip().splitlines()[-1])["row_s"])
+    shutil.rmtree(start_file.parent)
     return times
 
 
