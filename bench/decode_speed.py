@@ -19,36 +19,23 @@ The user's own cache is never touched: everything loads from a temporary cache.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from load_time import probe  # this folder is on sys.path when a script in it runs
+
 MODEL = "smollm2-135m"
 COPY_BYTES = 512 << 20
-LOAD_PROBE = (
-    "import sys, time, json; t0 = time.perf_counter(); import kvreplay; t1 = time.perf_counter();"
-    " kvreplay.load_model(sys.argv[1], 'fp32'); t2 = time.perf_counter();"
-    " print(json.dumps({'import_s': t1 - t0, 'load_s': t2 - t1}))"
-)
+SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 def probe_load(cache: Path) -> dict[str, float]:
-    """Import kvreplay and load the model in a fresh interpreter; wall time of each part."""
-    env = dict(os.environ, KVREPLAY_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    out = subprocess.run(
-        [sys.executable, "-c", LOAD_PROBE, MODEL],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    """Import torch and transformers, then load the model in fp32, in a fresh interpreter."""
+    return probe(SRC, "fp32", cache)
 
 
 def copy_bandwidth(repeat: int) -> float:
@@ -142,11 +129,11 @@ def main() -> int:
         cold = probe_load(cache)
         cached = [probe_load(cache) for _ in range(args.repeat)]
         cached_load = statistics.median(c["load_s"] for c in cached)
-        cached_import = statistics.median(c["import_s"] for c in cached)
-        print(f"\nload {MODEL} (fresh interpreter each; import kvreplay + load_model):")
+        cached_import = statistics.median(c["imports_s"] for c in cached)
+        print(f"\nload {MODEL} (fresh interpreter each; import torch/transformers + load_model):")
         print(
-            f"  cold from GGUF (convert + cache): {cold['import_s'] + cold['load_s']:.2f} s "
-            f"(import {cold['import_s']:.2f} s + load {cold['load_s']:.2f} s)"
+            f"  cold from GGUF (convert + cache): {cold['total_s']:.2f} s "
+            f"(import {cold['imports_s']:.2f} s + load {cold['load_s']:.2f} s)"
         )
         total = cached_import + cached_load
         print(

@@ -38,9 +38,12 @@ print(json.dumps({"imports_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0}))
 """
 
 
-def probe(src: Path, dtype: str) -> dict[str, float]:
-    """One fresh interpreter importing kvreplay from ``src``; seconds of each part."""
+def probe(src: Path, dtype: str, cache: Path | None = None) -> dict[str, float]:
+    """One fresh interpreter importing kvreplay from ``src`` (and converting into ``cache``,
+    when given, if it is empty); seconds of each part."""
     env = dict(os.environ, PYTHONPATH=str(src), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    if cache is not None:
+        env["KVREPLAY_CACHE"] = str(cache)
     out = subprocess.run(
         [sys.executable, "-c", PROBE, MODEL, dtype],
         env=env,
