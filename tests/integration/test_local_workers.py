@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import invoke
+from helpers import SHORT, invoke
 
 from kvreplay.demo import run_demo
 from kvreplay.engines import processes
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.items import Item
 
 PROMPTS = [
     ("w1", "What is 2+3?", "5"),
@@ -108,6 +111,20 @@ def test_demo_on_two_workers_equals_a_serial_demo(
         assert (tmp_path / "parallel" / name).read_bytes() == (
             tmp_path / "serial" / name
         ).read_bytes()
+
+
+def test_a_worker_refusal_ends_the_run_in_its_one_sentence(tiny_dirs: dict[str, Path]) -> None:
+    """A unit's KvreplayError in a worker process reaches the driver as itself."""
+    config = RunConfig(str(tiny_dirs["qwen2"]), "0" * 64, SHORT)  # not the files' digest
+    item = Item(id="w1", prompt=PROMPTS[0][1], answer="5")
+    units = [Unit(f"matched/w1/{d}", "matched", item, d) for d in ("bf16", "fp32")]
+    engine = processes.ProcessEngine(config, 2)
+    try:
+        with pytest.raises(KvreplayError, match="digest differs from the run's"):
+            list(engine.run(units))
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine.processes)
 
 
 def test_threads_are_recorded_and_a_resume_or_audit_on_another_count_is_refused(

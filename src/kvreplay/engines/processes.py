@@ -64,6 +64,7 @@ class ProcessEngine:
         self.names = [f"local-{i}" for i in range(workers)]
         self.conns: list[Connection] = []
         self.processes: list[Any] = []
+        self.busy: dict[int, int] = {}  # worker -> index of the unit it is running
         for name in self.names:
             ours, theirs = context.Pipe()
             process = context.Process(
@@ -99,9 +100,11 @@ class ProcessEngine:
 
     def run(self, units: list[Unit]) -> Iterator[tuple[Unit, dict, dict, str]]:
         """Yield ``(unit, data, timing, worker name)`` in the order of ``units``."""
+        if self.busy:
+            raise RuntimeError("a ProcessEngine whose last run was abandoned cannot run again")
         pending = deque(range(len(units)))
         idle = deque(range(len(self.conns)))
-        busy: dict[int, int] = {}  # worker -> unit index
+        busy = self.busy
         finished: dict[int, tuple[dict, dict, str]] = {}
         next_out = 0
         while next_out < len(units):
@@ -121,8 +124,12 @@ class ProcessEngine:
                 next_out += 1
 
     def close(self) -> None:
-        """Ask every worker to stop; terminate one that does not."""
-        for conn in self.conns:
+        """Ask every idle worker to stop; terminate a busy one (the run was interrupted) or
+        one that does not stop."""
+        for worker, conn in enumerate(self.conns):
+            if worker in self.busy:
+                self.processes[worker].terminate()
+                continue
             try:
                 conn.send(None)
             except OSError:  # already gone
