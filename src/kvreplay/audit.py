@@ -269,7 +269,7 @@ def _audit(
     ledger: RunLedger,
     sample: int | None,
     seed: int,
-    engine: tuple[str, int, float, str | None],
+    placement: tuple[str, int, float, str | None],
     announce: Callable[[str], None] | None,
 ) -> AuditResult:
     run_dir = ledger.run_dir
@@ -317,7 +317,7 @@ def _audit(
         units.append(
             Unit(record.key, record.experiment, item, data["precision"], data.get("inputs", {}))
         )
-    runner = make_engine(config, *engine)
+    runner = make_engine(config, *placement)
     by_key = {r.key: r for r in chosen}
     try:
         for unit, data, _, _ in runner.run(units):

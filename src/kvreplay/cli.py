@@ -223,12 +223,12 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 @click.option("--ray-address", default=None)
 @threads_option
 @plain_errors
-def audit_command(run_dir: Path, sample: int | None, seed: int, **engine: Any) -> None:
+def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) -> None:
     """Re-execute a run's rows and verify every fingerprint, hash and derived CSV."""
     from kvreplay.audit import audit, format_audit
 
     result = audit(
-        run_dir, sample=sample, seed=seed, announce=lambda s: click.echo(s, err=True), **engine
+        run_dir, sample=sample, seed=seed, announce=lambda s: click.echo(s, err=True), **options
     )
     click.echo(format_audit(result))
     sys.exit(0 if result.passed else 1)
