@@ -25,7 +25,7 @@ import torch
 
 from kvreplay.engines.local import LocalEngine
 from kvreplay.engines.ray import RayEngine
-from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.experiments.base import RunConfig, Scope, Unit
 from kvreplay.experiments.matched import Matched
 from kvreplay.items import load_items
 from kvreplay.models import describe_source
@@ -85,8 +85,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     spec = model_spec(args.model)
     config = RunConfig(spec, describe_source(spec)["model_digest"], get_plan("short"))
-    options = {"dtypes": ["bf16", "fp32"]}
-    units = Matched().units(0, load_items("arith")[: args.n], options, {})
+    scope = Scope(config, load_items("arith"), ("bf16", "fp32"), args.n)
+    matched = Matched()
+    units = matched.units(0, scope, matched.select(scope, {}), {})
 
     import ray
 

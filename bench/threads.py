@@ -31,7 +31,8 @@ def child(threads: int, dtype: str, item: int, plan: str, start_file: Path) -> N
     """Load, wait for the start signal, run one row; print its seconds as JSON."""
     import torch
 
-    from kvreplay.experiments.base import RunConfig, Unit, Worker, row_key
+    from kvreplay.engines.worker import Worker
+    from kvreplay.experiments.base import RunConfig, Unit, UnitKey
     from kvreplay.items import arith_items
     from kvreplay.models import describe_source
     from kvreplay.stages import get_plan
@@ -41,7 +42,7 @@ def child(threads: int, dtype: str, item: int, plan: str, start_file: Path) -> N
     worker = Worker(config)
     worker.model(dtype)
     chosen = arith_items()[item]
-    unit = Unit(row_key("matched", chosen.id, dtype), "matched", chosen, dtype)
+    unit = Unit(UnitKey("matched", chosen.id, dtype), chosen, dtype)
     print("ready", flush=True)
     while not start_file.exists():
         time.sleep(0.01)

@@ -19,7 +19,7 @@ from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import EXPERIMENTS
-from kvreplay.experiments.base import RunConfig, Unit, csv_file
+from kvreplay.experiments.base import RunConfig, Unit, UnitKey
 from kvreplay.items import Item, load_jsonl
 from kvreplay.ledger import (
     ITEMS,
@@ -67,7 +67,7 @@ def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = Fa
         if experiment is None:
             problems.append(f"experiment {name}: unknown to this kvreplay version")
             continue
-        path = ledger.run_dir / csv_file(experiment, ledger.manifest["experiments"][name]["config"])
+        path = ledger.run_dir / experiment.csv_name(ledger.manifest["experiments"][name]["config"])
         if present_only and not path.exists():
             continue
         rows = [r for r in records if r.experiment == name]
@@ -314,14 +314,16 @@ def _audit(
         if item is None:
             result.problems.append(f"row {record.key}: field item_id names no item")
             continue
-        units.append(
-            Unit(record.key, record.experiment, item, data["precision"], data.get("inputs", {}))
-        )
+        key = UnitKey.of(record)
+        if str(key) != record.key:
+            result.problems.append(f"row {record.key}: field item_id or precision is not its key's")
+            continue
+        units.append(Unit(key, item, data["precision"], data.get("inputs", {})))
     runner = make_engine(config, *placement)
     by_key = {r.key: r for r in chosen}
     try:
         for unit, data, _, _ in runner.run(units):
-            recorded = by_key[unit.key].data
+            recorded = by_key[str(unit.key)].data
             fresh = {**data, "inputs": recorded.get("inputs", {})}
             for path in diff_fields(_strip(recorded), _strip(fresh)):
                 result.problems.append(f"row {unit.key}: field {path} differs on re-execution")

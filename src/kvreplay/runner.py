@@ -23,15 +23,12 @@ from kvreplay.engines import EngineSession, check_engine, make_engine
 from kvreplay.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
-from kvreplay.experiments.base import RunConfig, Unit, csv_file
-from kvreplay.experiments.bridge import spread_selection
-from kvreplay.experiments.transplant import PANEL_EXPERIMENTS, select_panel
+from kvreplay.experiments.base import Experiment, RunConfig, Scope, SourceRun, Unit
 from kvreplay.items import Item, encode_prompt, items_digest, load_items
 from kvreplay.jsonio import read_json
 from kvreplay.ledger import (
     ITEMS,
     MANIFEST,
-    Record,
     RunLedger,
     parse_rows,
     render_csv,
@@ -47,6 +44,7 @@ from kvreplay.models import (
 )
 from kvreplay.scoring import get_extractor
 from kvreplay.stages import StagePlan, get_plan
+from kvreplay.summary import format_summary, summarize
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
 
@@ -75,17 +73,10 @@ class RunRequest:
     ray_address: str | None = None
     threads: int = DEFAULT_THREADS  # torch intra-op threads per worker process
     command: list[str] = field(default_factory=lambda: list(sys.argv))
-    extra: dict[str, Any] = field(default_factory=dict)  # experiment-specific options
+    extra: dict[str, Any] = field(default_factory=dict)  # the experiment's own options
 
     def __post_init__(self) -> None:
         self.model = canonical_spec(self.model)
-
-
-LIVE_EXPERIMENTS = ("matched", "bridge")  # these need a prompt to generate from
-
-
-def _default_n(experiment: str, total: int) -> int:
-    return min(12, total) if experiment == "bridge" else total
 
 
 def _plan(request: RunRequest) -> StagePlan:
@@ -126,49 +117,25 @@ def _check_prompts(
             )
 
 
-def _prefix_source(path: Path | None) -> tuple[dict[str, Record], str | None]:
+def _source_run(path: Path | None) -> SourceRun | None:
     """Rows of another run, read without touching it (it may still be running)."""
     if path is None:
-        return {}, None
+        return None
     source = RunLedger.open_existing(path)
     records, problems = parse_rows(source.rows_path, source.contract_hash)
     if problems:
         raise KvreplayError(f"The run {path} has a damaged ledger ({problems[0]}).")
-    return {r.key: r for r in records}, source.contract_hash
+    return SourceRun(path, {r.key: r for r in records}, source.contract_hash)
 
 
-def _check_n(request: RunRequest, items: list[Item]) -> int:
-    n = request.n if request.n is not None else _default_n(request.experiment, len(items))
-    if n < 1 or n > len(items):
-        raise KvreplayError(f"--n is {n} but the item set holds {len(items)} items.")
-    return n
-
-
-def _select(
-    request: RunRequest, items: list[Item], rows: dict[str, Record]
-) -> tuple[list[Item], dict]:
-    """Which items this experiment runs; for the bridge an outcome-blind length spread."""
-    if request.experiment in PANEL_EXPERIMENTS:
-        return select_panel(request, items, rows)
-    n = _check_n(request, items)
-    if request.experiment != "bridge":
-        return items[:n], {"rule": "first_n", "n": n}
-    dtype = request.extra.get("bridge_dtype", request.dtypes[0])
-    known = {
-        r.data["item_id"]: r.data["prefix_token_count"]
-        for key, r in rows.items()
-        if key.startswith("matched/") and key.endswith(f"/{dtype}") and r.data["status"] == "ok"
-    }
-    if len(known) >= n:  # prefix lengths of earlier rows are not outcomes: still blind
-        lengths, basis = [(length, item_id) for item_id, length in known.items()], "matched_prefix"
-    else:
-        tokenizer = load_tokenizer(request.model, request.trust_remote_code)
-        lengths = [(len(encode_prompt(tokenizer, i.prompt, request.chat)), i.id) for i in items]
-        basis = "prompt_tokens"
-    chosen = set(spread_selection(lengths, n))
-    selected = [i for i in items if i.id in chosen]
-    rule = {"rule": "outcome_blind_length_spread", "basis": basis, "n": n}
-    return selected, rule
+def _check_live(experiment: Experiment, items: list[Item], n: int) -> None:
+    """An experiment that generates live needs a prompt for every item it may choose."""
+    missing = [i.id for i in experiment.prompt_pool(items, n) if i.prompt is None]
+    if missing:
+        raise KvreplayError(
+            f"{experiment.name} generates live from a prompt, but item {missing[0]} "
+            "has only a recorded prefix; use fixed-prefix or transplant for trajectories."
+        )
 
 
 def _recorded_scheme(out: Path) -> int:
@@ -200,24 +167,16 @@ def build_contract(
     }
 
 
-def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], StagePlan]:
+def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     """Validate the request and open (or resume) the run directory."""
     parse_dtypes(request.dtypes)
     parse_device(request.device)
     check_engine(request.engine, request.workers, request.gpus_per_worker)
     plan = _plan(request)
     get_extractor(request.extractor)
-    get_experiment(request.experiment)
+    experiment = get_experiment(request.experiment)
     items = load_items(request.items)
-    n = _check_n(request, items)
-    if request.experiment in LIVE_EXPERIMENTS:
-        pool = items if request.experiment == "bridge" else items[:n]
-        missing = [i.id for i in pool if i.prompt is None]
-        if missing:
-            raise KvreplayError(
-                f"{request.experiment} generates live from a prompt, but item {missing[0]} "
-                "has only a recorded prefix; use fixed-prefix or transplant for trajectories."
-            )
+    _check_live(experiment, items, experiment.count(request.n, items))
     scheme = _recorded_scheme(request.out)
     _check_resume_threads(request)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
@@ -245,8 +204,9 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
         "command": request.command,
         "snapshots": "saved" if request.save_snapshots else "fingerprints only",
     }
-    if request.experiment in PANEL_EXPERIMENTS:  # a bad panel is refused before any write
-        select_panel(request, items, _prefix_source(request.prefix_from)[0])
+    source = _source_run(request.prefix_from)
+    scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
+    experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
     ledger = RunLedger(request.out)
     ledger.start(contract, header)
     try:
@@ -254,7 +214,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, RunConfig, list[Item], Stag
     except BaseException:
         ledger.close()
         raise
-    return ledger, config, items, plan
+    return ledger, scope
 
 
 def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
@@ -280,9 +240,9 @@ def run(
     A ``session`` (closed by the caller) keeps its workers and their models for the next run.
     """
     with intra_op_threads(request.threads):
-        ledger, config, items, _ = prepare(request)
+        ledger, scope = prepare(request)
         try:
-            return _run_prepared(request, ledger, config, items, quiet, session)
+            return _run_prepared(request, ledger, scope, quiet, session)
         finally:
             ledger.close()
 
@@ -290,44 +250,33 @@ def run(
 def _run_prepared(
     request: RunRequest,
     ledger: RunLedger,
-    config: RunConfig,
-    items: list[Item],
+    scope: Scope,
     quiet: bool,
     session: EngineSession | None,
 ) -> dict[str, Any]:
     experiment = get_experiment(request.experiment)
-    source_rows, source_contract = _prefix_source(request.prefix_from)
-    selected, selection = _select(request, items, {**source_rows, **ledger.by_key()})
-    options: dict[str, Any] = {
-        "dtypes": list(request.dtypes),
-        "item_ids": [i.id for i in selected],
-        "selection": selection,
-        "prefix_dtype": request.extra.get("prefix_dtype", "bf16"),
-        "bridge_dtype": request.extra.get("bridge_dtype", request.dtypes[0]),
-        "prefix_source_rows": source_rows,
-        "prefix_from_contract": source_contract,
-        **{k: v for k, v in request.extra.items() if k not in ("prefix_dtype", "bridge_dtype")},
-    }
-    ledger.register_experiment(experiment.name, experiment.config(options))
+    selection = experiment.select(scope, {**scope.source_rows(), **ledger.by_key()})
+    ledger.register_experiment(experiment.name, experiment.config(scope, selection))
     placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
+    config = scope.config
     engine = session.engine(config, *placement) if session else make_engine(config, *placement)
     try:
         ledger.note_experiment(experiment.name, "engine", engine.describe())
         for phase in range(experiment.phases):
-            units = experiment.units(phase, selected, options, ledger.by_key())
-            _run_phase(ledger, engine, [u for u in units if not ledger.is_done(u.key)], quiet)
+            units = experiment.units(phase, scope, selection, ledger.by_key())
+            todo = [u for u in units if not ledger.is_done(str(u.key))]
+            _run_phase(ledger, engine, todo, quiet)
     finally:
         if session is None:
             engine.close()
     rows = ledger.rows(experiment.name)
     csv_text = render_csv(experiment.columns, experiment.csv_rows(rows))
-    csv_name = csv_file(experiment, ledger.manifest["experiments"][experiment.name]["config"])
+    csv_name = experiment.csv_name(ledger.manifest["experiments"][experiment.name]["config"])
     write_text_atomic(request.out / csv_name, csv_text)
-    if hasattr(experiment, "write_figures"):
-        experiment.write_figures(request.out, rows)
-    summary = summarize(experiment.name, rows)
+    experiment.figures(request.out, rows)
+    summary = summarize(experiment, rows)
     if not quiet:
-        print(format_summary(summary))
+        print(format_summary(experiment, summary))
     return summary
 
 
@@ -340,72 +289,8 @@ def _run_phase(ledger: RunLedger, engine: Any, units: list[Unit], quiet: bool) -
     try:
         for unit, data, timing, worker in engine.run(units):
             inputs = {k: v for k, v in unit.inputs.items() if k != "reuse"}
-            ledger.append(unit.key, unit.experiment, {**data, "inputs": inputs}, worker, timing)
+            record = {**data, "inputs": inputs}
+            ledger.append(str(unit.key), unit.experiment, record, worker, timing)
             bar.update(1)
     finally:
         bar.close()
-
-
-def summarize(name: str, rows: list[Record]) -> dict[str, Any]:
-    """Counts per precision: rows, unreached, disagreements, replicas, accuracy, timing."""
-    by_precision: dict[str, dict[str, Any]] = {}
-    for record in rows:
-        data = record.data
-        if data.get("kind") == "prefix":
-            continue
-        entry = by_precision.setdefault(
-            data["precision"],
-            {"rows": 0, "unreached": 0, "suffix_differs": 0, "answer_differs": 0,
-             "label_flips": 0, "replicas_exact": 0, "left_correct": 0, "right_correct": 0,
-             "unparsed_answers": 0, "model_s": 0.0, "harness_s": 0.0},
-        )  # fmt: skip
-        entry["rows"] += 1
-        entry["model_s"] += record.timing.get("model_s", 0.0)
-        entry["harness_s"] += record.timing.get("harness_s", 0.0)
-        if data["status"] != "ok":
-            entry["unreached"] += 1
-            continue
-        arms = data["arms"]
-        left, right = ("live", "teacher") if "teacher" in arms else ("left", "prefill")
-        labels = data.get("labels") or {
-            "suffix_equal": arms[left]["suffix_sha256"] == arms[right]["suffix_sha256"],
-            "answer_equal": arms[left]["answer"] == arms[right]["answer"],
-        }
-        entry["suffix_differs"] += not labels["suffix_equal"]
-        entry["answer_differs"] += not labels["answer_equal"]
-        entry["label_flips"] += arms[left]["correct"] != arms[right]["correct"]
-        entry["left_correct"] += arms[left]["correct"]
-        entry["right_correct"] += arms[right]["correct"]
-        entry["unparsed_answers"] += (not arms[left]["answer_parsed"]) + (
-            not arms[right]["answer_parsed"]
-        )
-        replicas = data.get("replicas") or {
-            "live": data["live_clone"],
-            "teacher": data["teacher_clone"],
-        }
-        entry["replicas_exact"] += all(all(g.values()) for g in replicas.values())
-    return {"experiment": name, "precisions": by_precision}
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A short terminal table."""
-    name = summary["experiment"]
-    right = "replay" if name == "bridge" else "prefill"
-    left = "live" if name in ("matched", "bridge") else "replay"
-    header = (
-        f"{'precision':<9} {'rows':>4} {'unreached':>9} {'suffix≠':>7} {'answer≠':>7} "
-        f"{'flips':>5} {'replicas ok':>11} {left + ' acc':>9} {right + ' acc':>11} "
-        f"{'unparsed':>8} {'s/row':>6} {'harness':>7}"
-    )
-    lines = [f"{name}: {left} vs {right}", header]
-    for precision, e in summary["precisions"].items():
-        ok = e["rows"] - e["unreached"]
-        per_row = (e["model_s"] + e["harness_s"]) / max(e["rows"], 1)
-        harness = e["harness_s"] / max(e["model_s"], 1e-9)
-        lines.append(
-            f"{precision:<9} {e['rows']:>4} {e['unreached']:>9} {e['suffix_differs']:>7} "
-            f"{e['answer_differs']:>7} {e['label_flips']:>5} {e['replicas_exact']:>5}/{ok:<5} "
-            f"{e['left_correct']:>4}/{ok:<4} {e['right_correct']:>6}/{ok:<4} "
-            f"{e['unparsed_answers']:>8} {per_row:>6.1f} {harness:>6.1%}"
-        )
-    return "\n".join(lines)

@@ -17,7 +17,7 @@ from helpers import SHORT, invoke
 from kvreplay.demo import run_demo
 from kvreplay.engines import processes
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.experiments.base import RunConfig, Unit, UnitKey
 from kvreplay.items import Item
 
 PROMPTS = [
@@ -117,7 +117,7 @@ def test_a_worker_refusal_ends_the_run_in_its_one_sentence(tiny_dirs: dict[str, 
     """A unit's KvreplayError in a worker process reaches the driver as itself."""
     config = RunConfig(str(tiny_dirs["qwen2"]), "0" * 64, SHORT)  # not the files' digest
     item = Item(id="w1", prompt=PROMPTS[0][1], answer="5")
-    units = [Unit(f"matched/w1/{d}", "matched", item, d) for d in ("bf16", "fp32")]
+    units = [Unit(UnitKey("matched", "w1", d), item, d) for d in ("bf16", "fp32")]
     engine = processes.ProcessEngine(config, 2)
     try:
         with pytest.raises(KvreplayError, match="digest differs from the run's"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from kvreplay.experiments.base import RunConfig, Unit, Worker
+from kvreplay.engines.worker import Worker
+from kvreplay.experiments.base import RunConfig, Unit
 
 
 class LocalEngine:

@@ -1,7 +1,7 @@
 """The local engine with ``--workers N``: the same units on N spawned worker processes of
 this machine, rows in the same order.
 
-Each process holds one :class:`~kvreplay.experiments.base.Worker` (each precision's model
+Each process holds one :class:`~kvreplay.engines.worker.Worker` (each precision's model
 loaded once) on the driver's torch thread count, which the run's contract records. Units
 go to whichever process is idle; the driver alone writes rows, so a result that arrives
 early waits until every unit before it has been yielded, and the ledger and its CSVs are
@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from kvreplay.engines.worker import Worker
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import RunConfig, Unit, Worker
+from kvreplay.experiments.base import RunConfig, Unit
 
 # How long close() waits for a worker to exit before it terminates it.
 STOP_TIMEOUT_S = 10.0

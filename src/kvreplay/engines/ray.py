@@ -1,6 +1,6 @@
 """The Ray engine: the same units on a pool of Ray Core actors, rows in the same order.
 
-Each actor wraps one :class:`~kvreplay.experiments.base.Worker`, so it runs exactly the
+Each actor wraps one :class:`~kvreplay.engines.worker.Worker`, so it runs exactly the
 code the local engine runs and loads each precision's model once. Units are handed to
 whichever actor is idle (ActorPool-style); the driver alone writes rows, so completions
 that arrive early are buffered and yielded in the order of ``units`` as soon as they are
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from kvreplay.engines.worker import Worker
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import RunConfig, Unit, Worker
+from kvreplay.experiments.base import RunConfig, Unit
 from kvreplay.models import cache_root
 
 # Ray restarts a dead actor this many times before the engine gives it up.

@@ -1,8 +1,9 @@
-"""What every experiment shares: the run configuration, units of work, the worker that
-holds models and runs units, and the arm helpers (fingerprint, continue, score).
+"""What every experiment shares: the run configuration, units of work and their keys,
+the Experiment base class the runner drives, and the arm helpers (fingerprint, continue,
+score).
 
-A worker lives in the driver (local engine) or in a Ray actor; it receives plain-data
-units and returns plain-data rows, so both engines run the same code.
+A unit is plain data and a row is plain data, so every engine (this process, worker
+processes, Ray actors) runs the same code on them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -20,7 +22,8 @@ from kvreplay.construct import Prefix
 from kvreplay.decode import Sampler, Trajectory, continue_from
 from kvreplay.errors import KvreplayError
 from kvreplay.items import Item, encode_prompt
-from kvreplay.models import LoadedModel, load_model
+from kvreplay.ledger import Record
+from kvreplay.models import LoadedModel
 from kvreplay.scoring import pair_labels, score
 from kvreplay.stages import StagePlan
 from kvreplay.state import (
@@ -86,15 +89,48 @@ class RunConfig:
         }
 
 
+@dataclass(frozen=True)
+class UnitKey:
+    """A row's key in the ledger: ``{experiment}/{item}/{precision}``, or
+    ``{experiment}/prefix/{item}`` for the prefix row of a two-phase experiment."""
+
+    experiment: str
+    item_id: str
+    precision: str | None = None  # None: the item's prefix row
+
+    @classmethod
+    def prefix(cls, experiment: str, item_id: str) -> UnitKey:
+        return cls(experiment, item_id)
+
+    @classmethod
+    def of(cls, record: Record) -> UnitKey:
+        """The key a recorded row should have, from its experiment, kind, item and precision."""
+        data = record.data
+        precision = None if data.get("kind") == "prefix" else data["precision"]
+        return cls(record.experiment, data["item_id"], precision)
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.precision is None
+
+    def __str__(self) -> str:
+        if self.precision is None:
+            return f"{self.experiment}/prefix/{self.item_id}"
+        return f"{self.experiment}/{self.item_id}/{self.precision}"
+
+
 @dataclass
 class Unit:
-    """One row's worth of work: plain data so it can travel to a Ray actor."""
+    """One row's worth of work: plain data so it can travel to a worker process or actor."""
 
-    key: str
-    experiment: str
+    key: UnitKey
     item: Item
     precision: str
     inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def experiment(self) -> str:
+        return self.key.experiment
 
 
 class Clock:
@@ -117,84 +153,127 @@ class Clock:
         return {"model_s": self.model_seconds, "harness_s": total - self.model_seconds}
 
 
-class Worker:
-    """Loads each precision's model once and runs units.
+class Workbench(Protocol):
+    """What a unit's computation uses of the worker that runs it (see
+    :class:`kvreplay.engines.worker.Worker`): the run's configuration and each
+    precision's model, loaded once."""
 
-    ``device_map="auto"`` (set by the Ray engine for a worker with several GPUs) spreads
-    a model too large for one GPU over all of them.
-    """
+    config: RunConfig
 
-    def __init__(self, config: RunConfig, name: str = "local", device_map: str | None = None):
-        self.config = config
-        self.name = name
-        self.device_map = device_map
-        self._models: dict[str, LoadedModel] = {}
-
-    def model(self, dtype: str) -> LoadedModel:
-        if dtype not in self._models:
-            lm = load_model(
-                self.config.model,
-                dtype,
-                self.config.device,
-                self.config.attn_implementation,
-                self.config.trust_remote_code,
-                self.device_map,
-            )
-            if not lm.identity.matches(self.config.model_digest):
-                raise KvreplayError(
-                    f"Worker {self.name} loaded model files whose digest differs from the run's."
-                )
-            self._models[dtype] = lm
-        return self._models[dtype]
-
-    def device_info(self) -> dict[str, str]:
-        from kvreplay.environment import device_name
-
-        return {
-            "worker": self.name,
-            "device": self.config.device,
-            "device_name": device_name(self.config.device),
-        }
-
-    def run(self, unit: Unit) -> tuple[dict[str, Any], dict[str, float]]:
-        from kvreplay.experiments import get_experiment
-
-        self.model(unit.precision)  # loading is neither model nor harness time of a row
-        clock = Clock()
-        data = get_experiment(unit.experiment).run_unit(self, unit, clock)
-        return data, clock.timing()
+    def model(self, dtype: str) -> LoadedModel: ...
 
 
-class Experiment(Protocol):
-    """An experiment: selection, phased units, the per-unit computation and its CSV."""
+@dataclass(frozen=True)
+class SourceRun:
+    """Another run named by ``--from``: its rows, read without touching it."""
+
+    path: Path
+    rows: dict[str, Record]
+    contract_hash: str
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What an experiment is asked to run on: the run's configuration, items and
+    precisions, the ``--n`` asked for, the ``--from`` run, and its own options."""
+
+    config: RunConfig
+    items: list[Item]
+    dtypes: tuple[str, ...]
+    n: int | None = None
+    source: SourceRun | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def source_rows(self) -> dict[str, Record]:
+        return self.source.rows if self.source else {}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The items an experiment runs, in order, and how they were chosen."""
+
+    items: list[Item]
+    rule: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the run summary counts of one completed row: its two compared arms."""
+
+    suffix_equal: bool
+    answer_equal: bool
+    correct: tuple[bool, bool]
+    parsed: tuple[bool, bool]
+    replicas_exact: bool
+
+
+class Experiment(ABC):
+    """An experiment: its selection, phased units, the per-unit computation, its CSV,
+    summary and figures. The runner knows experiments only through this class."""
 
     name: str
-    csv_name: str
+    csv_file: str
     columns: list[str]
-    phases: int
+    phases: int = 1
+    compared: tuple[str, str] = ("replay", "prefill")  # the constructions its summary pairs
 
-    def config(self, options: dict[str, Any]) -> dict[str, Any]: ...
+    def default_n(self, total: int) -> int:
+        """How many items ``--n`` means when it is not given."""
+        return total
 
+    def count(self, n: int | None, items: list[Item]) -> int:
+        n = n if n is not None else self.default_n(len(items))
+        if n < 1 or n > len(items):
+            raise KvreplayError(f"--n is {n} but the item set holds {len(items)} items.")
+        return n
+
+    def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
+        """The items whose prompts this experiment may generate live from."""
+        return []
+
+    def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
+        """Which items run; ``rows`` are the ``--from`` run's and this run's. Every
+        refusal of a selection happens here, before the run writes anything."""
+        n = self.count(scope.n, scope.items)
+        return Selection(scope.items[:n], {"rule": "first_n", "n": n})
+
+    @abstractmethod
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
+        """The experiment's part of the manifest: what a resume must ask for again."""
+
+    @abstractmethod
     def units(
-        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Any]
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]: ...
 
-    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]: ...
+    @abstractmethod
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]: ...
 
-    def csv_rows(self, rows: list[Any]) -> list[dict[str, Any]]: ...
-
-    def planned(self, config: dict[str, Any], rows: dict[str, Any]) -> list[str]:
+    @abstractmethod
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         """Every row key the experiment holds once complete, from its recorded config."""
-        ...
 
+    @abstractmethod
+    def csv_rows(self, rows: list[Record]) -> list[dict[str, str]]: ...
 
-def row_key(experiment: str, item_id: str, precision: str) -> str:
-    return f"{experiment}/{item_id}/{precision}"
+    def csv_name(self, config: dict[str, Any]) -> str:
+        """The CSV this experiment derives, given its recorded config."""
+        return self.csv_file
 
+    def outcome(self, data: dict[str, Any]) -> Outcome:
+        """A completed row's two compared arms (``left`` and ``prefill``)."""
+        arms, labels = data["arms"], data["labels"]
+        return Outcome(
+            suffix_equal=labels["suffix_equal"],
+            answer_equal=labels["answer_equal"],
+            correct=(arms["left"]["correct"], arms["prefill"]["correct"]),
+            parsed=(arms["left"]["answer_parsed"], arms["prefill"]["answer_parsed"]),
+            replicas_exact=all(all(g.values()) for g in data["replicas"].values()),
+        )
 
-def prefix_key(experiment: str, item_id: str) -> str:
-    """The key of a two-phase experiment's prefix row (its first phase)."""
-    return f"{experiment}/prefix/{item_id}"
+    def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
+        """Figures drawn from the rows after each run; most experiments draw none."""
+        return []
 
 
 def planned_keys(
@@ -206,19 +285,14 @@ def planned_keys(
 ) -> list[str]:
     """Row keys of a complete experiment; with ``prefixed``, one prefix row per item
     first, and later rows only for items whose prefix row reached the boundary."""
-    keys = [prefix_key(experiment, i) for i in item_ids] if prefixed else []
+    prefixes = [str(UnitKey.prefix(experiment, i)) for i in item_ids] if prefixed else []
     if prefixed:
-        reached = {k for k in keys if k in rows and rows[k].data.get("status") == "ok"}
-        item_ids = [i for i in item_ids if prefix_key(experiment, i) in reached]
-    return keys + [row_key(experiment, i, p) for p in precisions for i in item_ids]
+        reached = {k for k in prefixes if k in rows and rows[k].data.get("status") == "ok"}
+        item_ids = [i for i in item_ids if str(UnitKey.prefix(experiment, i)) in reached]
+    return prefixes + [str(UnitKey(experiment, i, p)) for p in precisions for i in item_ids]
 
 
-def csv_file(experiment: Experiment, config: dict[str, Any]) -> str:
-    """The CSV an experiment derives; a transplant panel names its own in its config."""
-    return config.get("csv_name", experiment.csv_name)
-
-
-def prompt_ids(worker: Worker, lm: LoadedModel, item: Item) -> list[int]:
+def prompt_ids(worker: Workbench, lm: LoadedModel, item: Item) -> list[int]:
     if item.prompt is None:
         raise KvreplayError(f"Item {item.id} has no prompt, so it cannot be generated live.")
     return encode_prompt(lm.tokenizer, item.prompt, worker.config.chat)
@@ -244,7 +318,9 @@ def prefix_from_inputs(inputs: dict[str, Any]) -> Prefix:
     return Prefix(token_ids=ids, prompt_len=int(inputs["prompt_token_count"]))
 
 
-def snapshot(worker: Worker, unit: Unit, arm: str, state: BoundaryState) -> dict[str, str] | None:
+def snapshot(
+    worker: Workbench, unit: Unit, arm: str, state: BoundaryState
+) -> dict[str, str] | None:
     """Save a boundary state when the run asked for snapshots; return its file entry."""
     if not worker.config.save_snapshots:
         return None
@@ -252,10 +328,11 @@ def snapshot(worker: Worker, unit: Unit, arm: str, state: BoundaryState) -> dict
 
     # Readable, and unique: ids that differ only in unsafe characters (x/y, x_y) differ
     # in the digest of the row key.
-    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", unit.key)[:80]
-    tag = hashlib.sha256(unit.key.encode("utf-8")).hexdigest()[:12]
+    key = str(unit.key)
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80]
+    tag = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
     path = Path(worker.config.run_dir) / "snapshots" / f"{readable}-{tag}-{arm}.safetensors"
-    save_state(state, path, {"row": unit.key, "arm": arm})
+    save_state(state, path, {"row": key, "arm": arm})
     return {
         "file": f"snapshots/{path.name}",
         "sha256": file_digests(path.parent, [path])[path.name],
@@ -263,7 +340,7 @@ def snapshot(worker: Worker, unit: Unit, arm: str, state: BoundaryState) -> dict
 
 
 def run_arm(
-    worker: Worker,
+    worker: Workbench,
     lm: LoadedModel,
     unit: Unit,
     arm: str,
@@ -335,7 +412,7 @@ def pair_record(left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
 
 
 def replicate_and_run(
-    worker: Worker,
+    worker: Workbench,
     lm: LoadedModel,
     unit: Unit,
     arms: dict[str, BoundaryState],

@@ -13,16 +13,22 @@ from typing import Any
 from kvreplay.construct import build, live
 from kvreplay.experiments.base import (
     Clock,
+    Experiment,
+    Outcome,
+    Scope,
+    Selection,
     Unit,
-    Worker,
+    UnitKey,
+    Workbench,
     csv_value,
     functional_state_equal,
     planned_keys,
     prefix_record,
     prompt_ids,
-    row_key,
     run_arm,
 )
+from kvreplay.experiments.matched import MATCHED
+from kvreplay.experiments.panel import prompt_lengths, spread_selection
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 from kvreplay.state import compare, first_divergence, make_replica, storage_disjoint
@@ -43,39 +49,51 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def spread_selection(lengths: list[tuple[int, str]], n: int) -> list[str]:
-    """Ids at evenly spaced order statistics of (length, id): outcome-blind by design."""
-    ordered = sorted(lengths)
-    if n >= len(ordered):
-        return [item_id for _, item_id in ordered]
-    if n == 1:
-        return [ordered[len(ordered) // 2][1]]
-    picks = sorted({round(i * (len(ordered) - 1) / (n - 1)) for i in range(n)})
-    return [ordered[p][1] for p in picks]
-
-
-class Bridge:
+class Bridge(Experiment):
     name = "bridge"
-    csv_name = "live_teacher_bridge.csv"
+    csv_file = "live_teacher_bridge.csv"
     columns = COLUMNS
-    phases = 1
+    compared = ("live", "replay")
 
-    def config(self, options: dict[str, Any]) -> dict[str, Any]:
+    def default_n(self, total: int) -> int:
+        return min(12, total)
+
+    def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
+        return items  # the selection spreads over every item's length
+
+    def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
+        """An outcome-blind spread over prefix length: this run's ``matched`` prefixes
+        when there are enough (lengths are not outcomes), else prompt lengths."""
+        n = self.count(scope.n, scope.items)
+        dtype = scope.dtypes[0]
+        known = {
+            r.data["item_id"]: r.data["prefix_token_count"]
+            for r in rows.values()
+            if r.experiment == MATCHED and r.data["precision"] == dtype and r.data["status"] == "ok"
+        }
+        basis = "matched_prefix" if len(known) >= n else "prompt_tokens"
+        if basis == "prompt_tokens":
+            known = prompt_lengths(scope, scope.items)
+        chosen = set(spread_selection([(length, i) for i, length in known.items()], n))
+        selected = [i for i in scope.items if i.id in chosen]
+        return Selection(selected, {"rule": "outcome_blind_length_spread", "basis": basis, "n": n})
+
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         return {
-            "dtype": options["bridge_dtype"],
-            "item_ids": options["item_ids"],
-            "selection": options["selection"],
+            "dtype": scope.dtypes[0],
+            "item_ids": [item.id for item in selection.items],
+            "selection": selection.rule,
         }
 
     def units(
-        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        dtype = options["bridge_dtype"]
-        sources = {**options.get("prefix_source_rows", {}), **rows}
+        dtype = scope.dtypes[0]
+        sources = {**scope.source_rows(), **rows}
         units = []
-        for index, item in enumerate(items):
+        for index, item in enumerate(selection.items):
             inputs: dict[str, Any] = {"selection_index": index}
-            historical = sources.get(f"matched/{item.id}/{dtype}")
+            historical = sources.get(str(UnitKey(MATCHED, item.id, dtype)))
             if historical is not None and historical.data.get("status") == "ok":
                 inputs["historical"] = {
                     "key": historical.key,
@@ -84,13 +102,25 @@ class Bridge:
                     "prefix_sha256": historical.data["prefix_sha256"],
                 }
                 inputs["reuse"] = {"key": historical.key, "arm": historical.data["arms"]["left"]}
-            units.append(Unit(row_key(self.name, item.id, dtype), self.name, item, dtype, inputs))
+            units.append(Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs))
         return units
 
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], [config["dtype"]], rows)
 
-    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+    def outcome(self, data: dict[str, Any]) -> Outcome:
+        live, teacher = data["arms"]["live"], data["arms"]["teacher"]
+        return Outcome(
+            suffix_equal=live["suffix_sha256"] == teacher["suffix_sha256"],
+            answer_equal=live["answer"] == teacher["answer"],
+            correct=(live["correct"], teacher["correct"]),
+            parsed=(live["answer_parsed"], teacher["answer_parsed"]),
+            replicas_exact=all(
+                all(data[clone].values()) for clone in ("live_clone", "teacher_clone")
+            ),
+        )
+
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
         lm = worker.model(unit.precision)
         base = {
             "item_id": unit.item.id,

@@ -12,15 +12,19 @@ from typing import Any
 from kvreplay.construct import live
 from kvreplay.experiments.base import (
     Clock,
+    Experiment,
+    Scope,
+    Selection,
     Unit,
-    Worker,
+    UnitKey,
+    Workbench,
     planned_keys,
-    prefix_key,
     prefix_record,
     prompt_ids,
-    row_key,
 )
+from kvreplay.experiments.matched import MATCHED
 from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
+from kvreplay.experiments.panel import PREFIX_DTYPE
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 from kvreplay.state import sha256_tokens
@@ -38,7 +42,7 @@ PREFIX_FIELDS = (
 
 def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | None:
     """A completed live row of ``matched`` for this item at ``dtype``, if any."""
-    record = rows.get(f"matched/{item.id}/{dtype}")
+    record = rows.get(str(UnitKey(MATCHED, item.id, dtype)))
     return record if record is not None and record.data.get("status") == "ok" else None
 
 
@@ -63,7 +67,7 @@ def trajectory_inputs(item: Item) -> dict[str, Any]:
     }
 
 
-def prefix_unit(key: str, experiment: str, item: Item, dtype: str, source: Record | None) -> Unit:
+def prefix_unit(key: UnitKey, item: Item, dtype: str, source: Record | None) -> Unit:
     """A phase-0 unit that copies ``source``'s prefix or the item's own trajectory, or
     generates one live when there is neither."""
     inputs: dict[str, Any] = {}
@@ -74,10 +78,10 @@ def prefix_unit(key: str, experiment: str, item: Item, dtype: str, source: Recor
         }
     elif item.prefix_token_ids is not None:
         inputs = trajectory_inputs(item)
-    return Unit(key, experiment, item, dtype, inputs)
+    return Unit(key, item, dtype, inputs)
 
 
-def prefix_row(worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+def prefix_row(worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
     """A prefix row: copied from the source the unit carries, or generated live."""
     base = {"item_id": unit.item.id, "precision": unit.precision, "kind": "prefix"}
     if "prefix_token_ids" in unit.inputs:
@@ -90,65 +94,60 @@ def prefix_row(worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
     return {
         **base,
         "status": "ok" if prefix.reached else "unreached",
-        "source": {"key": unit.key, "generated": True},
+        "source": {"key": str(unit.key), "generated": True},
         **prefix_record(prefix),
     }
 
 
-class FixedPrefix:
+class FixedPrefix(Experiment):
     name = "fixed-prefix"
-    csv_name = "fixed_prefix_2x2.csv"
+    csv_file = "fixed_prefix_2x2.csv"
     columns = matrix_columns("incremental", paper_l2=True)
     phases = 2
 
-    def config(self, options: dict[str, Any]) -> dict[str, Any]:
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         return {
-            "dtypes": options["dtypes"],
-            "item_ids": options["item_ids"],
-            "prefix_dtype": options["prefix_dtype"],
-            "prefix_from": options.get("prefix_from_contract"),
+            "dtypes": list(scope.dtypes),
+            "item_ids": [item.id for item in selection.items],
+            "prefix_dtype": PREFIX_DTYPE,
+            "prefix_from": scope.source.contract_hash if scope.source else None,
         }
 
     def units(
-        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
         if phase == 0:
-            sources = {**options.get("prefix_source_rows", {}), **rows}
-            dtype = options["prefix_dtype"]
-            units = [
+            sources = {**scope.source_rows(), **rows}
+            return [
                 prefix_unit(
-                    prefix_key(self.name, item.id),
-                    self.name,
+                    UnitKey.prefix(self.name, item.id),
                     item,
-                    dtype,
-                    _source_for(item, dtype, sources),
+                    PREFIX_DTYPE,
+                    _source_for(item, PREFIX_DTYPE, sources),
                 )
-                for item in items
+                for item in selection.items
             ]
-            return units
         units = []
-        for dtype in options["dtypes"]:
-            for item in items:
-                prefix = rows[prefix_key(self.name, item.id)]
+        for dtype in scope.dtypes:
+            for item in selection.items:
+                prefix = rows[str(UnitKey.prefix(self.name, item.id))]
                 if prefix.data["status"] != "ok":
                     continue
                 inputs = prefix_inputs(prefix)
                 inputs["source"] = prefix.data["source"]
-                matched = rows.get(f"matched/{item.id}/{dtype}")
+                matched = rows.get(str(UnitKey(MATCHED, item.id, dtype)))
                 if matched is not None and matched.data.get("status") == "ok":
                     inputs["reuse"] = {
                         "prefill": {"key": matched.key, "arm": matched.data["arms"]["prefill"]}
                     }
-                units.append(
-                    Unit(row_key(self.name, item.id, dtype), self.name, item, dtype, inputs)
-                )
+                units.append(Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs))
         return units
 
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows, prefixed=True)
 
-    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
-        if unit.key.startswith("fixed-prefix/prefix/"):
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        if unit.key.is_prefix:
             return prefix_row(worker, unit, clock)
         base = {"item_id": unit.item.id, "precision": unit.precision}
         return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, left="replay")}
@@ -159,7 +158,7 @@ class FixedPrefix:
         for record in rows:
             if record.data.get("kind") != "matrix" or record.data["status"] != "ok":
                 continue
-            prefix_row = by_key[f"fixed-prefix/prefix/{record.data['item_id']}"]
+            prefix_row = by_key[str(UnitKey.prefix(self.name, record.data["item_id"]))]
             source = record.data["source"].get("row_sha256") or prefix_row.row_sha256
             out.append(matrix_csv_row(record, "incremental", source))
         return out

@@ -35,8 +35,12 @@ from kvreplay.construct import build
 from kvreplay.decode import Sampler, Trajectory, feed_each
 from kvreplay.experiments.base import (
     Clock,
+    Experiment,
+    Scope,
+    Selection,
     Unit,
-    Worker,
+    UnitKey,
+    Workbench,
     csv_value,
     functional_state_equal,
     pair_record,
@@ -44,10 +48,9 @@ from kvreplay.experiments.base import (
     prefix_from_inputs,
     prefix_record,
     replicate_and_run,
-    row_key,
 )
 from kvreplay.experiments.fixed_prefix import prefix_inputs
-from kvreplay.items import Item
+from kvreplay.experiments.panel import select_panel
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
 from kvreplay.state import BoundaryState, Component, clone, compare, transplant
@@ -258,30 +261,32 @@ def draw(rows: list[dict[str, str]], path: Path) -> Path:
     return path
 
 
-class Localize:
+class Localize(Experiment):
     name = "localize"
-    csv_name = "localize.csv"
+    csv_file = "localize.csv"
     columns = COLUMNS
-    phases = 1
 
-    def config(self, options: dict[str, Any]) -> dict[str, Any]:
-        directions = DIRECTIONS if options.get("both_directions") else DIRECTIONS[:1]
+    def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
+        return select_panel(self.name, "divergent", scope, rows)
+
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
+        directions = DIRECTIONS if scope.options.get("both_directions") else DIRECTIONS[:1]
         return {
-            "precision": options["dtypes"][0],
+            "precision": scope.dtypes[0],
             "directions": [name for name, _, _ in directions],
             "sweeps": list(SWEEPS),
-            "selection": options["selection"],
+            "selection": selection.rule,
         }
 
     def units(
-        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        by_id = {item.id: item for item in items}
-        directions = self.config(options)["directions"]
-        precision = options["dtypes"][0]
+        by_id = {item.id: item for item in selection.items}
+        directions = self.config(scope, selection)["directions"]
+        precision = scope.dtypes[0]
         units = []
-        for entry in options["selection"]["rows"]:
-            source = options["prefix_source_rows"][entry["source_key"]]
+        for entry in selection.rule["rows"]:
+            source = scope.source_rows()[entry["source_key"]]
             inputs = {
                 **prefix_inputs(source),
                 "source": {"key": source.key, "row_sha256": source.row_sha256},
@@ -289,16 +294,14 @@ class Localize:
                 "directions": directions,
             }
             item = by_id[entry["item_id"]]
-            units.append(
-                Unit(row_key(self.name, item.id, precision), self.name, item, precision, inputs)
-            )
+            units.append(Unit(UnitKey(self.name, item.id, precision), item, precision, inputs))
         return units
 
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         ids = [entry["item_id"] for entry in config["selection"]["rows"]]
         return planned_keys(self.name, ids, [config["precision"]], rows)
 
-    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
         lm = worker.model(unit.precision)
         prefix = prefix_from_inputs(unit.inputs)
         with clock.model():
@@ -370,6 +373,6 @@ class Localize:
                 out.append({key: csv_value(value) for key, value in row.items()})
         return out
 
-    def write_figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
+    def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
         """Recovery rate by layer set and component, one line per direction."""
         return [draw(self.csv_rows(rows), run_dir / "figures" / "localize.png")]

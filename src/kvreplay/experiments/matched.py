@@ -5,34 +5,48 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.base import Clock, Unit, Worker, planned_keys, row_key
+from kvreplay.experiments.base import (
+    Clock,
+    Experiment,
+    Scope,
+    Selection,
+    Unit,
+    UnitKey,
+    Workbench,
+    planned_keys,
+)
 from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 
+MATCHED = "matched"
 
-class Matched:
-    name = "matched"
-    csv_name = "matched_live_prefill.csv"
+
+class Matched(Experiment):
+    name = MATCHED
+    csv_file = "matched_live_prefill.csv"
     columns = matrix_columns("live", paper_l2=False)
-    phases = 1
+    compared = ("live", "prefill")
 
-    def config(self, options: dict[str, Any]) -> dict[str, Any]:
-        return {"dtypes": options["dtypes"], "item_ids": options["item_ids"]}
+    def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
+        return items[:n]
+
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
+        return {"dtypes": list(scope.dtypes), "item_ids": [item.id for item in selection.items]}
 
     def units(
-        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
         return [
-            Unit(row_key(self.name, item.id, dtype), self.name, item, dtype)
-            for dtype in options["dtypes"]
-            for item in items
+            Unit(UnitKey(self.name, item.id, dtype), item, dtype)
+            for dtype in scope.dtypes
+            for item in selection.items
         ]
 
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
 
-    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
         row = run_matrix(worker, unit, clock, left="live")
         return {"item_id": unit.item.id, "precision": unit.precision, **row}
 

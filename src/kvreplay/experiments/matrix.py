@@ -12,7 +12,7 @@ from kvreplay.construct import build, live
 from kvreplay.experiments.base import (
     Clock,
     Unit,
-    Worker,
+    Workbench,
     csv_value,
     functional_state_equal,
     pair_record,
@@ -65,7 +65,7 @@ def matrix_columns(left: str, paper_l2: bool) -> list[str]:
     ]  # fmt: skip
 
 
-def run_matrix(worker: Worker, unit: Unit, clock: Clock, left: str) -> dict[str, Any]:
+def run_matrix(worker: Workbench, unit: Unit, clock: Clock, left: str) -> dict[str, Any]:
     """One (item, precision) row. ``left`` is ``live`` or ``replay``."""
     lm = worker.model(unit.precision)
     plan, sampler = worker.config.plan, worker.config.sampler

@@ -23,50 +23,35 @@ live), phase 1 runs the six arms.
 
 from __future__ import annotations
 
-import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvreplay.construct import build
-from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.base import (
     Clock,
+    Experiment,
+    Scope,
+    Selection,
     Unit,
-    Worker,
+    UnitKey,
+    Workbench,
     csv_value,
     functional_state_equal,
     pair_record,
     planned_keys,
     prefix_from_inputs,
-    prefix_key,
     prefix_record,
     replicate_and_run,
-    row_key,
 )
-from kvreplay.experiments.bridge import spread_selection
 from kvreplay.experiments.fixed_prefix import prefix_inputs, prefix_row, prefix_unit
-from kvreplay.items import Item, encode_prompt, items_digest
-from kvreplay.ledger import Record, RunLedger
-from kvreplay.models import describe_source, load_tokenizer
+from kvreplay.experiments.panel import PREFIX_DTYPE, select_panel
+from kvreplay.ledger import Record
 from kvreplay.state import BoundaryState, compare, first_divergence, transplant
 
-if TYPE_CHECKING:
-    from kvreplay.runner import RunRequest
-
-PANEL_EXPERIMENTS = ("transplant", "localize")
-PANELS = ("stratified", "blind")
-BASIS = {
-    "stratified": "prior_outcome_stratified_length_spread",
-    "blind": "outcome_blind_length_and_identifier",
-    "divergent": "prior_outcome_divergent_length_spread",
-}
 DEFAULT_NAME = {"stratified": "primary", "blind": "later"}
-DEFAULT_DIVERGENT, DEFAULT_CONTROLS, DEFAULT_BLIND_N = 24, 8, 48
-# Where a prior row's outcome (suffix of replay/live vs prefill) can be read, preferred first.
-OUTCOME_SOURCES = ("fixed-prefix", "matched")
 # The two transplanted arms: (arm, donor arm, recipient arm, paper name).
 TRANSPLANTS = (
     ("replay_cache_into_prefill", "left", "prefill", "incremental_cache_into_prefill"),
@@ -102,184 +87,17 @@ EXTRA_COLUMNS = [
 ]  # fmt: skip
 
 
-def _tiebreak(seed: int, item_id: str) -> str:
-    return hashlib.sha256(f"{seed}:{item_id}".encode()).hexdigest()[:16]
+def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
+    """The checkpoint alias and the ledger name (``kv_transplant_<name>.csv``) of a panel."""
 
+    def names(panel: str) -> dict[str, str]:
+        name = scope.options.get("name") or DEFAULT_NAME[panel]
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise KvreplayError(f"--name {name!r} may hold only letters, digits, '_' and '-'.")
+        alias = scope.options.get("alias") or Path(scope.config.model).name
+        return {"alias": alias, "name": name}
 
-def spread(lengths: dict[str, int], n: int, seed: int) -> list[str]:
-    """``n`` ids at evenly spaced order statistics of length; equal lengths are ordered
-    by a seeded hash of the id, so the seed is the only freedom in the choice."""
-    keyed = {f"{_tiebreak(seed, item_id)}:{item_id}": item_id for item_id in lengths}
-    order = [(lengths[item_id], key) for key, item_id in keyed.items()]
-    return [keyed[key] for key in spread_selection(order, n)]
-
-
-def outcome_rows(
-    rows: dict[str, Record], precision: str, sources: Sequence[str]
-) -> dict[str, Record]:
-    """Per item, a completed two-arm row (left vs prefill) at ``precision``; earlier
-    experiments in ``sources`` win."""
-    found: dict[str, Record] = {}
-    for experiment in reversed(sources):
-        for record in rows.values():
-            data = record.data
-            if (
-                record.experiment == experiment
-                and data.get("precision") == precision
-                and data.get("status") == "ok"
-                and "arms" in data
-            ):
-                found[data["item_id"]] = record
-    return found
-
-
-def prefix_rows(rows: dict[str, Record], prefix_dtype: str) -> dict[str, Record]:
-    """Per item, a recorded prefix: a fixed-prefix prefix row, else a matched live row."""
-    found: dict[str, Record] = {}
-    for record in rows.values():
-        data = record.data
-        if data.get("status") != "ok" or "prefix_token_ids" not in data:
-            continue
-        if record.experiment == "fixed-prefix" and data.get("kind") == "prefix":
-            found[data["item_id"]] = record
-        elif record.experiment == "matched" and data["precision"] == prefix_dtype:
-            found.setdefault(data["item_id"], record)
-    return found
-
-
-def diverges(record: Record) -> bool:
-    arms = record.data["arms"]
-    return arms["left"]["suffix_sha256"] != arms["prefill"]["suffix_sha256"]
-
-
-def _source_contract(request: RunRequest, items: list[Item]) -> str | None:
-    """A source run's prefixes are token ids of its model: refuse another model's."""
-    if request.prefix_from is None:
-        return None
-    source = RunLedger.open_existing(request.prefix_from)
-    contract = source.manifest["contract"]
-    info = describe_source(request.model, request.trust_remote_code, contract_scheme(contract))
-    if contract["run"]["model_digest"] != info["model_digest"]:
-        raise KvreplayError(
-            f"The source run {request.prefix_from} used another model "
-            f"({contract['run']['model']}); its prefixes are that model's token ids."
-        )
-    if contract["items"]["digest"] != items_digest(items):
-        raise KvreplayError(
-            f"The source run {request.prefix_from} used another item set; "
-            f"pass --items {request.prefix_from / 'items.jsonl'}."
-        )
-    return source.contract_hash
-
-
-def _take(kind: str, available: dict[str, int], wanted: int, precision: str) -> None:
-    if wanted < 0 or wanted > len(available):
-        raise KvreplayError(
-            f"The source run has {len(available)} {kind} {precision} rows "
-            f"but the panel asks for {wanted}."
-        )
-
-
-def _entry(index: int, item_id: str, stratum: str, record: Record | None) -> dict[str, Any]:
-    return {
-        "selection_index": index,
-        "item_id": item_id,
-        "historical_stratum": stratum,
-        "source_key": record.key if record else None,
-        "source_row_sha256": record.row_sha256 if record else None,
-        "prefix_token_count": record.data["prefix_token_count"] if record else None,
-    }
-
-
-def _blind_lengths(
-    request: RunRequest, items: list[Item], prefixes: dict[str, Record]
-) -> tuple[dict[str, int], str]:
-    if request.prefix_from is not None:
-        lengths = {i: r.data["prefix_token_count"] for i, r in prefixes.items()}
-        return lengths, "source_prefix_tokens"
-    tokenizer = load_tokenizer(request.model, request.trust_remote_code)
-    lengths = {i.id: len(encode_prompt(tokenizer, i.prompt, request.chat)) for i in items}
-    return lengths, "prompt_tokens"
-
-
-def select_panel(
-    request: RunRequest, items: list[Item], rows: dict[str, Record]
-) -> tuple[list[Item], dict[str, Any]]:
-    """Choose a transplant or localize panel from the source run alone, before any row.
-
-    Every refusal (missing source, too few rows of a stratum, a bad name) happens here,
-    so the runner can call this before it writes anything.
-    """
-    extra = request.extra
-    precision = request.dtypes[0]
-    seed = int(extra.get("panel_seed", 0))
-    contract = _source_contract(request, items)
-    by_id = {item.id: item for item in items}
-    panel = "divergent" if request.experiment == "localize" else extra.get("panel", "stratified")
-    if panel not in (*PANELS, "divergent"):
-        raise KvreplayError(f"Unknown panel {panel!r}; choose {' or '.join(PANELS)}.")
-    if panel != "blind" and request.prefix_from is None:
-        raise KvreplayError(
-            f"The {request.experiment} panel selects on a prior run's outcomes; "
-            "pass --from RUN_DIR."
-        )
-    selection: dict[str, Any] = {
-        "rule": "panel",
-        "panel": panel,
-        "basis": BASIS[panel],
-        "seed": seed,
-        "precision": precision,
-        "source_contract_sha256": contract,
-    }
-    entries: list[dict[str, Any]] = []
-    if panel == "blind":
-        prefixes = prefix_rows(rows, extra.get("prefix_dtype", "bf16")) if contract else {}
-        lengths, selection["length_basis"] = _blind_lengths(request, items, prefixes)
-        n = request.n if request.n is not None else min(DEFAULT_BLIND_N, len(lengths))
-        if n < 1 or n > len(lengths):
-            raise KvreplayError(f"--n is {n} but {len(lengths)} rows are available for the panel.")
-        for index, item_id in enumerate(spread(lengths, n, seed)):
-            entries.append(_entry(index, item_id, "not_used", prefixes.get(item_id)))
-    else:
-        sources = OUTCOME_SOURCES + (("transplant",) if panel == "divergent" else ())
-        outcomes = outcome_rows(rows, precision, sources)
-        strata = {
-            stratum: {i: r.data["prefix_token_count"] for i, r in outcomes.items() if flag(r)}
-            for stratum, flag in (("divergent", diverges), ("exact", lambda r: not diverges(r)))
-        }
-        if panel == "divergent" and not strata["divergent"]:
-            raise KvreplayError(f"The source run has no divergent {precision} rows to localize.")
-        divergent = extra.get("divergent")
-        wanted = {
-            "divergent": (len(strata["divergent"]) if panel == "divergent" else DEFAULT_DIVERGENT)
-            if divergent is None
-            else int(divergent),
-            "exact": 0 if panel == "divergent" else int(extra.get("controls", DEFAULT_CONTROLS)),
-        }
-        for stratum, count in wanted.items():
-            _take(stratum, strata[stratum], count, precision)
-        if sum(wanted.values()) == 0:
-            raise KvreplayError("The panel is empty; ask for at least one row.")
-        for stratum, count in wanted.items():
-            for item_id in spread(strata[stratum], count, seed) if count else []:
-                entries.append(_entry(len(entries), item_id, stratum, outcomes[item_id]))
-        selection["available"] = {k: len(v) for k, v in strata.items()}
-    missing = [e["item_id"] for e in entries if e["item_id"] not in by_id]
-    if missing:
-        raise KvreplayError(f"Item {missing[0]} of the source run is not in this run's item set.")
-    if request.experiment == "transplant":
-        selection.update(_names(request, panel))
-    selection["rows"] = entries
-    return [by_id[e["item_id"]] for e in entries], selection
-
-
-def _names(request: RunRequest, panel: str) -> dict[str, str]:
-    """The checkpoint alias and the ledger name (``kv_transplant_<name>.csv``)."""
-    name = request.extra.get("name") or DEFAULT_NAME[panel]
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
-        raise KvreplayError(f"--name {name!r} may hold only letters, digits, '_' and '-'.")
-    alias = request.extra.get("alias") or Path(request.model).name
-    return {"alias": alias, "name": name}
+    return names
 
 
 def holds_donor(result: BoundaryState, donor: BoundaryState) -> bool:
@@ -291,61 +109,65 @@ def holds_donor(result: BoundaryState, donor: BoundaryState) -> bool:
     )
 
 
-class Transplant:
+class Transplant(Experiment):
     name = "transplant"
-    csv_name = "kv_transplant_primary.csv"  # the default; a run's own is in its config
+    csv_file = "kv_transplant_primary.csv"  # the default; a run's own is in its config
     columns = PAPER_COLUMNS + EXTRA_COLUMNS
     phases = 2
 
-    def config(self, options: dict[str, Any]) -> dict[str, Any]:
-        selection = options["selection"]
+    def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
+        panel = scope.options.get("panel", "stratified")
+        return select_panel(self.name, panel, scope, rows, _names(scope))
+
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         return {
-            "precision": options["dtypes"][0],
-            "prefix_dtype": options["prefix_dtype"],
+            "precision": scope.dtypes[0],
+            "prefix_dtype": PREFIX_DTYPE,
             "arms": list(ARMS),
-            "csv_name": f"kv_transplant_{selection['name']}.csv",
-            "selection": selection,
+            "csv_name": f"kv_transplant_{selection.rule['name']}.csv",
+            "selection": selection.rule,
         }
 
+    def csv_name(self, config: dict[str, Any]) -> str:
+        return config["csv_name"]
+
     def units(
-        self, phase: int, items: list[Item], options: dict[str, Any], rows: dict[str, Record]
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        selection = options["selection"]
-        by_id = {item.id: item for item in items}
+        by_id = {item.id: item for item in selection.items}
+        sources = scope.source_rows()
+        precision = scope.dtypes[0]
         units = []
-        for entry in selection["rows"]:
+        for entry in selection.rule["rows"]:
             item = by_id[entry["item_id"]]
+            key = UnitKey.prefix(self.name, item.id)
             if phase == 0:
-                source = options["prefix_source_rows"].get(entry["source_key"])
-                key = prefix_key(self.name, item.id)
-                units.append(prefix_unit(key, self.name, item, options["prefix_dtype"], source))
+                source = sources.get(entry["source_key"])
+                units.append(prefix_unit(key, item, PREFIX_DTYPE, source))
                 continue
-            prefix = rows[prefix_key(self.name, item.id)]
+            prefix = rows[str(key)]
             if prefix.data["status"] != "ok":
                 continue
             inputs = {
                 **prefix_inputs(prefix),
                 "source": prefix.data["source"],
                 "panel": {
-                    "checkpoint_alias": selection["alias"],
+                    "checkpoint_alias": selection.rule["alias"],
                     "selection_index": entry["selection_index"],
-                    "selection_basis": selection["basis"],
+                    "selection_basis": selection.rule["basis"],
                     "historical_stratum": entry["historical_stratum"],
-                    "panel": selection["panel"],
+                    "panel": selection.rule["panel"],
                 },
             }
-            precision = options["dtypes"][0]
-            units.append(
-                Unit(row_key(self.name, item.id, precision), self.name, item, precision, inputs)
-            )
+            units.append(Unit(UnitKey(self.name, item.id, precision), item, precision, inputs))
         return units
 
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         ids = [entry["item_id"] for entry in config["selection"]["rows"]]
         return planned_keys(self.name, ids, [config["precision"]], rows, prefixed=True)
 
-    def run_unit(self, worker: Worker, unit: Unit, clock: Clock) -> dict[str, Any]:
-        if unit.key.startswith("transplant/prefix/"):
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        if unit.key.is_prefix:
             return prefix_row(worker, unit, clock)
         lm = worker.model(unit.precision)
         prefix = prefix_from_inputs(unit.inputs)
@@ -390,7 +212,7 @@ class Transplant:
             data = record.data
             if data.get("kind") != "transplant":
                 continue
-            prefix_row_hash = by_key[f"transplant/prefix/{data['item_id']}"].row_sha256
+            prefix_row_hash = by_key[str(UnitKey.prefix(self.name, data["item_id"]))].row_sha256
             out.append(transplant_csv_row(record, prefix_row_hash))
         return out
 

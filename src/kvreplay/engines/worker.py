@@ -1,0 +1,59 @@
+"""The worker every engine runs units on: it loads each precision's model once and hands
+each unit to its experiment. A worker lives in the driver (local engine), in a spawned
+process or in a Ray actor; it receives plain-data units and returns plain-data rows, so
+every engine runs the same code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments import get_experiment
+from kvreplay.experiments.base import Clock, RunConfig, Unit
+from kvreplay.models import LoadedModel, load_model
+
+
+class Worker:
+    """Loads each precision's model once and runs units.
+
+    ``device_map="auto"`` (set by the Ray engine for a worker with several GPUs) spreads
+    a model too large for one GPU over all of them.
+    """
+
+    def __init__(self, config: RunConfig, name: str = "local", device_map: str | None = None):
+        self.config = config
+        self.name = name
+        self.device_map = device_map
+        self._models: dict[str, LoadedModel] = {}
+
+    def model(self, dtype: str) -> LoadedModel:
+        if dtype not in self._models:
+            lm = load_model(
+                self.config.model,
+                dtype,
+                self.config.device,
+                self.config.attn_implementation,
+                self.config.trust_remote_code,
+                self.device_map,
+            )
+            if not lm.identity.matches(self.config.model_digest):
+                raise KvreplayError(
+                    f"Worker {self.name} loaded model files whose digest differs from the run's."
+                )
+            self._models[dtype] = lm
+        return self._models[dtype]
+
+    def device_info(self) -> dict[str, str]:
+        from kvreplay.environment import device_name
+
+        return {
+            "worker": self.name,
+            "device": self.config.device,
+            "device_name": device_name(self.config.device),
+        }
+
+    def run(self, unit: Unit) -> tuple[dict[str, Any], dict[str, float]]:
+        self.model(unit.precision)  # loading is neither model nor harness time of a row
+        clock = Clock()
+        data = get_experiment(unit.experiment).run_unit(self, unit, clock)
+        return data, clock.timing()
