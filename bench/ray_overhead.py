@@ -23,10 +23,12 @@ from typing import Any
 
 import torch
 
+from kvreplay.config import RunConfig
 from kvreplay.engines.local import LocalEngine
 from kvreplay.engines.ray import RayEngine
-from kvreplay.experiments.base import RunConfig, Scope, Unit
 from kvreplay.experiments.matched import Matched
+from kvreplay.experiments.scope import Scope
+from kvreplay.experiments.units import Unit
 from kvreplay.items import load_items
 from kvreplay.models import describe_source
 from kvreplay.stages import get_plan

@@ -31,8 +31,9 @@ def child(threads: int, dtype: str, item: int, plan: str, start_file: Path) -> N
     """Load, wait for the start signal, run one row; print its seconds as JSON."""
     import torch
 
+    from kvreplay.config import RunConfig
     from kvreplay.engines.worker import Worker
-    from kvreplay.experiments.base import RunConfig, Unit, UnitKey
+    from kvreplay.experiments.units import Unit, UnitKey
     from kvreplay.items import arith_items
     from kvreplay.models import describe_source
     from kvreplay.stages import get_plan

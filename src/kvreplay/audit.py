@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.canonical import canonical, sha256_json
+from kvreplay.config import RunConfig
 from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import EXPERIMENTS
-from kvreplay.experiments.base import RunConfig, Unit, UnitKey
+from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.items import Item, load_jsonl
 from kvreplay.ledger import (
     ITEMS,

@@ -101,59 +101,101 @@ def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-PANEL_OPTIONS = ("panel", "alias", "name", "divergent", "controls", "panel_seed", "both_directions")
+def _source_option(help_text: str) -> Callable[..., Any]:
+    return click.option(
+        "--prefix-from", "--from", "prefix_from", type=click.Path(path_type=Path), default=None,
+        help=help_text,
+    )  # fmt: skip
 
 
-def panel_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Options of ``transplant`` and ``localize``; they reach the run as ``extra``."""
-    options = [
-        click.option("--panel", type=click.Choice(["stratified", "blind"]), default=None,
-                     help="transplant: a prior run's divergent rows plus exact controls "
-                          "(stratified, default) or an outcome-blind length spread (blind)."),
-        click.option("--alias", default=None, help="transplant: checkpoint alias (e.g. C0)."),
-        click.option("--name", default=None,
-                     help="transplant: ledger kv_transplant_<name>.csv "
-                          "(default primary for stratified, later for blind)."),
-        click.option("--divergent", type=click.IntRange(min=0), default=None,
-                     help="Divergent rows to take from --from (transplant 24, localize all)."),
-        click.option("--controls", type=click.IntRange(min=0), default=None,
-                     help="transplant: exact control rows to take from --from (default 8)."),
-        click.option("--panel-seed", type=int, default=None,
-                     help="Seed that orders equal-length rows in a panel (default 0)."),
-        click.option("--both-directions", is_flag=True, default=False,
-                     help="localize: also probe prefill K/V into the replay state."),
-    ]  # fmt: skip
-    for option in reversed(options):
-        func = option(func)
-    return func
+def _divergent_option(default: str) -> Callable[..., Any]:
+    return click.option(
+        "--divergent", type=click.IntRange(min=0), default=None,
+        help=f"Divergent rows to take from --from (default {default}).",
+    )  # fmt: skip
+
+
+PANEL_SEED = click.option(
+    "--panel-seed", type=int, default=None,
+    help="Seed that orders equal-length rows in a panel (default 0).",
+)  # fmt: skip
+
+# Each experiment's summary and own options; they reach the run as ``extra`` (``--from`` as
+# its source run). The experiments themselves are not imported here: ``kvreplay analyze``
+# and ``--help`` do not pay for torch.
+EXPERIMENTS: dict[str, tuple[str, list[Callable[..., Any]]]] = {
+    "matched": (
+        "Per item and precision, the retained live state vs a one-shot prefill.",
+        [],
+    ),
+    "fixed-prefix": (
+        "Prefixes fixed across precisions: replay vs prefill in each.",
+        [_source_option("Take prefixes from this run (default: this run's bf16 live rows).")],
+    ),
+    "bridge": (
+        "The retained live state vs the teacher-forced replay of its schedule.",
+        [_source_option("Take historical prefixes from this run.")],
+    ),
+    "transplant": (
+        "The six-arm K/V transplant panel (kv_transplant_<name>.csv).",
+        [
+            _source_option("Take the panel and its prefixes from this run."),
+            click.option("--panel", type=click.Choice(["stratified", "blind"]), default=None,
+                         help="A prior run's divergent rows plus exact controls "
+                              "(stratified, default) or an outcome-blind length spread (blind)."),
+            click.option("--alias", default=None, help="Checkpoint alias (e.g. C0)."),
+            click.option("--name", default=None,
+                         help="Ledger kv_transplant_<name>.csv "
+                              "(default primary for stratified, later for blind)."),
+            _divergent_option("24"),
+            click.option("--controls", type=click.IntRange(min=0), default=None,
+                         help="Exact control rows to take from --from (default 8)."),
+            PANEL_SEED,
+        ],
+    ),
+    "localize": (
+        "Which layers, keys or values carry a divergent trajectory (localize.csv).",
+        [
+            _source_option("Take the divergent rows and their prefixes from this run."),
+            _divergent_option("all"),
+            PANEL_SEED,
+            click.option("--both-directions", is_flag=True, default=False,
+                         help="Also probe prefill K/V into the replay state."),
+        ],
+    ),
+}  # fmt: skip
 
 
 def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
+    """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
+    option of the experiment's own as its ``extra``."""
     from kvreplay.decode import Sampler
     from kvreplay.runner import RunRequest
 
+    options = dict(kwargs)
+    take = options.pop
     return RunRequest(
         experiment=experiment,
         out=out,
-        model=kwargs["model"],
-        items=kwargs["items_source"],
-        n=kwargs["n"],
-        dtypes=kwargs["dtypes"],
-        plan=kwargs["plan"],
-        extractor=kwargs["extractor"],
-        device=kwargs["device"],
-        sampler=Sampler(kwargs["temperature"], kwargs["top_p"], kwargs["seed"]),
-        chat=kwargs["chat"],
-        attn_implementation=kwargs["attn"],
-        trust_remote_code=kwargs["trust_remote_code"],
-        save_snapshots=kwargs["save_snapshots"],
-        prefix_from=kwargs.get("prefix_from"),
-        engine=kwargs["engine"],
-        workers=kwargs["workers"],
-        gpus_per_worker=kwargs["gpus_per_worker"],
-        ray_address=kwargs["ray_address"],
-        threads=kwargs["threads"],
-        extra=kwargs.get("extra", {}),
+        model=take("model"),
+        items=take("items_source"),
+        n=take("n"),
+        dtypes=take("dtypes"),
+        plan=take("plan"),
+        extractor=take("extractor"),
+        device=take("device"),
+        sampler=Sampler(take("temperature"), take("top_p"), take("seed")),
+        chat=take("chat"),
+        attn_implementation=take("attn"),
+        trust_remote_code=take("trust_remote_code"),
+        save_snapshots=take("save_snapshots"),
+        prefix_from=take("prefix_from", None),
+        engine=take("engine"),
+        workers=take("workers"),
+        gpus_per_worker=take("gpus_per_worker"),
+        ray_address=take("ray_address"),
+        threads=take("threads"),
+        extra={k: v for k, v in options.items() if v is not None and v is not False},
     )
 
 
@@ -163,29 +205,46 @@ def main() -> None:
     """Audit stage replay: does a prefix rebuilt by prefill continue like the live state?"""
 
 
-@main.command("run")
-@click.argument("experiment")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Run directory.")
-@click.option(
-    "--prefix-from",
-    "--from",
-    "prefix_from",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Take prefixes (fixed-prefix), historical prefixes (bridge) or the panel "
-    "(transplant, localize) from this run.",
-)
-@run_options
-@panel_options
-@plain_errors
-def run_command(experiment: str, out: Path, **kwargs: Any) -> None:
-    """Run (or resume) EXPERIMENT: matched, fixed-prefix, bridge, transplant or localize."""
-    from kvreplay.runner import run
+class RunGroup(PlainGroup):
+    """``kvreplay run EXPERIMENT``: one subcommand per experiment, refusing others plainly."""
 
-    panel = {key: kwargs.pop(key) for key in PANEL_OPTIONS}
-    kwargs["extra"] = {k: v for k, v in panel.items() if v is not None and v is not False}
-    run(_request(experiment, out, kwargs))
-    click.echo(f"Ledger: {out}")
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            raise KvreplayError(
+                f"Unknown experiment {args[0]!r}; choose {', '.join(self.commands)}."
+            )
+        return super().resolve_command(ctx, args)
+
+
+@main.group("run", cls=RunGroup)
+def run_group() -> None:
+    """Run (or resume) an experiment: matched, fixed-prefix, bridge, transplant or localize."""
+
+
+def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -> None:
+    """``kvreplay run EXPERIMENT``: the shared options (defined once) and its own."""
+
+    def command(out: Path, **kwargs: Any) -> None:
+        from kvreplay.runner import run
+
+        run(_request(experiment, out, kwargs))
+        click.echo(f"Ledger: {out}")
+
+    command.__doc__ = summary
+    func: Callable[..., Any] = plain_errors(command)
+    for option in reversed(own):
+        func = option(func)
+    func = run_options(func)
+    func = click.option(
+        "--out", type=click.Path(path_type=Path), required=True, help="Run directory."
+    )(func)
+    run_group.command(experiment)(func)
+
+
+for _name, (_summary, _own) in EXPERIMENTS.items():
+    _run_command(_name, _summary, _own)
 
 
 @main.command("demo")

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -365,9 +364,6 @@ class RunLedger:
         self.records.append(record)
         self._keys.add(key)
         return record
-
-    def __iter__(self) -> Iterator[Record]:
-        return iter(self.records)
 
 
 def render_csv(columns: list[str], rows: list[dict[str, str]]) -> str:

@@ -18,12 +18,14 @@ from typing import Any
 from tqdm import tqdm
 
 from kvreplay import __version__
+from kvreplay.config import RunConfig
 from kvreplay.decode import Sampler, opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
 from kvreplay.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
-from kvreplay.experiments.base import Experiment, RunConfig, Scope, SourceRun, Unit
+from kvreplay.experiments.scope import Scope, SourceRun
+from kvreplay.experiments.units import Unit
 from kvreplay.items import Item, encode_prompt, items_digest, load_items
 from kvreplay.jsonio import read_json
 from kvreplay.ledger import (
@@ -128,16 +130,6 @@ def _source_run(path: Path | None) -> SourceRun | None:
     return SourceRun(path, {r.key: r for r in records}, source.contract_hash)
 
 
-def _check_live(experiment: Experiment, items: list[Item], n: int) -> None:
-    """An experiment that generates live needs a prompt for every item it may choose."""
-    missing = [i.id for i in experiment.prompt_pool(items, n) if i.prompt is None]
-    if missing:
-        raise KvreplayError(
-            f"{experiment.name} generates live from a prompt, but item {missing[0]} "
-            "has only a recorded prefix; use fixed-prefix or transplant for trajectories."
-        )
-
-
 def _recorded_scheme(out: Path) -> int:
     """A resumed run keeps the contract scheme it started with; a new one gets today's."""
     if not (out / MANIFEST).exists():
@@ -176,7 +168,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     get_extractor(request.extractor)
     experiment = get_experiment(request.experiment)
     items = load_items(request.items)
-    _check_live(experiment, items, experiment.count(request.n, items))
+    experiment.check_prompts(items, experiment.count(request.n, items))
     scheme = _recorded_scheme(request.out)
     _check_resume_threads(request)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.base import Experiment
+from kvreplay.experiments.experiment import Experiment
 from kvreplay.ledger import Record
 
 
@@ -28,20 +28,21 @@ def summarize(experiment: Experiment, rows: list[Record]) -> dict[str, Any]:
         if data["status"] != "ok":
             entry["unreached"] += 1
             continue
-        outcome = experiment.outcome(data)
-        entry["suffix_differs"] += not outcome.suffix_equal
-        entry["answer_differs"] += not outcome.answer_equal
-        entry["label_flips"] += outcome.correct[0] != outcome.correct[1]
-        entry["left_correct"] += outcome.correct[0]
-        entry["right_correct"] += outcome.correct[1]
-        entry["unparsed_answers"] += (not outcome.parsed[0]) + (not outcome.parsed[1])
-        entry["replicas_exact"] += outcome.replicas_exact
+        row = experiment.read_row(data)
+        labels = row.labels
+        entry["suffix_differs"] += not labels.suffix_equal
+        entry["answer_differs"] += not labels.answer_equal
+        entry["label_flips"] += row.left.correct != row.right.correct
+        entry["left_correct"] += row.left.correct
+        entry["right_correct"] += row.right.correct
+        entry["unparsed_answers"] += (not row.left.answer_parsed) + (not row.right.answer_parsed)
+        entry["replicas_exact"] += row.replicas_exact
     return {"experiment": experiment.name, "precisions": by_precision}
 
 
 def format_summary(experiment: Experiment, summary: dict[str, Any]) -> str:
     """A short terminal table."""
-    left, right = experiment.compared
+    left, right = (arm.construction for arm in experiment.panel.arms[:2])
     header = (
         f"{'precision':<9} {'rows':>4} {'unreached':>9} {'suffix≠':>7} {'answer≠':>7} "
         f"{'flips':>5} {'replicas ok':>11} {left + ' acc':>9} {right + ' acc':>11} "

@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers import SHORT, invoke
 
+from kvreplay.config import RunConfig
 from kvreplay.demo import run_demo
 from kvreplay.engines import processes
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import RunConfig, Unit, UnitKey
+from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.items import Item
 
 PROMPTS = [

@@ -21,9 +21,9 @@ pytest.importorskip("ray")
 
 from kvreplay.audit import audit  # noqa: E402
 from kvreplay.cli import main  # noqa: E402
+from kvreplay.config import RunConfig  # noqa: E402
 from kvreplay.engines import ray as ray_engine  # noqa: E402
 from kvreplay.errors import KvreplayError  # noqa: E402
-from kvreplay.experiments.base import RunConfig  # noqa: E402
 from kvreplay.runner import RunRequest, run  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -275,7 +275,7 @@ def test_rows_filters_by_experiment(tmp_path: Path) -> None:
     ledger.append("other/x", "other", {}, "w", {})
     assert [r.key for r in ledger.rows("other")] == ["other/x"]
     assert list(ledger.by_key()) == ["exp/i0/bf16", "exp/i1/bf16", "other/x"]
-    assert [r.key for r in ledger] == list(ledger.by_key())
+    assert [r.key for r in ledger.records] == list(ledger.by_key())
 
 
 # ---------------------------------------------------------------------- diff_fields

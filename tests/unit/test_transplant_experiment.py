@@ -9,8 +9,8 @@ from helpers import PLAN, PROMPTS, bit_equal, find_divergence, reach, state_equa
 from kvreplay import KvreplayError, build, continue_from
 from kvreplay.decode import Sampler
 from kvreplay.experiments.localize import Prober, bisect, follow, layer_label, sweep
-from kvreplay.experiments.panel import spread
-from kvreplay.experiments.transplant import holds_donor
+from kvreplay.experiments.panel import holds_donor
+from kvreplay.experiments.selection import spread
 from kvreplay.state import clone, first_divergence, transplant
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kvreplay.errors import KvreplayError
 
 if TYPE_CHECKING:
-    from kvreplay.experiments.base import RunConfig
+    from kvreplay.config import RunConfig
 
 
 def make_engine(

@@ -21,9 +21,12 @@ from typing import Any
 
 import torch
 
+from kvreplay.config import RunConfig
 from kvreplay.engines.worker import Worker
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import RunConfig, Unit
+
+# How long close() waits for a worker to exit before it terminates it.
+from kvreplay.experiments.units import Unit
 
 # How long close() waits for a worker to exit before it terminates it.
 STOP_TIMEOUT_S = 10.0

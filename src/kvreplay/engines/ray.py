@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from kvreplay.config import RunConfig
 from kvreplay.engines.worker import Worker
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import RunConfig, Unit
+from kvreplay.experiments.units import Unit
 from kvreplay.models import cache_root
 
 # Ray restarts a dead actor this many times before the engine gives it up.

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.config import RunConfig
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
-from kvreplay.experiments.base import Clock, RunConfig, Unit
+from kvreplay.experiments.units import Clock, Unit
 from kvreplay.models import LoadedModel, load_model
 
 

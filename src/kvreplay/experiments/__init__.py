@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import Experiment
 from kvreplay.experiments.bridge import Bridge
+from kvreplay.experiments.experiment import Experiment
 from kvreplay.experiments.fixed_prefix import FixedPrefix
 from kvreplay.experiments.localize import Localize
 from kvreplay.experiments.matched import Matched

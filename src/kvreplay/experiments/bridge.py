@@ -10,50 +10,78 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.construct import build, live
-from kvreplay.experiments.base import (
-    Clock,
-    Experiment,
-    Outcome,
-    Scope,
-    Selection,
-    Unit,
-    UnitKey,
-    Workbench,
-    csv_value,
-    functional_state_equal,
-    planned_keys,
-    prefix_record,
-    prompt_ids,
-    run_arm,
-)
+from kvreplay.experiments.columns import Column, Line
+from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matched import MATCHED
-from kvreplay.experiments.panel import prompt_lengths, spread_selection
+from kvreplay.experiments.panel import Arm, Panel, run_panel
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.selection import prompt_lengths, spread_selection
+from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
-from kvreplay.state import compare, first_divergence, make_replica, storage_disjoint
+from kvreplay.state import Comparison
 
-COLUMNS = [
-    "row_id", "source_row_sha256", "selection_index",
-    "new_prefix_token_count", "new_prefix_sha256",
-    "historical_prefix_token_count", "historical_prefix_sha256",
-    "live_matches_historical_prefix",
-    "boundary_cache_sequence_len", "post_decode_cache_sequence_len",
-    "live_clone_cache_exact", "live_clone_logits_exact",
-    "teacher_clone_cache_exact", "teacher_clone_logits_exact",
-    "functional_state_equal", "all_storage_disjoint",
-    "live_teacher_cache_exact", "live_teacher_logits_exact", "boundary_argmax_equal",
-    "live_suffix_sha256", "teacher_suffix_sha256", "live_teacher_suffix_exact",
-    "all_48_layers_exact", "integrity_pass",
-    "precision", "num_layers", "historical_source", "first_suffix_divergence_index",
-]  # fmt: skip
+
+def _historical(line: Line) -> dict[str, Any]:
+    """The prefix this item had in the historical (``matched``) row; its own without one."""
+    return line.row.fields["historical"] or line.row.prefix
+
+
+def _clone(arm: str, what: str) -> Column[Line]:
+    return Column(f"{arm}_clone_{what}", lambda x: getattr(x.row.replicas[arm], what))
+
+
+def _field(name: str) -> Column[Line]:
+    return Column(name, lambda x: x.row.fields[name])
+
+
+def _cmp(x: Line) -> Comparison:
+    assert x.row.comparison is not None
+    return x.row.comparison
+
+
+TABLE: list[Column[Line]] = [
+    Column("row_id", lambda x: x.row.item_id),
+    Column("source_row_sha256", lambda x: x.source_row_sha256),
+    _field("selection_index"),
+    Column("new_prefix_token_count", lambda x: x.row.prefix["prefix_token_count"]),
+    Column("new_prefix_sha256", lambda x: x.row.prefix["prefix_sha256"]),
+    Column("historical_prefix_token_count", lambda x: _historical(x)["prefix_token_count"]),
+    Column("historical_prefix_sha256", lambda x: _historical(x)["prefix_sha256"]),
+    Column(
+        "live_matches_historical_prefix",
+        lambda x: _historical(x)["prefix_sha256"] == x.row.prefix["prefix_sha256"],
+    ),
+    _field("boundary_cache_sequence_len"),
+    Column("post_decode_cache_sequence_len", lambda x: x.row.arms["live"].post_decode_cache_len),
+    _clone("live", "cache_exact"),
+    _clone("live", "logits_exact"),
+    _clone("teacher", "cache_exact"),
+    _clone("teacher", "logits_exact"),
+    Column("functional_state_equal", lambda x: x.row.functional_state_equal),
+    Column("all_storage_disjoint", lambda x: x.row.all_storage_disjoint),
+    Column("live_teacher_cache_exact", lambda x: _cmp(x).cache_exact),
+    Column("live_teacher_logits_exact", lambda x: _cmp(x).logits["exact"]),
+    Column("boundary_argmax_equal", lambda x: _cmp(x).boundary_argmax_equal),
+    Column("live_suffix_sha256", lambda x: x.row.arms["live"].suffix_sha256),
+    Column("teacher_suffix_sha256", lambda x: x.row.arms["teacher"].suffix_sha256),
+    Column("live_teacher_suffix_exact", lambda x: not x.row.diverges),
+    Column(
+        "all_48_layers_exact", lambda x: all(layer["kv"]["exact"] for layer in _cmp(x).per_layer)
+    ),
+    Column("integrity_pass", lambda x: x.row.integrity_pass),
+    Column("precision", lambda x: x.row.precision),
+    _field("num_layers"),
+    Column("historical_source", lambda x: (x.row.fields["historical"] or {"key": "none"})["key"]),
+    Column("first_suffix_divergence_index", lambda x: x.row.labels.first_suffix_divergence_index),
+]
 
 
 class Bridge(Experiment):
     name = "bridge"
     csv_file = "live_teacher_bridge.csv"
-    columns = COLUMNS
-    compared = ("live", "replay")
+    table = TABLE
+    panel = Panel((Arm("live", "live", replica="clone"), Arm("teacher", "replay", replica="clone")))
 
     def default_n(self, total: int) -> int:
         return min(12, total)
@@ -101,121 +129,30 @@ class Bridge(Experiment):
                     "prefix_token_count": historical.data["prefix_token_count"],
                     "prefix_sha256": historical.data["prefix_sha256"],
                 }
-                inputs["reuse"] = {"key": historical.key, "arm": historical.data["arms"]["left"]}
+                arm = historical.data["arms"]["left"]
+                inputs["reuse"] = {"live": {"key": historical.key, "arm": arm}}
             units.append(Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs))
         return units
 
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], [config["dtype"]], rows)
 
-    def outcome(self, data: dict[str, Any]) -> Outcome:
-        live, teacher = data["arms"]["live"], data["arms"]["teacher"]
-        return Outcome(
-            suffix_equal=live["suffix_sha256"] == teacher["suffix_sha256"],
-            answer_equal=live["answer"] == teacher["answer"],
-            correct=(live["correct"], teacher["correct"]),
-            parsed=(live["answer_parsed"], teacher["answer_parsed"]),
-            replicas_exact=all(
-                all(data[clone].values()) for clone in ("live_clone", "teacher_clone")
-            ),
-        )
-
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
-        lm = worker.model(unit.precision)
+        result = run_panel(worker, unit, clock, self.panel)
         base = {
             "item_id": unit.item.id,
             "precision": unit.precision,
             "selection_index": unit.inputs["selection_index"],
-            "num_layers": lm.num_layers,
+            "num_layers": result.lm.num_layers,
         }
-        with clock.model():
-            live_state, prefix = live(
-                lm, prompt_ids(worker, lm, unit.item), worker.config.plan, worker.config.sampler
-            )
-        if not prefix.reached:
-            return {**base, "status": "unreached", **prefix_record(prefix)}
-        with clock.model():
-            teacher = build(lm, prefix, "replay")
-        live_clone, live_check = make_replica(live_state)
-        teacher_clone, teacher_check = make_replica(teacher)
-        states = [live_state, teacher, live_clone, teacher_clone]
-        disjoint = all(
-            storage_disjoint(a, b) for i, a in enumerate(states) for b in states[i + 1 :]
-        )
-        comparison = compare(live_state, teacher)
-        boundary_len = max(live_state.layer_lengths())
-        functional = functional_state_equal(states)  # before run_arm advances the states
-        arms = {
-            "live": run_arm(worker, lm, unit, "live", live_state, clock, unit.inputs.get("reuse")),
-            "teacher": run_arm(worker, lm, unit, "teacher", teacher, clock),
-        }
-        return {
+        if result.row is None:
+            return {**base, "status": "unreached", **result.prefix}
+        result.row.fields = {
             **base,
-            "status": "ok",
-            **prefix_record(prefix),
             "historical": unit.inputs.get("historical"),
-            "boundary_cache_sequence_len": boundary_len,
-            "live_clone": {
-                "cache_exact": live_check.cache_exact,
-                "logits_exact": live_check.logits_exact,
-            },
-            "teacher_clone": {
-                "cache_exact": teacher_check.cache_exact,
-                "logits_exact": teacher_check.logits_exact,
-            },
-            "functional_state_equal": functional,
-            "all_storage_disjoint": disjoint,
-            "comparison": comparison.to_dict(),
-            "arms": arms,
+            "boundary_cache_sequence_len": result.boundary_cache_len,
         }
+        return result.row.to_dict()
 
-    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
-        out = []
-        for record in rows:
-            data = record.data
-            if data["status"] != "ok":
-                continue
-            cmp, arms = data["comparison"], data["arms"]
-            historical = data["historical"] or {
-                "prefix_token_count": data["prefix_token_count"],
-                "prefix_sha256": data["prefix_sha256"],
-            }
-            suffix_exact = arms["live"]["suffix_sha256"] == arms["teacher"]["suffix_sha256"]
-            clones = [data["live_clone"], data["teacher_clone"]]
-            row = {
-                "row_id": data["item_id"],
-                "source_row_sha256": record.row_sha256,
-                "selection_index": data["selection_index"],
-                "new_prefix_token_count": data["prefix_token_count"],
-                "new_prefix_sha256": data["prefix_sha256"],
-                "historical_prefix_token_count": historical["prefix_token_count"],
-                "historical_prefix_sha256": historical["prefix_sha256"],
-                "live_matches_historical_prefix": historical["prefix_sha256"]
-                == data["prefix_sha256"],
-                "boundary_cache_sequence_len": data["boundary_cache_sequence_len"],
-                "post_decode_cache_sequence_len": arms["live"]["post_decode_cache_len"],
-                "live_clone_cache_exact": data["live_clone"]["cache_exact"],
-                "live_clone_logits_exact": data["live_clone"]["logits_exact"],
-                "teacher_clone_cache_exact": data["teacher_clone"]["cache_exact"],
-                "teacher_clone_logits_exact": data["teacher_clone"]["logits_exact"],
-                "functional_state_equal": data["functional_state_equal"],
-                "all_storage_disjoint": data["all_storage_disjoint"],
-                "live_teacher_cache_exact": cmp["cache"]["exact"] and cmp["layer_lengths_equal"],
-                "live_teacher_logits_exact": cmp["logits"]["exact"],
-                "boundary_argmax_equal": cmp["boundary_argmax_equal"],
-                "live_suffix_sha256": arms["live"]["suffix_sha256"],
-                "teacher_suffix_sha256": arms["teacher"]["suffix_sha256"],
-                "live_teacher_suffix_exact": suffix_exact,
-                "all_48_layers_exact": all(layer["kv"]["exact"] for layer in cmp["per_layer"]),
-                "integrity_pass": all(all(c.values()) for c in clones)
-                and data["functional_state_equal"]
-                and data["all_storage_disjoint"],
-                "precision": data["precision"],
-                "num_layers": data["num_layers"],
-                "historical_source": data["historical"]["key"] if data["historical"] else "none",
-                "first_suffix_divergence_index": first_divergence(
-                    arms["live"]["suffix_token_ids"], arms["teacher"]["suffix_token_ids"]
-                ),
-            }
-            out.append({key: csv_value(value) for key, value in row.items()})
-        return out
+    def lines(self, rows: list[Record]) -> list[Line]:
+        return [Line(self.read_row(r.data), r.row_sha256) for r in rows if r.data["status"] == "ok"]

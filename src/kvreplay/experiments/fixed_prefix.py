@@ -9,35 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.construct import live
-from kvreplay.experiments.base import (
-    Clock,
-    Experiment,
-    Scope,
-    Selection,
-    Unit,
-    UnitKey,
-    Workbench,
-    planned_keys,
-    prefix_record,
-    prompt_ids,
-)
+from kvreplay.experiments.columns import Line
+from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matched import MATCHED
-from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
-from kvreplay.experiments.panel import PREFIX_DTYPE
+from kvreplay.experiments.matrix import matrix_columns, matrix_panel, run_matrix
+from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.selection import PREFIX_DTYPE
+from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
-from kvreplay.state import sha256_tokens
-
-PREFIX_FIELDS = (
-    "prefix_token_ids",
-    "prompt_token_count",
-    "prefix_token_count",
-    "prefix_sha256",
-    "prefix_reached",
-    "prefix_reason",
-    "prefix_stages",
-)
 
 
 def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | None:
@@ -46,63 +27,11 @@ def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | Non
     return record if record is not None and record.data.get("status") == "ok" else None
 
 
-def prefix_inputs(record: Record) -> dict[str, Any]:
-    """The recorded prefix of a row, as a later unit's inputs."""
-    return {k: record.data[k] for k in PREFIX_FIELDS}
-
-
-def trajectory_inputs(item: Item) -> dict[str, Any]:
-    """The prefix of a trajectory item produced elsewhere (``prefix_token_ids``)."""
-    assert item.prefix_token_ids is not None and item.prompt_token_count is not None
-    ids = list(item.prefix_token_ids)
-    return {
-        "source": {"key": f"items.jsonl:{item.id}", "row_sha256": sha256_tokens(ids)},
-        "prefix_token_ids": ids,
-        "prompt_token_count": item.prompt_token_count,
-        "prefix_token_count": len(ids),
-        "prefix_sha256": sha256_tokens(ids),
-        "prefix_reached": True,
-        "prefix_reason": "",
-        "prefix_stages": [],
-    }
-
-
-def prefix_unit(key: UnitKey, item: Item, dtype: str, source: Record | None) -> Unit:
-    """A phase-0 unit that copies ``source``'s prefix or the item's own trajectory, or
-    generates one live when there is neither."""
-    inputs: dict[str, Any] = {}
-    if source is not None:
-        inputs = {
-            "source": {"key": source.key, "row_sha256": source.row_sha256},
-            **prefix_inputs(source),
-        }
-    elif item.prefix_token_ids is not None:
-        inputs = trajectory_inputs(item)
-    return Unit(key, item, dtype, inputs)
-
-
-def prefix_row(worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
-    """A prefix row: copied from the source the unit carries, or generated live."""
-    base = {"item_id": unit.item.id, "precision": unit.precision, "kind": "prefix"}
-    if "prefix_token_ids" in unit.inputs:
-        return {**base, "status": "ok", **unit.inputs}
-    lm = worker.model(unit.precision)
-    with clock.model():
-        _, prefix = live(
-            lm, prompt_ids(worker, lm, unit.item), worker.config.plan, worker.config.sampler
-        )
-    return {
-        **base,
-        "status": "ok" if prefix.reached else "unreached",
-        "source": {"key": str(unit.key), "generated": True},
-        **prefix_record(prefix),
-    }
-
-
 class FixedPrefix(Experiment):
     name = "fixed-prefix"
     csv_file = "fixed_prefix_2x2.csv"
-    columns = matrix_columns("incremental", paper_l2=True)
+    panel = matrix_panel("replay")
+    table = matrix_columns("incremental", paper_l2=True)
     phases = 2
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
@@ -150,9 +79,9 @@ class FixedPrefix(Experiment):
         if unit.key.is_prefix:
             return prefix_row(worker, unit, clock)
         base = {"item_id": unit.item.id, "precision": unit.precision}
-        return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, left="replay")}
+        return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, self.panel)}
 
-    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
+    def lines(self, rows: list[Record]) -> list[Line]:
         by_key = {r.key: r for r in rows}
         out = []
         for record in rows:
@@ -160,5 +89,5 @@ class FixedPrefix(Experiment):
                 continue
             prefix_row = by_key[str(UnitKey.prefix(self.name, record.data["item_id"]))]
             source = record.data["source"].get("row_sha256") or prefix_row.row_sha256
-            out.append(matrix_csv_row(record, "incremental", source))
+            out.append(Line(self.read_row(record.data), source))
         return out

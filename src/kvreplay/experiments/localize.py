@@ -31,35 +31,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreplay.construct import build
 from kvreplay.decode import Sampler, Trajectory, feed_each
-from kvreplay.experiments.base import (
-    Clock,
-    Experiment,
-    Scope,
-    Selection,
-    Unit,
-    UnitKey,
-    Workbench,
-    csv_value,
-    functional_state_equal,
-    pair_record,
-    planned_keys,
-    prefix_from_inputs,
-    prefix_record,
-    replicate_and_run,
-)
-from kvreplay.experiments.fixed_prefix import prefix_inputs
-from kvreplay.experiments.panel import select_panel
+from kvreplay.experiments.columns import Column
+from kvreplay.experiments.experiment import Experiment, planned_keys
+from kvreplay.experiments.panel import Arm, Panel, run_panel
+from kvreplay.experiments.prefixes import prefix_inputs
+from kvreplay.experiments.rows import ArmResult, PanelRow
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.selection import select_panel
+from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
-from kvreplay.state import BoundaryState, Component, clone, compare, transplant
+from kvreplay.state import BoundaryState, Component, transplant
 
-COLUMNS = [
-    "row_id", "precision", "direction", "sweep", "layers", "layer_count", "component",
-    "recovers_donor", "first_divergence_index", "suffix_sha256",
-    "num_layers", "source_row_sha256", "boundary_argmax_equal",
-]  # fmt: skip
 # Directions: (name, donor arm, recipient arm); the first is always probed.
 DIRECTIONS = (
     ("incremental_cache_into_prefill", "left", "prefill"),
@@ -261,10 +245,45 @@ def draw(rows: list[dict[str, str]], path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class ProbeLine:
+    """A CSV line: one probe of a row."""
+
+    row: PanelRow
+    probe: Probe
+
+    @property
+    def donor(self) -> ArmResult:
+        donor = next(donor for name, donor, _ in DIRECTIONS if name == self.probe.direction)
+        return self.row.arms[donor]
+
+
+def _probe(name: str) -> Column[ProbeLine]:
+    return Column(name, lambda x: getattr(x.probe, name))
+
+
+TABLE: list[Column[ProbeLine]] = [
+    Column("row_id", lambda x: x.row.item_id),
+    Column("precision", lambda x: x.row.precision),
+    _probe("direction"),
+    _probe("sweep"),
+    Column("layers", lambda x: layer_label(x.probe.layers)),
+    Column("layer_count", lambda x: len(x.probe.layers)),
+    _probe("component"),
+    _probe("recovers_donor"),
+    _probe("first_divergence_index"),
+    Column("suffix_sha256", lambda x: x.donor.suffix_sha256 if x.probe.recovers_donor else None),
+    Column("num_layers", lambda x: x.row.fields["num_layers"]),
+    Column("source_row_sha256", lambda x: x.row.fields["source"]["row_sha256"]),
+    Column("boundary_argmax_equal", lambda x: x.row.fields["boundary_argmax_equal"]),
+]
+
+
 class Localize(Experiment):
     name = "localize"
     csv_file = "localize.csv"
-    columns = COLUMNS
+    table = TABLE
+    panel = Panel((Arm("left", "replay"), Arm("prefill", "prefill")), keep_states=True)
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
         return select_panel(self.name, "divergent", scope, rows)
@@ -302,18 +321,11 @@ class Localize(Experiment):
         return planned_keys(self.name, ids, [config["precision"]], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
-        lm = worker.model(unit.precision)
-        prefix = prefix_from_inputs(unit.inputs)
-        with clock.model():
-            states = {"left": build(lm, prefix, "replay"), "prefill": build(lm, prefix, "prefill")}
-        comparison = compare(states["left"], states["prefill"])
-        functional = functional_state_equal(list(states.values()))
-        arms, replicas, disjoint = replicate_and_run(
-            worker, lm, unit, {name: clone(state) for name, state in states.items()}, clock
-        )
-        labels = pair_record(arms["left"], arms["prefill"])
+        result = run_panel(worker, unit, clock, self.panel)
+        row, lm = result.row, result.lm
+        assert row is not None and row.comparison is not None, "a recorded prefix is reached"
         probes: list[Probe] = []
-        if not labels["suffix_equal"]:
+        if row.diverges:
             for name, donor, recipient in DIRECTIONS:
                 if name not in unit.inputs["directions"]:
                     continue
@@ -322,55 +334,30 @@ class Localize(Experiment):
                     lm,
                     worker.config.sampler,
                     clock,
-                    states[donor],
-                    states[recipient],
-                    Trajectory.from_dict(arms[donor]["suffix"]),
+                    result.states[donor],
+                    result.states[recipient],
+                    row.arms[donor].suffix,
                 )
                 prober = Prober(name, decide)
                 sweep(prober, lm.num_layers)
                 probes += prober.probes
-        return {
-            "item_id": unit.item.id,
-            "precision": unit.precision,
-            "status": "ok",
+        row.fields = {
             "left_construction": "replay",
             "num_layers": lm.num_layers,
-            **prefix_record(prefix),
-            "prefix_stages": unit.inputs.get("prefix_stages", []),
             "source": unit.inputs["source"],
-            "arms": arms,
-            "replicas": replicas,
-            "labels": labels,
-            "boundary_argmax_equal": comparison.boundary_argmax_equal,
-            "functional_state_equal": functional,
-            "all_storage_disjoint": disjoint,
-            "divergent": not labels["suffix_equal"],
+            "labels": row.labels.to_dict(),
+            "boundary_argmax_equal": row.comparison.boundary_argmax_equal,
+            "divergent": row.diverges,
             "probes": [asdict(p) for p in probes],
         }
+        row.comparison = None  # a localize row keeps only the boundary argmax verdict
+        return row.to_dict()
 
-    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
+    def lines(self, rows: list[Record]) -> list[ProbeLine]:
         out = []
         for record in rows:
-            data = record.data
-            donors = {name: data["arms"][donor] for name, donor, _ in DIRECTIONS}
-            for probe in data["probes"]:
-                donor = donors[probe["direction"]]
-                row = {
-                    "row_id": data["item_id"],
-                    "precision": data["precision"],
-                    "direction": probe["direction"],
-                    "sweep": probe["sweep"],
-                    "layers": layer_label(probe["layers"]),
-                    "layer_count": len(probe["layers"]),
-                    "component": probe["component"],
-                    "recovers_donor": probe["recovers_donor"],
-                    "first_divergence_index": probe["first_divergence_index"],
-                    "suffix_sha256": donor["suffix_sha256"] if probe["recovers_donor"] else None,
-                    "num_layers": data["num_layers"],
-                    "source_row_sha256": data["source"]["row_sha256"],
-                    "boundary_argmax_equal": data["boundary_argmax_equal"],
-                }
-                out.append({key: csv_value(value) for key, value in row.items()})
+            row = self.read_row(record.data)
+            out += [ProbeLine(row, Probe(**probe)) for probe in row.fields["probes"]]
         return out
 
     def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:

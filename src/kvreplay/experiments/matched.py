@@ -5,17 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.base import (
-    Clock,
-    Experiment,
-    Scope,
-    Selection,
-    Unit,
-    UnitKey,
-    Workbench,
-    planned_keys,
-)
-from kvreplay.experiments.matrix import matrix_columns, matrix_csv_row, run_matrix
+from kvreplay.experiments.columns import Line
+from kvreplay.experiments.experiment import Experiment, planned_keys
+from kvreplay.experiments.matrix import matrix_columns, matrix_panel, run_matrix
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 
@@ -25,8 +19,8 @@ MATCHED = "matched"
 class Matched(Experiment):
     name = MATCHED
     csv_file = "matched_live_prefill.csv"
-    columns = matrix_columns("live", paper_l2=False)
-    compared = ("live", "prefill")
+    panel = matrix_panel("live")
+    table = matrix_columns("live", paper_l2=False)
 
     def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
         return items[:n]
@@ -47,10 +41,10 @@ class Matched(Experiment):
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
-        row = run_matrix(worker, unit, clock, left="live")
+        row = run_matrix(worker, unit, clock, self.panel)
         return {"item_id": unit.item.id, "precision": unit.precision, **row}
 
-    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
+    def lines(self, rows: list[Record]) -> list[Line]:
         """Rows of items that reached the boundary at every precision.
 
         Live generation may reach the boundary at one precision and not another; the
@@ -63,4 +57,6 @@ class Matched(Experiment):
             if r.data["status"] == "ok":
                 reached.setdefault(r.data["item_id"], set()).add(r.data["precision"])
         complete = {item for item, seen in reached.items() if seen == precisions}
-        return [matrix_csv_row(r, "live") for r in rows if r.data["item_id"] in complete]
+        return [
+            Line(self.read_row(r.data), r.row_sha256) for r in rows if r.data["item_id"] in complete
+        ]

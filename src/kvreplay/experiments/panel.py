@@ -1,220 +1,265 @@
-"""Outcome-blind and outcome-stratified selection: which items an experiment runs, chosen
-before any of its rows and recorded in the manifest.
-
-``spread_selection`` takes order statistics of length (the bridge). A *panel* is chosen
-from a prior run (``--from``): ``stratified`` takes its divergent rows and exact controls,
-each stratum spread over prefix length (the paper's 24 + 8 at C0); ``blind`` spreads over
-prefix length and identifier without looking at any outcome (the paper's C1
-replication); ``divergent`` takes only divergent rows (``localize``).
+"""The one per-unit executor: an experiment declares its arms (which constructions, which
+transplants, replicas or not) and :func:`run_panel` builds, checks, continues and scores
+them into a typed :class:`~kvreplay.experiments.rows.PanelRow`, in the spirit of
+TransformerLens's ``patching.py``: one generic function, thin named declarations.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from typing import Any
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
-from kvreplay.environment import contract_scheme
-from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import Scope, Selection
-from kvreplay.items import Item, encode_prompt, items_digest
-from kvreplay.ledger import Record, RunLedger
-from kvreplay.models import describe_source, load_tokenizer
-
-PANELS = ("stratified", "blind")
-BASIS = {
-    "stratified": "prior_outcome_stratified_length_spread",
-    "blind": "outcome_blind_length_and_identifier",
-    "divergent": "prior_outcome_divergent_length_spread",
-}
-DEFAULT_DIVERGENT, DEFAULT_CONTROLS, DEFAULT_BLIND_N = 24, 8, 48
-PREFIX_DTYPE = "bf16"  # the precision whose live rows give a panel its prefixes
-# Where a prior row's outcome (suffix of replay/live vs prefill) can be read, preferred first.
-OUTCOME_SOURCES = ("fixed-prefix", "matched")
-
-
-def spread_selection(lengths: list[tuple[int, str]], n: int) -> list[str]:
-    """Ids at evenly spaced order statistics of (length, id): outcome-blind by design."""
-    ordered = sorted(lengths)
-    if n >= len(ordered):
-        return [item_id for _, item_id in ordered]
-    if n == 1:
-        return [ordered[len(ordered) // 2][1]]
-    picks = sorted({round(i * (len(ordered) - 1) / (n - 1)) for i in range(n)})
-    return [ordered[p][1] for p in picks]
+from kvreplay.construct import build, live
+from kvreplay.decode import continue_from
+from kvreplay.experiments.prefixes import prefix_from_inputs, prefix_record, prompt_ids
+from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate
+from kvreplay.experiments.units import Clock, Unit, Workbench
+from kvreplay.models import LoadedModel
+from kvreplay.scoring import score
+from kvreplay.state import (
+    BoundaryState,
+    clone,
+    compare,
+    make_replica,
+    save_state,
+    sha256_tokens,
+    storage_disjoint,
+    transplant,
+)
 
 
-def prompt_lengths(scope: Scope, items: list[Item]) -> dict[str, int]:
-    """Token count of each item's prompt under the run's tokenizer and chat setting."""
-    config = scope.config
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    return {i.id: len(encode_prompt(tokenizer, i.prompt, config.chat)) for i in items}
+@dataclass(frozen=True)
+class Arm:
+    """A declared arm: one construction of the boundary state, continued, and what it
+    gets beside it: a ``replica`` (checked and continued too), a ``clone`` (checked
+    only) or nothing."""
+
+    name: str
+    construction: str
+    replica: Literal["replica", "clone", "none"] = "replica"
 
 
-def _tiebreak(seed: int, item_id: str) -> str:
-    return hashlib.sha256(f"{seed}:{item_id}".encode()).hexdigest()[:16]
+@dataclass(frozen=True)
+class Transplanted:
+    """A declared transplant arm: the recipient arm's state carrying every K/V layer of
+    the donor arm's state, continued without a replica."""
+
+    name: str
+    donor: str
+    recipient: str
 
 
-def spread(lengths: dict[str, int], n: int, seed: int) -> list[str]:
-    """``n`` ids at evenly spaced order statistics of length; equal lengths are ordered
-    by a seeded hash of the id, so the seed is the only freedom in the choice."""
-    keyed = {f"{_tiebreak(seed, item_id)}:{item_id}": item_id for item_id in lengths}
-    order = [(lengths[item_id], key) for key, item_id in keyed.items()]
-    return [keyed[key] for key in spread_selection(order, n)]
+@dataclass(frozen=True)
+class Panel:
+    """What a unit runs: its arms (the first two are the compared pair) and transplants.
+    With ``keep_states`` the arms continue copies and the boundary states stay for the
+    experiment's own probes."""
+
+    arms: tuple[Arm, ...]  # the first two are the compared pair (left, right)
+    transplants: tuple[Transplanted, ...] = ()
+    keep_states: bool = False
+
+    @property
+    def compared(self) -> tuple[str, str]:
+        return self.arms[0].name, self.arms[1].name
+
+    @property
+    def arm_names(self) -> list[str]:
+        """Every continued arm, in the order they run: each arm and its replica, then
+        the transplants."""
+        names = []
+        for arm in self.arms:
+            names += [arm.name, f"{arm.name}_replica"] if arm.replica == "replica" else [arm.name]
+        return names + [t.name for t in self.transplants]
 
 
-def outcome_rows(
-    rows: dict[str, Record], precision: str, sources: Sequence[str]
-) -> dict[str, Record]:
-    """Per item, a completed two-arm row (left vs prefill) at ``precision``; earlier
-    experiments in ``sources`` win."""
-    found: dict[str, Record] = {}
-    for experiment in reversed(sources):
-        for record in rows.values():
-            data = record.data
-            if (
-                record.experiment == experiment
-                and data.get("precision") == precision
-                and data.get("status") == "ok"
-                and "arms" in data
-            ):
-                found[data["item_id"]] = record
-    return found
+@dataclass
+class PanelRun:
+    """What :func:`run_panel` returns: the row (None when live generation did not reach
+    the boundary), the prefix as rows record it, the model, the boundary states (as
+    built: kept intact only with ``keep_states``) and the boundary cache length."""
+
+    row: PanelRow | None
+    prefix: dict[str, Any]
+    lm: LoadedModel
+    states: dict[str, BoundaryState] = field(default_factory=dict)
+    boundary_cache_len: int = 0
 
 
-def prefix_rows(rows: dict[str, Record], prefix_dtype: str) -> dict[str, Record]:
-    """Per item, a recorded prefix: a fixed-prefix prefix row, else a matched live row."""
-    found: dict[str, Record] = {}
-    for record in rows.values():
-        data = record.data
-        if data.get("status") != "ok" or "prefix_token_ids" not in data:
-            continue
-        if record.experiment == "fixed-prefix" and data.get("kind") == "prefix":
-            found[data["item_id"]] = record
-        elif record.experiment == "matched" and data["precision"] == prefix_dtype:
-            found.setdefault(data["item_id"], record)
-    return found
-
-
-def diverges(record: Record) -> bool:
-    arms = record.data["arms"]
-    return arms["left"]["suffix_sha256"] != arms["prefill"]["suffix_sha256"]
-
-
-def _source_contract(scope: Scope) -> str | None:
-    """A source run's prefixes are token ids of its model: refuse another model's."""
-    if scope.source is None:
+def snapshot(
+    worker: Workbench, unit: Unit, arm: str, state: BoundaryState
+) -> dict[str, str] | None:
+    """Save a boundary state when the run asked for snapshots; return its file entry."""
+    if not worker.config.save_snapshots:
         return None
-    path, config = scope.source.path, scope.config
-    contract = RunLedger.open_existing(path).manifest["contract"]
-    info = describe_source(config.model, config.trust_remote_code, contract_scheme(contract))
-    if contract["run"]["model_digest"] != info["model_digest"]:
-        raise KvreplayError(
-            f"The source run {path} used another model "
-            f"({contract['run']['model']}); its prefixes are that model's token ids."
-        )
-    if contract["items"]["digest"] != items_digest(scope.items):
-        raise KvreplayError(
-            f"The source run {path} used another item set; pass --items {path / 'items.jsonl'}."
-        )
-    return scope.source.contract_hash
+    from kvreplay.models import file_digests
 
-
-def _take(kind: str, available: dict[str, int], wanted: int, precision: str) -> None:
-    if wanted < 0 or wanted > len(available):
-        raise KvreplayError(
-            f"The source run has {len(available)} {kind} {precision} rows "
-            f"but the panel asks for {wanted}."
-        )
-
-
-def _entry(index: int, item_id: str, stratum: str, record: Record | None) -> dict[str, Any]:
+    # Readable, and unique: ids that differ only in unsafe characters (x/y, x_y) differ
+    # in the digest of the row key.
+    key = str(unit.key)
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80]
+    tag = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+    path = Path(worker.config.run_dir) / "snapshots" / f"{readable}-{tag}-{arm}.safetensors"
+    save_state(state, path, {"row": key, "arm": arm})
     return {
-        "selection_index": index,
-        "item_id": item_id,
-        "historical_stratum": stratum,
-        "source_key": record.key if record else None,
-        "source_row_sha256": record.row_sha256 if record else None,
-        "prefix_token_count": record.data["prefix_token_count"] if record else None,
+        "file": f"snapshots/{path.name}",
+        "sha256": file_digests(path.parent, [path])[path.name],
     }
 
 
-def _blind_lengths(scope: Scope, prefixes: dict[str, Record]) -> tuple[dict[str, int], str]:
-    if scope.source is not None:
-        lengths = {i: r.data["prefix_token_count"] for i, r in prefixes.items()}
-        return lengths, "source_prefix_tokens"
-    return prompt_lengths(scope, scope.items), "prompt_tokens"
+def run_arm(
+    worker: Workbench,
+    lm: LoadedModel,
+    unit: Unit,
+    arm: str,
+    state: BoundaryState,
+    clock: Clock,
+    reuse: dict[str, Any] | None = None,
+) -> ArmResult:
+    """Fingerprint a boundary state, continue it to the end, and score the suffix.
 
-
-def select_panel(
-    experiment: str,
-    panel: str,
-    scope: Scope,
-    rows: dict[str, Record],
-    names: Callable[[str], dict[str, str]] | None = None,
-) -> Selection:
-    """Choose a panel from the source run alone, before any row; ``names`` adds what the
-    experiment names after the panel (a transplant's alias and ledger name).
-
-    Every refusal (missing source, too few rows of a stratum, a bad name) happens here,
-    so the runner can call this before it writes anything.
+    The state is consumed; fingerprints are taken before it advances. ``reuse`` is an
+    earlier arm of this run with the same model, dtype, construction and prefix: when its
+    cache and logits fingerprints equal this state's, greedy continuation is provably the
+    same computation, so its suffix is taken instead of decoding again.
     """
-    options = scope.options
-    precision = scope.dtypes[0]
-    seed = int(options.get("panel_seed", 0))
-    contract = _source_contract(scope)
-    by_id = {item.id: item for item in scope.items}
-    if panel not in (*PANELS, "divergent"):
-        raise KvreplayError(f"Unknown panel {panel!r}; choose {' or '.join(PANELS)}.")
-    if panel != "blind" and scope.source is None:
-        raise KvreplayError(
-            f"The {experiment} panel selects on a prior run's outcomes; pass --from RUN_DIR."
-        )
-    selection: dict[str, Any] = {
-        "rule": "panel",
-        "panel": panel,
-        "basis": BASIS[panel],
-        "seed": seed,
-        "precision": precision,
-        "source_contract_sha256": contract,
-    }
-    entries: list[dict[str, Any]] = []
-    if panel == "blind":
-        prefixes = prefix_rows(rows, PREFIX_DTYPE) if contract else {}
-        lengths, selection["length_basis"] = _blind_lengths(scope, prefixes)
-        n = scope.n if scope.n is not None else min(DEFAULT_BLIND_N, len(lengths))
-        if n < 1 or n > len(lengths):
-            raise KvreplayError(f"--n is {n} but {len(lengths)} rows are available for the panel.")
-        for index, item_id in enumerate(spread(lengths, n, seed)):
-            entries.append(_entry(index, item_id, "not_used", prefixes.get(item_id)))
+    boundary = (state.construction, state.cache_fingerprint(), state.logits_fingerprint())
+    argmax = state.argmax()
+    saved = snapshot(worker, unit, arm, state)
+    earlier = ArmResult.from_dict(reuse["arm"]) if reuse else None
+    if reuse and earlier and worker.config.sampler.greedy and boundary == _boundary(earlier):
+        suffix, suffix_sha256 = earlier.suffix, earlier.suffix_sha256
+        cache_len, reused_from = earlier.post_decode_cache_len, reuse["key"]
     else:
-        sources = OUTCOME_SOURCES + (("transplant",) if panel == "divergent" else ())
-        outcomes = outcome_rows(rows, precision, sources)
-        strata = {
-            stratum: {i: r.data["prefix_token_count"] for i, r in outcomes.items() if flag(r)}
-            for stratum, flag in (("divergent", diverges), ("exact", lambda r: not diverges(r)))
-        }
-        if panel == "divergent" and not strata["divergent"]:
-            raise KvreplayError(f"The source run has no divergent {precision} rows to localize.")
-        divergent = options.get("divergent")
-        wanted = {
-            "divergent": (len(strata["divergent"]) if panel == "divergent" else DEFAULT_DIVERGENT)
-            if divergent is None
-            else int(divergent),
-            "exact": 0 if panel == "divergent" else int(options.get("controls", DEFAULT_CONTROLS)),
-        }
-        for stratum, count in wanted.items():
-            _take(stratum, strata[stratum], count, precision)
-        if sum(wanted.values()) == 0:
-            raise KvreplayError("The panel is empty; ask for at least one row.")
-        for stratum, count in wanted.items():
-            for item_id in spread(strata[stratum], count, seed) if count else []:
-                entries.append(_entry(len(entries), item_id, stratum, outcomes[item_id]))
-        selection["available"] = {k: len(v) for k, v in strata.items()}
-    missing = [e["item_id"] for e in entries if e["item_id"] not in by_id]
-    if missing:
-        raise KvreplayError(f"Item {missing[0]} of the source run is not in this run's item set.")
-    if names is not None:
-        selection.update(names(panel))
-    selection["rows"] = entries
-    return Selection([by_id[e["item_id"]] for e in entries], selection)
+        with clock.model():
+            suffix = continue_from(lm, state, worker.config.plan, worker.config.sampler)
+        suffix_sha256, cache_len = sha256_tokens(suffix.token_ids), state.position
+        reused_from = None
+    outcome = score(lm.tokenizer, suffix, unit.item.answer, worker.config.extractor)
+    return ArmResult(
+        *boundary,
+        boundary_argmax=argmax,
+        suffix=suffix,
+        suffix_sha256=suffix_sha256,
+        post_decode_cache_len=cache_len,
+        answer=outcome["extracted"],
+        answer_parsed=outcome["parsed"],
+        correct=outcome["correct"],
+        snapshot=saved,
+        reused_from=reused_from,
+    )
+
+
+def _boundary(arm: ArmResult) -> tuple[str, str, str]:
+    return arm.construction, arm.cache_fingerprint, arm.logits_fingerprint
+
+
+def functional_state_equal(states: list[BoundaryState]) -> bool:
+    """Every state covers the same tokens with the same per-layer lengths, shapes and dtypes."""
+    first = states[0]
+    signature = [(k.shape, k.dtype, v.shape, v.dtype) for k, v in first.layer_tensors()]
+    return all(
+        s.token_ids == first.token_ids
+        and s.layer_lengths() == first.layer_lengths()
+        and [(k.shape, k.dtype, v.shape, v.dtype) for k, v in s.layer_tensors()] == signature
+        for s in states[1:]
+    )
+
+
+def holds_donor(result: BoundaryState, donor: BoundaryState) -> bool:
+    """Every layer's K and V of ``result`` is bit-equal to the donor's (a full transplant)."""
+    return all(
+        a.equal(b)
+        for pair_a, pair_b in zip(result.layer_tensors(), donor.layer_tensors(), strict=True)
+        for a, b in zip(pair_a, pair_b, strict=True)
+    )
+
+
+def _construct(
+    worker: Workbench, lm: LoadedModel, unit: Unit, panel: Panel, clock: Clock
+) -> tuple[dict[str, BoundaryState], dict[str, Any]]:
+    """Every arm's boundary state over one prefix: generated live when an arm is
+    ``live`` (then the prefix is the generation's), else the unit's recorded prefix."""
+    states: dict[str, BoundaryState] = {}
+    retained = next((arm for arm in panel.arms if arm.construction == "live"), None)
+    if retained is not None:
+        ids = prompt_ids(worker, lm, unit.item)
+        with clock.model():
+            states[retained.name], prefix = live(lm, ids, worker.config.plan, worker.config.sampler)
+        record = prefix_record(prefix)
+        if not prefix.reached:
+            return {}, record
+    else:
+        prefix = prefix_from_inputs(unit.inputs)
+        # a rebuilt prefix keeps the stages of the generation that made it
+        record = {**prefix_record(prefix), "prefix_stages": unit.inputs.get("prefix_stages", [])}
+    for arm in panel.arms:
+        if arm.name not in states:
+            with clock.model():
+                states[arm.name] = build(lm, prefix, arm.construction)
+    return states, record
+
+
+def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> PanelRun:
+    """Build every declared arm, compare the compared pair, check every replica and the
+    storage of every state against every other, then continue and score each arm."""
+    lm = worker.model(unit.precision)
+    states, record = _construct(worker, lm, unit, panel, clock)
+    if not states:
+        return PanelRun(None, record, lm)
+    transplants = {
+        t.name: transplant(states[t.donor], states[t.recipient]) for t in panel.transplants
+    }
+    full = [holds_donor(transplants[t.name], states[t.donor]) for t in panel.transplants]
+    left, right = panel.compared
+    comparison = compare(states[left], states[right])
+    boundary_cache_len = max(states[left].layer_lengths())
+    functional = functional_state_equal([*states.values(), *transplants.values()])
+    continued = {n: clone(s) for n, s in states.items()} if panel.keep_states else dict(states)
+    to_run: dict[str, BoundaryState] = {}
+    checks = {}
+    for arm in panel.arms:
+        to_run[arm.name] = continued[arm.name]
+        if arm.replica != "none":
+            replica, checks[arm.name] = make_replica(continued[arm.name])
+            to_run[f"{arm.name}_replica"] = replica
+    to_run |= transplants
+    everything = list(to_run.values())
+    disjoint = all(
+        storage_disjoint(a, b) for i, a in enumerate(everything) for b in everything[i + 1 :]
+    )
+    clones = {f"{arm.name}_replica" for arm in panel.arms if arm.replica == "clone"}
+    reuse = unit.inputs.get("reuse", {})
+    arms = {
+        name: run_arm(worker, lm, unit, name, state, clock, reuse.get(name))
+        for name, state in to_run.items()
+        if name not in clones
+    }
+    gates = {
+        arm.name: ReplicaGate(checks[arm.name].cache_exact, checks[arm.name].logits_exact)
+        if arm.replica == "clone"
+        else ReplicaGate(
+            checks[arm.name].cache_exact,
+            checks[arm.name].logits_exact,
+            checks[arm.name].storage_disjoint,
+            arms[arm.name].suffix_sha256 == arms[f"{arm.name}_replica"].suffix_sha256,
+        )
+        for arm in panel.arms
+        if arm.replica != "none"
+    }
+    row = PanelRow(
+        item_id=unit.item.id,
+        precision=unit.precision,
+        prefix=record,
+        arms=arms,
+        replicas=gates,
+        comparison=comparison,
+        functional_state_equal=functional,
+        all_storage_disjoint=disjoint,
+        compared=panel.compared,
+        all_layers_transplanted=all(full) if panel.transplants else None,
+    )
+    return PanelRun(row, record, lm, states, boundary_cache_len)

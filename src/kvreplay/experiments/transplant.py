@@ -28,63 +28,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvreplay.construct import build
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.base import (
-    Clock,
-    Experiment,
-    Scope,
-    Selection,
-    Unit,
-    UnitKey,
-    Workbench,
-    csv_value,
-    functional_state_equal,
-    pair_record,
-    planned_keys,
-    prefix_from_inputs,
-    prefix_record,
-    replicate_and_run,
-)
-from kvreplay.experiments.fixed_prefix import prefix_inputs, prefix_row, prefix_unit
-from kvreplay.experiments.panel import PREFIX_DTYPE, select_panel
+from kvreplay.experiments.columns import Column, Line
+from kvreplay.experiments.experiment import Experiment, planned_keys
+from kvreplay.experiments.panel import Arm, Panel, Transplanted, run_panel
+from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
+from kvreplay.experiments.rows import PairLabels
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.selection import PREFIX_DTYPE, select_panel
+from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
-from kvreplay.state import BoundaryState, compare, first_divergence, transplant
 
 DEFAULT_NAME = {"stratified": "primary", "blind": "later"}
-# The two transplanted arms: (arm, donor arm, recipient arm, paper name).
-TRANSPLANTS = (
-    ("replay_cache_into_prefill", "left", "prefill", "incremental_cache_into_prefill"),
-    ("prefill_cache_into_replay", "prefill", "left", "prefill_cache_into_incremental"),
+PANEL = Panel(
+    arms=(Arm("left", "replay"), Arm("prefill", "prefill")),
+    transplants=(
+        Transplanted("replay_cache_into_prefill", donor="left", recipient="prefill"),
+        Transplanted("prefill_cache_into_replay", donor="prefill", recipient="left"),
+    ),
 )
-ARMS = (
-    "left",
-    "left_replica",
-    "prefill",
-    "prefill_replica",
-    *(arm for arm, *_ in TRANSPLANTS),
-)
-PAPER_COLUMNS = [
-    "row_id", "source_row_sha256", "checkpoint_alias", "selection_index", "selection_basis",
-    "historical_stratum", "historical_stratum_reproduced", "prefix_token_count",
-    "prefix_sha256", "incremental_replica_exact", "prefill_replica_exact",
-    "functional_state_equal", "boundary_argmax_equal", "all_storage_disjoint",
-    "all_48_layer_pairs_transplanted",
-    "incremental_native_suffix_sha256", "prefill_native_suffix_sha256",
-    "incremental_cache_into_prefill_suffix_sha256",
-    "prefill_cache_into_incremental_suffix_sha256",
-    "baseline_divergent", "incremental_cache_into_prefill_recovers_donor",
-    "prefill_cache_into_incremental_recovers_donor", "bidirectional_donor_recovery",
-    "exact_control_novel_trajectory", "integrity_pass",
-]  # fmt: skip
-EXTRA_COLUMNS = [
-    "precision", "num_layers", "panel", "prompt_token_count", "first_suffix_divergence_index",
-    "incremental_cache_into_prefill_donor_divergence_index",
-    "prefill_cache_into_incremental_donor_divergence_index",
-    "incremental_prefill_cache_exact", "incremental_prefill_logits_exact",
-    "cache_relative_l2_diff", "incremental_correct", "prefill_correct",
-    "incremental_cache_into_prefill_correct", "prefill_cache_into_incremental_correct",
-]  # fmt: skip
+# The paper's name of each transplanted arm.
+PAPER_NAMES = {
+    "replay_cache_into_prefill": "incremental_cache_into_prefill",
+    "prefill_cache_into_replay": "prefill_cache_into_incremental",
+}
 
 
 def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
@@ -100,20 +67,86 @@ def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
     return names
 
 
-def holds_donor(result: BoundaryState, donor: BoundaryState) -> bool:
-    """Every layer's K and V of ``result`` is bit-equal to the donor's (a full transplant)."""
-    return all(
-        a.equal(b)
-        for pair_a, pair_b in zip(result.layer_tensors(), donor.layer_tensors(), strict=True)
-        for a, b in zip(pair_a, pair_b, strict=True)
-    )
+def recovers_donor(line: Line, transplanted: Transplanted) -> bool:
+    """The transplant's suffix is its donor's own, token for token."""
+    arms = line.row.arms
+    return arms[transplanted.name].suffix_sha256 == arms[transplanted.donor].suffix_sha256
+
+
+def donor_divergence_index(line: Line, transplanted: Transplanted) -> int | None:
+    arms = line.row.arms
+    pair = PairLabels.of(arms[transplanted.name], arms[transplanted.donor])
+    return pair.first_suffix_divergence_index
+
+
+def bidirectional(line: Line) -> bool:
+    return all(recovers_donor(line, t) for t in PANEL.transplants)
+
+
+def stratum_reproduced(line: Line) -> bool:
+    historical = line.row.fields["panel"]["historical_stratum"]
+    return historical == "not_used" or (historical == "divergent") == line.row.diverges
+
+
+def _transplant_columns(what: str, get: Callable[[Line, Transplanted], Any]) -> list[Column[Line]]:
+    return [
+        Column(f"{PAPER_NAMES[t.name]}_{what}", lambda x, t=t: get(x, t)) for t in PANEL.transplants
+    ]
+
+
+def _panel(field: str) -> Column[Line]:
+    return Column(field, lambda x: x.row.fields["panel"][field])
+
+
+# Every flag follows METHOD.md's transplant gates.
+PAPER_TABLE: list[Column[Line]] = [
+    Column("row_id", lambda x: x.row.item_id),
+    Column("source_row_sha256", lambda x: x.source_row_sha256),
+    _panel("checkpoint_alias"),
+    _panel("selection_index"),
+    _panel("selection_basis"),
+    _panel("historical_stratum"),
+    Column("historical_stratum_reproduced", stratum_reproduced),
+    Column("prefix_token_count", lambda x: x.row.prefix["prefix_token_count"]),
+    Column("prefix_sha256", lambda x: x.row.prefix["prefix_sha256"]),
+    Column("incremental_replica_exact", lambda x: x.row.replicas["left"].passed),
+    Column("prefill_replica_exact", lambda x: x.row.replicas["prefill"].passed),
+    Column("functional_state_equal", lambda x: x.row.functional_state_equal),
+    Column("boundary_argmax_equal", lambda x: x.row.comparison.boundary_argmax_equal),
+    Column("all_storage_disjoint", lambda x: x.row.all_storage_disjoint),
+    Column("all_48_layer_pairs_transplanted", lambda x: x.row.all_layers_transplanted),
+    Column("incremental_native_suffix_sha256", lambda x: x.row.arms["left"].suffix_sha256),
+    Column("prefill_native_suffix_sha256", lambda x: x.row.arms["prefill"].suffix_sha256),
+    *_transplant_columns("suffix_sha256", lambda x, t: x.row.arms[t.name].suffix_sha256),
+    Column("baseline_divergent", lambda x: x.row.diverges),
+    *_transplant_columns("recovers_donor", recovers_donor),
+    Column("bidirectional_donor_recovery", bidirectional),
+    Column("exact_control_novel_trajectory", lambda x: not x.row.diverges and not bidirectional(x)),
+    Column("integrity_pass", lambda x: x.row.integrity_pass),
+]
+EXTRA_TABLE: list[Column[Line]] = [
+    Column("precision", lambda x: x.row.precision),
+    Column("num_layers", lambda x: x.row.fields["num_layers"]),
+    _panel("panel"),
+    Column("prompt_token_count", lambda x: x.row.prefix["prompt_token_count"]),
+    Column("first_suffix_divergence_index", lambda x: x.row.labels.first_suffix_divergence_index),
+    *_transplant_columns("donor_divergence_index", donor_divergence_index),
+    Column("incremental_prefill_cache_exact", lambda x: x.row.comparison.cache_exact),
+    Column("incremental_prefill_logits_exact", lambda x: x.row.comparison.logits["exact"]),
+    Column("cache_relative_l2_diff", lambda x: x.row.comparison.cache["relative_l2_diff"]),
+    Column("incremental_correct", lambda x: x.row.arms["left"].correct),
+    Column("prefill_correct", lambda x: x.row.arms["prefill"].correct),
+    *_transplant_columns("correct", lambda x, t: x.row.arms[t.name].correct),
+]
 
 
 class Transplant(Experiment):
     name = "transplant"
     csv_file = "kv_transplant_primary.csv"  # the default; a run's own is in its config
-    columns = PAPER_COLUMNS + EXTRA_COLUMNS
+    panel = PANEL
     phases = 2
+
+    table = PAPER_TABLE + EXTRA_TABLE
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
         panel = scope.options.get("panel", "stratified")
@@ -123,7 +156,7 @@ class Transplant(Experiment):
         return {
             "precision": scope.dtypes[0],
             "prefix_dtype": PREFIX_DTYPE,
-            "arms": list(ARMS),
+            "arms": self.panel.arm_names,
             "csv_name": f"kv_transplant_{selection.rule['name']}.csv",
             "selection": selection.rule,
         }
@@ -169,108 +202,26 @@ class Transplant(Experiment):
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
         if unit.key.is_prefix:
             return prefix_row(worker, unit, clock)
-        lm = worker.model(unit.precision)
-        prefix = prefix_from_inputs(unit.inputs)
-        with clock.model():
-            states = {"left": build(lm, prefix, "replay"), "prefill": build(lm, prefix, "prefill")}
-        transplants = {
-            arm: transplant(states[donor], states[recipient])
-            for arm, donor, recipient, _ in TRANSPLANTS
-        }
-        all_layers = all(
-            holds_donor(transplants[arm], states[donor]) for arm, donor, _, _ in TRANSPLANTS
-        )
-        comparison = compare(states["left"], states["prefill"])
-        functional = functional_state_equal([*states.values(), *transplants.values()])
-        arms, replicas, disjoint = replicate_and_run(
-            worker, lm, unit, states, clock, unreplicated=transplants
-        )
-        return {
-            "item_id": unit.item.id,
-            "precision": unit.precision,
+        result = run_panel(worker, unit, clock, self.panel)
+        assert result.row is not None, "a recorded prefix always reaches its boundary"
+        result.row.fields = {
             "kind": "transplant",
-            "status": "ok",
             "left_construction": "replay",
-            "num_layers": lm.num_layers,
-            **prefix_record(prefix),
-            "prefix_stages": unit.inputs.get("prefix_stages", []),
+            "num_layers": result.lm.num_layers,
             "source": unit.inputs.get("source", {}),
             "panel": unit.inputs["panel"],
-            "arms": arms,
-            "replicas": replicas,
-            "comparison": comparison.to_dict(),
-            "labels": pair_record(arms["left"], arms["prefill"]),
-            "functional_state_equal": functional,
-            "all_storage_disjoint": disjoint,
-            "all_layers_transplanted": all_layers,
+            "labels": result.row.labels.to_dict(),
         }
+        return result.row.to_dict()
 
-    def csv_rows(self, rows: list[Record]) -> list[dict[str, Any]]:
+    def lines(self, rows: list[Record]) -> list[Line]:
         by_key = {r.key: r for r in rows}
         out = []
         for record in rows:
             data = record.data
             if data.get("kind") != "transplant":
                 continue
-            prefix_row_hash = by_key[str(UnitKey.prefix(self.name, data["item_id"]))].row_sha256
-            out.append(transplant_csv_row(record, prefix_row_hash))
+            prefix = by_key[str(UnitKey.prefix(self.name, data["item_id"]))]
+            source = data["source"].get("row_sha256") or prefix.row_sha256
+            out.append(Line(self.read_row(data), source))
         return out
-
-
-def transplant_csv_row(record: Record, prefix_row_hash: str) -> dict[str, str]:
-    """Derive one paper-schema row; every flag follows METHOD.md's transplant gates."""
-    data = record.data
-    arms, replicas, cmp, panel = data["arms"], data["replicas"], data["comparison"], data["panel"]
-    native = {arm: arms[arm]["suffix_sha256"] for arm in ("left", "prefill")}
-    divergent = native["left"] != native["prefill"]
-    recovers = {
-        paper: arms[arm]["suffix_sha256"] == native[donor] for arm, donor, _, paper in TRANSPLANTS
-    }
-    both = all(recovers.values())
-    replica_exact = {arm: all(replicas[arm].values()) for arm in ("left", "prefill")}
-    historical = panel["historical_stratum"]
-    row: dict[str, Any] = {
-        "row_id": data["item_id"],
-        "source_row_sha256": data["source"].get("row_sha256") or prefix_row_hash,
-        "checkpoint_alias": panel["checkpoint_alias"],
-        "selection_index": panel["selection_index"],
-        "selection_basis": panel["selection_basis"],
-        "historical_stratum": historical,
-        "historical_stratum_reproduced": historical == "not_used"
-        or (historical == "divergent") == divergent,
-        "prefix_token_count": data["prefix_token_count"],
-        "prefix_sha256": data["prefix_sha256"],
-        "incremental_replica_exact": replica_exact["left"],
-        "prefill_replica_exact": replica_exact["prefill"],
-        "functional_state_equal": data["functional_state_equal"],
-        "boundary_argmax_equal": cmp["boundary_argmax_equal"],
-        "all_storage_disjoint": data["all_storage_disjoint"],
-        "all_48_layer_pairs_transplanted": data["all_layers_transplanted"],
-        "incremental_native_suffix_sha256": native["left"],
-        "prefill_native_suffix_sha256": native["prefill"],
-        "baseline_divergent": divergent,
-        "bidirectional_donor_recovery": both,
-        "exact_control_novel_trajectory": not divergent and not both,
-        "integrity_pass": all(replica_exact.values())
-        and data["functional_state_equal"]
-        and data["all_storage_disjoint"]
-        and data["all_layers_transplanted"],
-        "precision": data["precision"],
-        "num_layers": data["num_layers"],
-        "panel": panel["panel"],
-        "prompt_token_count": data["prompt_token_count"],
-        "first_suffix_divergence_index": data["labels"]["first_suffix_divergence_index"],
-        "incremental_prefill_cache_exact": cmp["cache"]["exact"] and cmp["layer_lengths_equal"],
-        "incremental_prefill_logits_exact": cmp["logits"]["exact"],
-        "cache_relative_l2_diff": cmp["cache"]["relative_l2_diff"],
-        "incremental_correct": arms["left"]["correct"],
-        "prefill_correct": arms["prefill"]["correct"],
-    }
-    for arm, donor, _, paper in TRANSPLANTS:
-        row[f"{paper}_suffix_sha256"] = arms[arm]["suffix_sha256"]
-        row[f"{paper}_recovers_donor"] = recovers[paper]
-        row[f"{paper}_donor_divergence_index"] = first_divergence(
-            arms[arm]["suffix_token_ids"], arms[donor]["suffix_token_ids"]
-        )
-        row[f"{paper}_correct"] = arms[arm]["correct"]
-    return {key: csv_value(value) for key, value in row.items()}

@@ -1,0 +1,63 @@
+"""The run configuration: everything a worker needs to reproduce a row. Its result-affecting
+part is the manifest's ``contract.run``, which audit and resume rebuild it from."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvreplay.decode import Sampler
+from kvreplay.errors import KvreplayError
+from kvreplay.stages import StagePlan
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a worker needs to reproduce a row; part of the manifest's contract."""
+
+    model: str
+    model_digest: str
+    plan: StagePlan
+    device: str = "cpu"
+    extractor: str = "integer"
+    sampler: Sampler = field(default_factory=Sampler)
+    chat: bool | None = None
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    run_dir: str = ""
+    save_snapshots: bool = False
+
+    @classmethod
+    def from_contract(cls, data: dict[str, Any], run_dir: str = "") -> RunConfig:
+        """Rebuild the configuration a run recorded (for audit and resume)."""
+        try:
+            return cls(
+                model=data["model"],
+                model_digest=data["model_digest"],
+                plan=StagePlan.from_dict(data["plan"]),
+                device=data["device"],
+                extractor=data["extractor"],
+                sampler=Sampler(**data["sampler"]),
+                chat=data["chat"],
+                attn_implementation=data["attn_implementation"],
+                trust_remote_code=data["trust_remote_code"],
+                run_dir=run_dir,
+            )
+        except (KeyError, TypeError, KvreplayError) as exc:  # a hand-edited manifest
+            raise KvreplayError(
+                f"manifest.json: field contract.run is malformed ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def contract(self) -> dict[str, Any]:
+        """The result-affecting part (paths and snapshot choice excluded)."""
+        return {
+            "model": self.model,
+            "model_digest": self.model_digest,
+            "plan": self.plan.to_dict(),
+            "device": self.device,
+            "extractor": self.extractor,
+            "sampler": asdict(self.sampler),
+            "chat": self.chat,
+            "attn_implementation": self.attn_implementation,
+            "trust_remote_code": self.trust_remote_code,
+        }

@@ -1,0 +1,113 @@
+"""The Experiment base class: everything the runner and the audit know of an
+experiment. Each experiment declares its panel (arms), selection, units, CSV columns
+and figures; the runner names none of them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments.columns import Column, render_lines
+from kvreplay.experiments.panel import Panel
+from kvreplay.experiments.rows import PanelRow
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.items import Item
+from kvreplay.ledger import Record
+
+
+class Experiment(ABC):
+    """An experiment: its selection, phased units, the per-unit computation, its CSV,
+    summary and figures."""
+
+    name: str
+    csv_file: str
+    panel: Panel
+    table: list[Column[Any]]  # the CSV, declared once
+    phases: int = 1
+
+    @property
+    def columns(self) -> list[str]:
+        return [column.name for column in self.table]
+
+    def default_n(self, total: int) -> int:
+        """How many items ``--n`` means when it is not given."""
+        return total
+
+    def count(self, n: int | None, items: list[Item]) -> int:
+        n = n if n is not None else self.default_n(len(items))
+        if n < 1 or n > len(items):
+            raise KvreplayError(f"--n is {n} but the item set holds {len(items)} items.")
+        return n
+
+    def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
+        """The items whose prompts this experiment may generate live from."""
+        return []
+
+    def check_prompts(self, items: list[Item], n: int) -> None:
+        """An experiment that generates live needs a prompt for every item it may choose."""
+        missing = [i.id for i in self.prompt_pool(items, n) if i.prompt is None]
+        if missing:
+            raise KvreplayError(
+                f"{self.name} generates live from a prompt, but item {missing[0]} "
+                "has only a recorded prefix; use fixed-prefix or transplant for trajectories."
+            )
+
+    def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
+        """Which items run; ``rows`` are the ``--from`` run's and this run's. Every
+        refusal of a selection happens here, before the run writes anything."""
+        n = self.count(scope.n, scope.items)
+        return Selection(scope.items[:n], {"rule": "first_n", "n": n})
+
+    @abstractmethod
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
+        """The experiment's part of the manifest: what a resume must ask for again."""
+
+    @abstractmethod
+    def units(
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
+    ) -> list[Unit]: ...
+
+    @abstractmethod
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+        """Every row key the experiment holds once complete, from its recorded config."""
+
+    @abstractmethod
+    def lines(self, rows: list[Record]) -> list[Any]:
+        """The CSV's lines, typed, in order, from the experiment's ledger rows."""
+
+    def csv_rows(self, rows: list[Record]) -> list[dict[str, str]]:
+        return render_lines(self.table, self.lines(rows))
+
+    def csv_name(self, config: dict[str, Any]) -> str:
+        """The CSV this experiment derives, given its recorded config."""
+        return self.csv_file
+
+    def read_row(self, data: dict[str, Any]) -> PanelRow:
+        """A completed row of this experiment, typed."""
+        return PanelRow.from_dict(data, self.panel.compared)
+
+    def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
+        """Figures drawn from the rows after each run; most experiments draw none."""
+        return []
+
+
+def planned_keys(
+    experiment: str,
+    item_ids: list[str],
+    precisions: list[str],
+    rows: dict[str, Any],
+    prefixed: bool = False,
+) -> list[str]:
+    """Row keys of a complete experiment; with ``prefixed``, one prefix row per item
+    first, and later rows only for items whose prefix row reached the boundary."""
+    prefixes = [str(UnitKey.prefix(experiment, i)) for i in item_ids] if prefixed else []
+    if prefixed:
+        reached = {k for k in prefixes if k in rows and rows[k].data.get("status") == "ok"}
+        item_ids = [i for i in item_ids if str(UnitKey.prefix(experiment, i)) in reached]
+    return prefixes + [str(UnitKey(experiment, i, p)) for p in precisions for i in item_ids]

@@ -1,0 +1,228 @@
+"""Typed results of a row: each continued arm, each replica's gate, the labels of two
+arms, and the panel row that holds them. ``rows.jsonl`` stores their ``to_dict`` and
+every reader (CSV, summary, selection) rebuilds them with ``from_dict``, so replica
+integrity, exactness and the first divergence are each derived here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvreplay.decode import Trajectory
+from kvreplay.experiments.prefixes import PREFIX_FIELDS
+from kvreplay.scoring import pair_labels
+from kvreplay.state import Comparison, first_divergence
+
+
+@dataclass
+class ArmResult:
+    """One continued state (DESIGN: an arm): its boundary fingerprints, the suffix it
+    decoded, and that suffix's score. ``reused_from`` names the row whose identical
+    computation supplied the suffix; ``snapshot`` is the saved boundary state, if any."""
+
+    construction: str
+    cache_fingerprint: str
+    logits_fingerprint: str
+    boundary_argmax: int
+    suffix: Trajectory
+    suffix_sha256: str
+    post_decode_cache_len: int
+    answer: str | None = None
+    answer_parsed: bool = False
+    correct: bool = False
+    snapshot: dict[str, str] | None = None
+    reused_from: str | None = None
+
+    @property
+    def suffix_token_ids(self) -> list[int]:
+        return self.suffix.token_ids
+
+    @property
+    def first_step_margin(self) -> float | None:
+        """Top-1 minus top-2 logit at the first decoded token, as recorded."""
+        margins = self.suffix.segments[0].margins
+        return margins[0] if margins else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "construction": self.construction,
+            "cache_fingerprint": self.cache_fingerprint,
+            "logits_fingerprint": self.logits_fingerprint,
+            "boundary_argmax": self.boundary_argmax,
+            "suffix": self.suffix.to_dict(),
+            "suffix_token_ids": self.suffix_token_ids,
+            "suffix_sha256": self.suffix_sha256,
+            "post_decode_cache_len": self.post_decode_cache_len,
+            "answer": self.answer,
+            "answer_parsed": self.answer_parsed,
+            "correct": self.correct,
+        }
+        if self.snapshot is not None:
+            data["snapshot"] = self.snapshot
+        if self.reused_from is not None:
+            data["reused_from"] = self.reused_from
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ArmResult:
+        return cls(
+            construction=data["construction"],
+            cache_fingerprint=data["cache_fingerprint"],
+            logits_fingerprint=data["logits_fingerprint"],
+            boundary_argmax=data["boundary_argmax"],
+            suffix=Trajectory.from_dict(data["suffix"]),
+            suffix_sha256=data["suffix_sha256"],
+            post_decode_cache_len=data["post_decode_cache_len"],
+            answer=data["answer"],
+            answer_parsed=data["answer_parsed"],
+            correct=data["correct"],
+            snapshot=data.get("snapshot"),
+            reused_from=data.get("reused_from"),
+        )
+
+
+@dataclass(frozen=True)
+class ReplicaGate:
+    """The integrity gate of a replica: bit-equal state and, when the replica was
+    continued, no shared storage and the same suffix. A *clone* is a replica that is
+    checked but not continued (the bridge's): it has no storage or suffix verdict."""
+
+    cache_exact: bool
+    logits_exact: bool
+    storage_disjoint: bool | None = None
+    suffix_exact: bool | None = None
+
+    @property
+    def is_clone(self) -> bool:
+        return self.suffix_exact is None
+
+    @property
+    def passed(self) -> bool:
+        return all(v for v in asdict(self).values() if v is not None)
+
+    def to_dict(self) -> dict[str, bool]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, bool]) -> ReplicaGate:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class PairLabels:
+    """Equality labels of two continued arms, and where their suffixes first part."""
+
+    suffix_equal: bool
+    trace_equal: bool
+    merge_equal: bool
+    answer_equal: bool
+    first_suffix_divergence_index: int | None
+
+    @classmethod
+    def of(cls, left: ArmResult, right: ArmResult) -> PairLabels:
+        labels = pair_labels(left.suffix, right.suffix, left.answer, right.answer)
+        index = first_divergence(left.suffix_token_ids, right.suffix_token_ids)
+        return cls(**labels, first_suffix_divergence_index=index)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PanelRow:
+    """A completed row of arms over one prefix (DESIGN: one executor runs any declared
+    panel into one of these). ``compared`` names the two arms the row is about; an
+    experiment's own fields (its source, panel entry, probes) stay in ``fields``."""
+
+    item_id: str
+    precision: str
+    prefix: dict[str, Any]
+    arms: dict[str, ArmResult]
+    replicas: dict[str, ReplicaGate]
+    comparison: Comparison | None  # None where the row keeps only boundary_argmax_equal
+    functional_state_equal: bool
+    all_storage_disjoint: bool
+    compared: tuple[str, str]
+    all_layers_transplanted: bool | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def left(self) -> ArmResult:
+        return self.arms[self.compared[0]]
+
+    @property
+    def right(self) -> ArmResult:
+        return self.arms[self.compared[1]]
+
+    @property
+    def labels(self) -> PairLabels:
+        return PairLabels.of(self.left, self.right)
+
+    @property
+    def diverges(self) -> bool:
+        return self.left.suffix_sha256 != self.right.suffix_sha256
+
+    @property
+    def replicas_exact(self) -> bool:
+        return all(gate.passed for gate in self.replicas.values())
+
+    @property
+    def integrity_pass(self) -> bool:
+        """Every replica gate, equal cache shapes, no shared storage, full transplants."""
+        return (
+            self.replicas_exact
+            and self.functional_state_equal
+            and self.all_storage_disjoint
+            and self.all_layers_transplanted is not False
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as ``rows.jsonl`` holds it. Continued replicas sit under
+        ``replicas``; clones sit beside the arms as ``<arm>_clone``."""
+        data: dict[str, Any] = {
+            "item_id": self.item_id,
+            "precision": self.precision,
+            "status": "ok",
+            **self.prefix,
+            **self.fields,
+            "arms": {name: arm.to_dict() for name, arm in self.arms.items()},
+            "functional_state_equal": self.functional_state_equal,
+            "all_storage_disjoint": self.all_storage_disjoint,
+        }
+        for name, gate in self.replicas.items():
+            if gate.is_clone:
+                data[f"{name}_clone"] = gate.to_dict()
+            else:
+                data.setdefault("replicas", {})[name] = gate.to_dict()
+        if self.comparison is not None:
+            data["comparison"] = self.comparison.to_dict()
+        if self.all_layers_transplanted is not None:
+            data["all_layers_transplanted"] = self.all_layers_transplanted
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], compared: tuple[str, str]) -> PanelRow:
+        arms = {name: ArmResult.from_dict(arm) for name, arm in data["arms"].items()}
+        replicas = {k: ReplicaGate.from_dict(v) for k, v in data.get("replicas", {}).items()}
+        replicas |= {
+            name: ReplicaGate.from_dict(data[f"{name}_clone"])
+            for name in arms
+            if f"{name}_clone" in data
+        }
+        known = {"item_id", "precision", "status", "arms", "replicas", "comparison"}
+        known |= {"functional_state_equal", "all_storage_disjoint", "all_layers_transplanted"}
+        known |= {f"{name}_clone" for name in arms}
+        return cls(
+            item_id=data["item_id"],
+            precision=data["precision"],
+            prefix={k: data[k] for k in PREFIX_FIELDS if k in data},
+            arms=arms,
+            replicas=replicas,
+            comparison=Comparison(**data["comparison"]) if "comparison" in data else None,
+            functional_state_equal=data["functional_state_equal"],
+            all_storage_disjoint=data["all_storage_disjoint"],
+            compared=compared,
+            all_layers_transplanted=data.get("all_layers_transplanted"),
+            fields={k: v for k, v in data.items() if k not in known and k not in PREFIX_FIELDS},
+        )
