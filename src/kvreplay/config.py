@@ -1,9 +1,12 @@
 """The run configuration: everything a worker needs to reproduce a row. Its result-affecting
-part is the manifest's ``contract.run``, which audit and resume rebuild it from."""
+part is the manifest's ``contract.run``, which audit and resume rebuild it from.
+
+``RunSettings`` are the choices that pass unchanged from what the user asked for (the
+runner's ``RunRequest``) into the configuration, so each is declared once, here."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvreplay.decode import Sampler
@@ -11,19 +14,29 @@ from kvreplay.errors import KvreplayError
 from kvreplay.stages import StagePlan
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a worker needs to reproduce a row; part of the manifest's contract."""
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """Where and how the model runs, decodes and is scored (keyword-only)."""
 
-    model: str
-    model_digest: str
-    plan: StagePlan
     device: str = "cpu"
     extractor: str = "integer"
     sampler: Sampler = field(default_factory=Sampler)
     chat: bool | None = None
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+
+    def settings(self) -> dict[str, Any]:
+        """These settings alone, as keywords for another RunSettings."""
+        return {f.name: getattr(self, f.name) for f in fields(RunSettings)}
+
+
+@dataclass(frozen=True)
+class RunConfig(RunSettings):
+    """Everything a worker needs to reproduce a row; part of the manifest's contract."""
+
+    model: str
+    model_digest: str
+    plan: StagePlan
     run_dir: str = ""
     save_snapshots: bool = False
 

@@ -18,8 +18,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvreplay import __version__
-from kvreplay.config import RunConfig
-from kvreplay.decode import Sampler, opener_ids
+from kvreplay.config import RunConfig, RunSettings
+from kvreplay.decode import opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
 from kvreplay.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.errors import KvreplayError
@@ -50,8 +50,8 @@ from kvreplay.summary import format_summary, summarize
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
 
-@dataclass
-class RunRequest:
+@dataclass(frozen=True)
+class RunRequest(RunSettings):
     """What the user asked for; every field is validated before model work starts."""
 
     experiment: str
@@ -61,12 +61,6 @@ class RunRequest:
     n: int | None = None
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     plan: str = "instruct"
-    extractor: str = "integer"
-    device: str = "cpu"
-    sampler: Sampler = field(default_factory=Sampler)
-    chat: bool | None = None
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
     save_snapshots: bool = False
     prefix_from: Path | None = None
     engine: str = "local"
@@ -78,7 +72,7 @@ class RunRequest:
     extra: dict[str, Any] = field(default_factory=dict)  # the experiment's own options
 
     def __post_init__(self) -> None:
-        self.model = canonical_spec(self.model)
+        object.__setattr__(self, "model", canonical_spec(self.model))
 
 
 def _plan(request: RunRequest) -> StagePlan:
@@ -178,14 +172,9 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
         model=request.model,
         model_digest=info["model_digest"],
         plan=plan,
-        device=request.device,
-        extractor=request.extractor,
-        sampler=request.sampler,
-        chat=request.chat,
-        attn_implementation=request.attn_implementation,
-        trust_remote_code=request.trust_remote_code,
         run_dir=str(request.out),
         save_snapshots=request.save_snapshots,
+        **request.settings(),
     )
     contract = build_contract(config, info, request.items, items, scheme)
     header = {
