@@ -38,7 +38,7 @@ from kvreplay.experiments.panel import Arm, Panel, run_panel
 from kvreplay.experiments.prefixes import prefix_inputs
 from kvreplay.experiments.rows import ArmResult, PanelRow
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import select_panel
+from kvreplay.experiments.selection import PanelOptions, select_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
@@ -289,7 +289,8 @@ class Localize(Experiment):
         return select_panel(self.name, "divergent", scope, rows)
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
-        directions = DIRECTIONS if scope.options.get("both_directions") else DIRECTIONS[:1]
+        both = PanelOptions.of(scope).both_directions
+        directions = DIRECTIONS if both else DIRECTIONS[:1]
         return {
             "precision": scope.dtypes[0],
             "directions": [name for name, _, _ in directions],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvreplay.environment import contract_scheme
@@ -31,6 +32,26 @@ DEFAULT_DIVERGENT, DEFAULT_CONTROLS, DEFAULT_BLIND_N = 24, 8, 48
 PREFIX_DTYPE = "bf16"  # the precision whose live rows give a panel its prefixes
 # Where a prior row's outcome (suffix of replay/live vs prefill) can be read, preferred first.
 OUTCOME_SOURCES = ("fixed-prefix", "matched")
+
+
+@dataclass(frozen=True)
+class PanelOptions:
+    """The own options of a panel experiment (``transplant``, ``localize``), typed."""
+
+    panel: str = "stratified"
+    alias: str | None = None
+    name: str | None = None
+    divergent: int | None = None
+    controls: int = DEFAULT_CONTROLS
+    panel_seed: int = 0
+    both_directions: bool = False
+
+    @classmethod
+    def of(cls, scope: Scope) -> PanelOptions:
+        unknown = sorted(set(scope.options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise KvreplayError(f"Option {unknown[0]!r} is not one of a panel experiment.")
+        return cls(**scope.options)
 
 
 def spread_selection(lengths: list[tuple[int, str]], n: int) -> list[str]:
@@ -161,9 +182,9 @@ def select_panel(
     Every refusal (missing source, too few rows of a stratum, a bad name) happens here,
     so the runner can call this before it writes anything.
     """
-    options = scope.options
+    options = PanelOptions.of(scope)
     precision = scope.dtypes[0]
-    seed = int(options.get("panel_seed", 0))
+    seed = int(options.panel_seed)
     contract = _source_contract(scope)
     by_id = {item.id: item for item in scope.items}
     if panel not in (*PANELS, "divergent"):
@@ -198,12 +219,12 @@ def select_panel(
         }
         if panel == "divergent" and not strata["divergent"]:
             raise KvreplayError(f"The source run has no divergent {precision} rows to localize.")
-        divergent = options.get("divergent")
+        divergent = options.divergent
         wanted = {
             "divergent": (len(strata["divergent"]) if panel == "divergent" else DEFAULT_DIVERGENT)
             if divergent is None
             else int(divergent),
-            "exact": 0 if panel == "divergent" else int(options.get("controls", DEFAULT_CONTROLS)),
+            "exact": 0 if panel == "divergent" else int(options.controls),
         }
         for stratum, count in wanted.items():
             _take(stratum, strata[stratum], count, precision)

@@ -35,7 +35,7 @@ from kvreplay.experiments.panel import Arm, Panel, Transplanted, run_panel
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.rows import PairLabels
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import PREFIX_DTYPE, select_panel
+from kvreplay.experiments.selection import PREFIX_DTYPE, PanelOptions, select_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
@@ -58,10 +58,11 @@ def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
     """The checkpoint alias and the ledger name (``kv_transplant_<name>.csv``) of a panel."""
 
     def names(panel: str) -> dict[str, str]:
-        name = scope.options.get("name") or DEFAULT_NAME[panel]
+        options = PanelOptions.of(scope)
+        name = options.name or DEFAULT_NAME[panel]
         if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
             raise KvreplayError(f"--name {name!r} may hold only letters, digits, '_' and '-'.")
-        alias = scope.options.get("alias") or Path(scope.config.model).name
+        alias = options.alias or Path(scope.config.model).name
         return {"alias": alias, "name": name}
 
     return names
@@ -149,7 +150,7 @@ class Transplant(Experiment):
     table = PAPER_TABLE + EXTRA_TABLE
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
-        panel = scope.options.get("panel", "stratified")
+        panel = PanelOptions.of(scope).panel
         return select_panel(self.name, panel, scope, rows, _names(scope))
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
