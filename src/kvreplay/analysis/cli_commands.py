@@ -5,7 +5,9 @@ Bad input ends in one plain sentence on stderr and exit code 2, never a tracebac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -13,14 +15,17 @@ from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.errors import KvreplayError, plain_errors
 
 
+def output_option(name: str, help: str, **kind: bool) -> Callable[[Any], Any]:
+    """``-o``: where a command writes; by default, inside the folder it reads."""
+    return click.option(
+        "-o", name, type=click.Path(path_type=Path, **kind), default=None, help=help
+    )
+
+
 @click.command()
 @click.argument("ledger_dir", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path, dir_okay=False),
-    default=None,
-    help="Where to write the claims JSON (default: LEDGER_DIR/claims.json).",
+@output_option(
+    "--output", "Where to write the claims JSON (default: LEDGER_DIR/claims.json).", dir_okay=False
 )
 @plain_errors
 def analyze(ledger_dir: Path, output: Path | None) -> None:
@@ -38,12 +43,10 @@ def analyze(ledger_dir: Path, output: Path | None) -> None:
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
+@output_option(
     "--out-dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    help="Folder for report.md, report.html and figures/ (default: RUN_DIR).",
+    "Folder for report.md, report.html and figures/ (default: RUN_DIR).",
+    file_okay=False,
 )
 @plain_errors
 def report(run_dir: Path, out_dir: Path | None) -> None:
