@@ -99,18 +99,20 @@ def _tv_codes(left: np.ndarray, right: np.ndarray, categories: int) -> np.ndarra
     return np.abs(counts).sum(-1) / (2 * left.shape[-1])
 
 
-def _pooled_tv_draws(items: Sequence[PairedSamples], seed: int, permute: bool) -> np.ndarray:
+def _pooled_tv_draws(
+    items: Sequence[PairedSamples], seed: int, permute: bool, replicates: int
+) -> np.ndarray:
     """Pooled TV over seeded resamples: pairs drawn with replacement within each item
     (bootstrap), or each pair's two answers swapped at random (permutation)."""
     rng = np.random.default_rng(seed)
-    total = np.zeros(REPLICATES)
+    total = np.zeros(replicates)
     for item in items:
         live, prefill, categories = item.codes()
         if permute:
-            swap = rng.random((REPLICATES, item.k)) < 0.5
+            swap = rng.random((replicates, item.k)) < 0.5
             left, right = np.where(swap, prefill, live), np.where(swap, live, prefill)
         else:
-            index = rng.integers(0, item.k, size=(REPLICATES, item.k))
+            index = rng.integers(0, item.k, size=(replicates, item.k))
             left, right = live[index], prefill[index]
         total += _tv_codes(left, right, categories)
     return total / len(items)
@@ -187,19 +189,33 @@ class Measured:
         return min((k for k in candidates if k is not None), default=None)
 
 
-def measure(items: Sequence[PairedSamples], seed: int = CERTIFICATE_SEED) -> Measured:
-    """Pool the items' paired samples into the estimates the certificate needs."""
-    variance = 0.0
-    differences = []
+def _discordant(item: PairedSamples) -> tuple[int, int]:
+    """Seeds correct in the live arm only, and in the prefill arm only."""
+    pairs = list(zip(item.live_correct, item.prefill_correct, strict=True))
+    return sum(a and not b for a, b in pairs), sum(b and not a for a, b in pairs)
+
+
+def accuracy_difference(items: Sequence[PairedSamples]) -> tuple[float, float]:
+    """Prefill minus live accuracy, the mean over items, and its standard error with
+    half a pair added to each cell of every item's 2x2 table (Agresti-Min)."""
+    variance, differences = 0.0, []
     for item in items:
-        live, prefill = np.array(item.live_correct), np.array(item.prefill_correct)
-        b, c = int(np.sum(live & ~prefill)), int(np.sum(~live & prefill))
+        b, c = _discordant(item)
         differences.append((c - b) / item.k)
         n, b_adj, c_adj = item.k + 2, b + 0.5, c + 0.5
         variance += ((b_adj + c_adj) / n - ((c_adj - b_adj) / n) ** 2) / n
+    return float(np.mean(differences)), float(np.sqrt(variance) / len(items))
+
+
+def measure(
+    items: Sequence[PairedSamples], seed: int = CERTIFICATE_SEED, replicates: int = REPLICATES
+) -> Measured:
+    """Pool the items' paired samples into the estimates the certificate needs."""
+    difference, se = accuracy_difference(items)
+    discordant = [_discordant(item) for item in items]
     observed = float(np.mean([tv_distance(i.live, i.prefill) for i in items]))
-    bootstrap = _pooled_tv_draws(items, seed, permute=False)
-    permuted = _pooled_tv_draws(items, seed + 1, permute=True)
+    bootstrap = _pooled_tv_draws(items, seed, False, replicates)
+    permuted = _pooled_tv_draws(items, seed + 1, True, replicates)
     low, high = np.quantile(bootstrap, [ALPHA / 2, 1 - ALPHA / 2])
     return Measured(
         items=len(items),
@@ -209,20 +225,14 @@ def measure(items: Sequence[PairedSamples], seed: int = CERTIFICATE_SEED) -> Mea
         answers_changed=sum(
             sum(a != b for a, b in zip(i.live, i.prefill, strict=True)) for i in items
         ),
-        live_only_correct=sum(
-            sum(a and not b for a, b in zip(i.live_correct, i.prefill_correct, strict=True))
-            for i in items
-        ),
-        prefill_only_correct=sum(
-            sum(b and not a for a, b in zip(i.live_correct, i.prefill_correct, strict=True))
-            for i in items
-        ),
-        accuracy_difference=float(np.mean(differences)),
-        accuracy_se=float(np.sqrt(variance) / len(items)),
+        live_only_correct=sum(b for b, _ in discordant),
+        prefill_only_correct=sum(c for _, c in discordant),
+        accuracy_difference=difference,
+        accuracy_se=se,
         tv=observed,
         tv_ci=(float(low), float(high)),
         tv_se=float(np.std(bootstrap)),
-        permutation_p=float((1 + np.sum(permuted >= observed - 1e-12)) / (1 + REPLICATES)),
+        permutation_p=float((1 + np.sum(permuted >= observed - 1e-12)) / (1 + replicates)),
     )
 
 
@@ -306,10 +316,13 @@ class Certificate:
 
 
 def certify(
-    items: Sequence[PairedSamples], margin: float, seed: int = CERTIFICATE_SEED
+    items: Sequence[PairedSamples],
+    margin: float,
+    seed: int = CERTIFICATE_SEED,
+    replicates: int = REPLICATES,
 ) -> Certificate:
     """The certificate of ``items`` (one item, or every item of a precision) at ``margin``."""
-    m = measure(items, seed)
+    m = measure(items, seed, replicates)
     half = Z_TOST * m.accuracy_se
     ci90 = (m.accuracy_difference - half, m.accuracy_difference + half)
     coupling = wilson_interval(m.answers_changed, m.pairs, Z_HALF)[1]
