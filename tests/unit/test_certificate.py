@@ -62,9 +62,7 @@ def test_tv_distance() -> None:
 def test_identical_sample_sets_are_certified_faithful() -> None:
     """A state against its own replica: every seed gives both arms the same sample."""
     rng = np.random.default_rng(0)
-    items = [
-        paired(*(2 * [draw(rng, [0.5, 0.3, 0.2], 40)]), item=f"i{i}") for i in range(4)
-    ]
+    items = [paired(*(2 * [draw(rng, [0.5, 0.3, 0.2], 40)]), item=f"i{i}") for i in range(4)]
     certificate = certify(items, MARGIN)
     assert certificate.verdict == FAITHFUL, certificate.sentence()
     assert certificate.measured.tv == 0 and certificate.tv_upper < MARGIN
