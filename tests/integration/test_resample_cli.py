@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from helpers import invoke
 
+from integration.test_audit_tamper import run  # noqa: F401  (a copy of this module's built)
 from integration.test_audit_tamper_matrix import read_rows, rechain
 from integration.test_bad_input import check
 from kvreplay.cli import main
@@ -58,15 +58,8 @@ def built(
     return out
 
 
-@pytest.fixture
-def run(built: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(built, copy)
-    return copy
-
-
-def csv_lines(run: Path) -> list[dict[str, str]]:
-    return list(csv.DictReader(io.StringIO((run / CSV).read_text(encoding="utf-8"))))
+def csv_lines(folder: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(io.StringIO((folder / CSV).read_text(encoding="utf-8"))))
 
 
 def test_rows_hold_every_seed_and_the_replicas_repeat_the_first(built: Path) -> None:
@@ -134,13 +127,13 @@ def test_analyze_writes_the_certificate_and_report_draws_it(built: Path) -> None
     assert (built / "report.html").is_file()
 
 
-def test_audit_reexecutes_resample_rows(run: Path) -> None:
+def test_audit_reexecutes_resample_rows(run: Path) -> None:  # noqa: F811
     result = invoke("audit", run)
     assert result.exit_code == 0, result.output
     assert "rows in ledger: 4; re-executed: 4" in result.stdout
 
 
-def test_audit_names_a_forged_sample(run: Path) -> None:
+def test_audit_names_a_forged_sample(run: Path) -> None:  # noqa: F811
     """A careful forger edits one prefill sample's answer, rechains the ledger and
     re-derives the CSV: only re-execution can tell."""
     rows = read_rows(run)

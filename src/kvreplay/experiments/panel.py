@@ -171,23 +171,6 @@ def run_arm(
     )
 
 
-def run_samples(
-    worker: Workbench,
-    lm: LoadedModel,
-    unit: Unit,
-    arm: str,
-    state: BoundaryState,
-    clock: Clock,
-    seeds: tuple[int, ...],
-) -> list[ArmResult]:
-    """Continue a copy of ``state`` once per seed, in seed order."""
-    sampler = worker.config.sampler
-    return [
-        run_arm(worker, lm, unit, arm, clone(state), clock, sampler=replace(sampler, seed=seed))
-        for seed in seeds
-    ]
-
-
 def _boundary(arm: ArmResult) -> tuple[str, str, str]:
     return arm.construction, arm.cache_fingerprint, arm.logits_fingerprint
 
@@ -288,8 +271,15 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> Pane
             for name, state in continuing.items()
         }
     else:
+        # each seed continues its own copy of the state, with the run's sampler reseeded
+        sampler = worker.config.sampler
         samples = {
-            name: run_samples(worker, lm, unit, name, state, clock, panel.samples.of(name))
+            name: [
+                run_arm(
+                    worker, lm, unit, name, clone(state), clock, sampler=replace(sampler, seed=s)
+                )
+                for s in panel.samples.of(name)
+            ]
             for name, state in continuing.items()
         }
     gates = {
