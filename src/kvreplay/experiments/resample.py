@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreplay.analysis.certificate import tv_distance
@@ -27,7 +27,7 @@ from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Samples, run_panel
 from kvreplay.experiments.rows import ArmResult, PairLabels
-from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -45,10 +45,7 @@ class ResampleOptions:
 
     @classmethod
     def of(cls, scope: Scope) -> ResampleOptions:
-        unknown = sorted(set(scope.options) - {f.name for f in fields(cls)})
-        if unknown:
-            raise KvreplayError(f"Option {unknown[0]!r} is not one of resample's.")
-        options = cls(**scope.options)
+        options = own_options(cls, scope, "resample's")
         options.check(scope.config.sampler)
         return options
 
