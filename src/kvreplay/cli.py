@@ -59,8 +59,9 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(func)  # fmt: skip
 
 
-def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Options shared by every ``run`` experiment (and the demo)."""
+def run_options(func: Callable[..., Any], temperature: float = 0.0) -> Callable[..., Any]:
+    """Options shared by every ``run`` experiment (and the demo); ``temperature`` is the
+    experiment's default (greedy, except for ``resample``)."""
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Embedded model name, local folder, GGUF file, or cached hub id."),
@@ -76,8 +77,9 @@ def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Answer extractor: integer, choice or boxed."),
         click.option("--device", default="cpu", show_default=True, callback=_parsed(_device),
                      help="cpu, cuda or cuda:N."),
-        click.option("--temperature", type=float, default=0.0, show_default=True,
-                     help="0 is greedy; above 0 samples with --seed."),
+        click.option("--temperature", type=float, default=temperature, show_default=True,
+                     help="0 is greedy; above 0 samples with --seed (resample: seeds "
+                          "--seed, --seed+1, ...)."),
         click.option("--top-p", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--chat/--no-chat", default=None,
@@ -153,6 +155,18 @@ EXPERIMENTS: dict[str, tuple[str, list[Callable[..., Any]]]] = {
             PANEL_SEED,
         ],
     ),
+    "resample": (
+        "K seeded samples from the live and prefill states of each prefix: is resampling "
+        "from a rebuilt prefix faithful? (resample_live_prefill.csv)",
+        [
+            click.option("--samples", type=int, default=None,
+                         help="Seeded samples per arm and row (default 16)."),
+            click.option("--replica-samples", type=int, default=None,
+                         help="Seeds each replica continues to gate determinism (default 2)."),
+            click.option("--margin", type=float, default=None,
+                         help="Equivalence margin of the certificate, in (0, 1) (default 0.05)."),
+        ],
+    ),
     "localize": (
         "Which layers, keys or values carry a divergent trajectory (localize.csv).",
         [
@@ -164,6 +178,8 @@ EXPERIMENTS: dict[str, tuple[str, list[Callable[..., Any]]]] = {
         ],
     ),
 }  # fmt: skip
+# An experiment that samples by nature has its own default temperature.
+DEFAULT_TEMPERATURE = {"resample": 0.7}
 
 
 def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
@@ -220,7 +236,8 @@ class RunGroup(PlainGroup):
 
 @main.group("run", cls=RunGroup)
 def run_group() -> None:
-    """Run (or resume) an experiment: matched, fixed-prefix, bridge, transplant or localize."""
+    """Run (or resume) an experiment: matched, fixed-prefix, bridge, transplant, resample
+    or localize."""
 
 
 def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -> None:
@@ -236,7 +253,7 @@ def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -
     func: Callable[..., Any] = plain_errors(command)
     for option in reversed(own):
         func = option(func)
-    func = run_options(func)
+    func = run_options(func, DEFAULT_TEMPERATURE.get(experiment, 0.0))
     func = click.option(
         "--out", type=click.Path(path_type=Path), required=True, help="Run directory."
     )(func)

@@ -35,7 +35,13 @@ from kvreplay.analysis.flip import (
     analyze_flip,
     roc_points,
 )
-from kvreplay.analysis.ledgers import LAYER_DRIFT_COLUMN, Ledger, LedgerError, load_ledger_dir
+from kvreplay.analysis.ledgers import (
+    LAYER_DRIFT_COLUMN,
+    RESAMPLE_FILE,
+    Ledger,
+    LedgerError,
+    load_ledger_dir,
+)
 
 Json = dict[str, Any]
 
@@ -506,6 +512,161 @@ def _flip_blocks(run_dir: Path, ledgers: dict[str, Ledger], figures: Path) -> li
     return blocks
 
 
+RESAMPLE_METHOD_NOTE = (
+    "Method. Each seed drove one sample from the live state and one from the prefill state"
+    " of the same prefix, so seeds are paired; items are fixed and seeds are the random"
+    " draws; alpha = 0.05. Paired: the share of seeds whose tokens changed (Wilson 95%)"
+    " and exact McNemar on per-seed correctness. Accuracy change (prefill − live): mean"
+    " over items, its standard error with half a pair added to each cell of every item's"
+    " 2x2 table, equivalent (TOST) when the 90% interval lies inside ±margin. TV distance"
+    " between the answer distributions (unparsed answers are one category): mean over"
+    " items, percentile bootstrap of seed pairs within items (2,000 seeded resamples), and"
+    " a permutation test that swaps each pair's answers. Its TOST upper bound is the"
+    " smaller of a coupling bound (a seed's two samples share a random stream, so TV is at"
+    " most the share of pairs whose answers differ: Wilson upper bound) and the bootstrap's"
+    " upper percentile (used once 10 pairs' answers differ), each at alpha/2. Faithful:"
+    " both TOSTs pass. Not faithful: the accuracy interval lies outside the margin, or the"
+    " permutation test rejects equality and the TV interval lies above the margin."
+    " Otherwise undecided, with the samples per item that would decide at power 0.8,"
+    " projecting each bound with 1/sqrt(K) at the measured spread. The power table gives"
+    " those samples per item for other margins."
+)
+RESAMPLE_OTHER = 6  # answers drawn per item panel before the rest are lumped as "other"
+
+
+def _answer_counts(pairs: list[list[Any]]) -> dict[str, int]:
+    return {"unparsed" if a is None else str(a): int(n) for a, n in pairs}
+
+
+def _figure_resample(rows: Ledger, block: Json, precision: str, path: Path) -> Path:
+    """Small multiples: each item's live vs prefill answer counts, then every item's TV
+    and the pooled TV with its bootstrap interval."""
+    panels = len(rows) + 1
+    columns = min(6, panels)
+    lines = -(-panels // columns)
+    figure = Figure(figsize=(2.6 * columns, 2.3 * lines), layout="constrained")
+    axes = list(figure.subplots(lines, columns, squeeze=False).flat)
+    for i, ax in enumerate(axes[: len(rows)]):
+        live = _answer_counts(rows["live_answer_distribution"][i])
+        prefill = _answer_counts(rows["prefill_answer_distribution"][i])
+        order = sorted(
+            live.keys() | prefill.keys(), key=lambda a: -(live.get(a, 0) + prefill.get(a, 0))
+        )
+        shown, rest = order[:RESAMPLE_OTHER], order[RESAMPLE_OTHER:]
+        labels = shown + (["other"] if rest else [])
+        for offset, counts, colour, name in (
+            (-0.2, live, "#7f8c8d", "live"),
+            (0.2, prefill, "#16a085", "prefill"),
+        ):
+            heights = [counts.get(a, 0) for a in shown] + (
+                [sum(counts.get(a, 0) for a in rest)] if rest else []
+            )
+            ax.bar(np.arange(len(labels)) + offset, heights, 0.4, color=colour, label=name)
+        ax.set_xticks(np.arange(len(labels)), labels, rotation=45, ha="right", fontsize=6)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{rows.row_ids[i]} (TV {rows['tv_distance'][i]:.2f})", fontsize=8)
+        if i == 0:
+            ax.legend(fontsize=6)
+    ax = axes[len(rows)]
+    tv = block["tv_distance"]
+    low, high = tv["bootstrap_95_ci"]
+    ax.plot(
+        np.zeros(len(rows)), rows["tv_distance"], "o", color="#bbbbbb", markersize=3, label="items"
+    )
+    ax.errorbar([1], [tv["estimate"]], yerr=[[tv["estimate"] - low], [high - tv["estimate"]]],
+                fmt="o", capsize=4, color="#34495e", label="pooled, 95% CI")  # fmt: skip
+    ax.axhline(block["margin"], color="#c0392b", linewidth=0.8, linestyle="--", label="margin")
+    ax.set_xticks([0, 1], ["per item", "pooled"], fontsize=7)
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{precision}: TV distance", fontsize=8)
+    ax.legend(fontsize=6)
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    return _save(figure, path)
+
+
+def _estimate(value: float, interval: list[float], spec: str) -> str:
+    return f"{value:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
+
+
+def _resample_rows(section: Json) -> list[tuple[str, ...]]:
+    rows = []
+    for precision, b in section.items():
+        changed, tv, accuracy = (
+            b["seeds_changed"],
+            b["tv_distance"],
+            b["accuracy_difference_prefill_minus_live"],
+        )
+        rows.append(
+            (
+                precision,
+                f"{b['temperature']:g} / {b['top_p']:g}",
+                f"{b['items']} × {b['samples_per_item']}",
+                f"{changed['count']}/{changed['n']} {_percent_interval(changed)}",
+                str(b["answers_changed"]),
+                f"{b['mcnemar']['exact_two_sided_p']:.3g}",
+                _estimate(accuracy["estimate"], accuracy["tost_90_ci"], "+.3f"),
+                _estimate(tv["estimate"], tv["bootstrap_95_ci"], ".3f"),
+                f"{tv['tost_upper_bound']:.3f}",
+                f"{tv['permutation_p']:.3g}",
+                b["verdict"],
+            )
+        )
+    return rows
+
+
+def _resample_blocks(claims: Json, ledgers: dict[str, Ledger], figures: Path) -> list[Block]:
+    """The certificate first, one sentence per precision; then its evidence and method."""
+    section = claims.get("resample")
+    if not section or RESAMPLE_FILE not in ledgers:
+        return []
+    blocks: list[Block] = [Heading("Resample: is resampling from a rebuilt prefix faithful?")]
+    blocks += [Paragraph(f"{precision}: {b['sentence']}") for precision, b in section.items()]
+    blocks += [
+        Table(
+            (
+                "precision",
+                "temperature / top-p",
+                "items × samples",
+                "seeds changed [95% CI, %]",
+                "answers changed",
+                "McNemar p",
+                "accuracy change [90% CI]",
+                "TV [95% CI]",
+                "TV upper bound",
+                "permutation p",
+                "verdict",
+            ),
+            _resample_rows(section),
+        ),  # fmt: skip
+        Paragraph(RESAMPLE_METHOD_NOTE),
+        Table(
+            ("precision", "margin", "samples per item: accuracy", "TV", "faithful verdict"),
+            [
+                (
+                    precision,
+                    f"{entry['margin']:g}",
+                    *(
+                        str(entry["samples_per_item"][k] or "—")
+                        for k in ("accuracy", "tv", "faithful")
+                    ),
+                )
+                for precision, b in section.items()
+                for entry in b["power"]
+            ],
+        ),  # fmt: skip
+    ]
+    ledger = ledgers[RESAMPLE_FILE]
+    for precision, b in section.items():
+        rows = ledger.select(ledger["precision"] == precision)
+        figure = _figure_resample(rows, b, precision, figures / f"resample_{precision}.png")
+        blocks.append(
+            Image(figure, f"{precision}: answer counts per item, live vs prefill; pooled TV.")
+        )
+    return blocks
+
+
 def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
     """The facts a reader needs to judge a run: model, precision contract, machine, items."""
     path = run_dir / "manifest.json"
@@ -666,6 +827,7 @@ def _blocks(run_dir: Path, claims: Json, ledgers: dict[str, Ledger], figures: Pa
                     figure, "Donor recovery after swapping all K/V layers (Wilson 95% intervals)."
                 )
             )
+    blocks += _resample_blocks(claims, ledgers, figures)
     if matrix:
         blocks += _flip_blocks(run_dir, ledgers, figures)
     return blocks

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.experiments.experiment import Experiment
+from kvreplay.experiments.rows import PairLabels
 from kvreplay.ledger import Record
 
 
 def summarize(experiment: Experiment, rows: list[Record]) -> dict[str, Any]:
-    """Counts per precision: rows, unreached, disagreements, replicas, accuracy, timing."""
+    """Counts per precision: rows, unreached, disagreements, replicas, accuracy, timing.
+    Disagreement and accuracy count compared pairs: one per row, one per seed resampled."""
     by_precision: dict[str, dict[str, Any]] = {}
     for record in rows:
         data = record.data
@@ -18,7 +20,7 @@ def summarize(experiment: Experiment, rows: list[Record]) -> dict[str, Any]:
             continue
         entry = by_precision.setdefault(
             data["precision"],
-            {"rows": 0, "unreached": 0, "suffix_differs": 0, "answer_differs": 0,
+            {"rows": 0, "unreached": 0, "pairs": 0, "suffix_differs": 0, "answer_differs": 0,
              "label_flips": 0, "replicas_exact": 0, "left_correct": 0, "right_correct": 0,
              "unparsed_answers": 0, "model_s": 0.0, "harness_s": 0.0},
         )  # fmt: skip
@@ -29,13 +31,15 @@ def summarize(experiment: Experiment, rows: list[Record]) -> dict[str, Any]:
             entry["unreached"] += 1
             continue
         row = experiment.read_row(data)
-        labels = row.labels
-        entry["suffix_differs"] += not labels.suffix_equal
-        entry["answer_differs"] += not labels.answer_equal
-        entry["label_flips"] += row.left.correct != row.right.correct
-        entry["left_correct"] += row.left.correct
-        entry["right_correct"] += row.right.correct
-        entry["unparsed_answers"] += (not row.left.answer_parsed) + (not row.right.answer_parsed)
+        for left, right in row.pairs:
+            labels = PairLabels.of(left, right)
+            entry["pairs"] += 1
+            entry["suffix_differs"] += not labels.suffix_equal
+            entry["answer_differs"] += not labels.answer_equal
+            entry["label_flips"] += left.correct != right.correct
+            entry["left_correct"] += left.correct
+            entry["right_correct"] += right.correct
+            entry["unparsed_answers"] += (not left.answer_parsed) + (not right.answer_parsed)
         entry["replicas_exact"] += row.replicas_exact
     return {"experiment": experiment.name, "precisions": by_precision}
 
@@ -56,7 +60,7 @@ def format_summary(experiment: Experiment, summary: dict[str, Any]) -> str:
         lines.append(
             f"{precision:<9} {e['rows']:>4} {e['unreached']:>9} {e['suffix_differs']:>7} "
             f"{e['answer_differs']:>7} {e['label_flips']:>5} {e['replicas_exact']:>5}/{ok:<5} "
-            f"{e['left_correct']:>4}/{ok:<4} {e['right_correct']:>6}/{ok:<4} "
+            f"{e['left_correct']:>4}/{e['pairs']:<4} {e['right_correct']:>6}/{e['pairs']:<4} "
             f"{e['unparsed_answers']:>8} {per_row:>6.1f} {harness:>6.1%}"
         )
     return "\n".join(lines)

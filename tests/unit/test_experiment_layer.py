@@ -87,4 +87,4 @@ def test_analyze_reads_only_columns_that_each_experiment_declares() -> None:
             continue
         assert {*spec.key, *spec.columns, *spec.optional} <= set(experiment.columns)
         checked += 1
-    assert checked == 4
+    assert checked == 5  # matched, fixed-prefix, bridge, transplant, resample

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvreplay.analysis.certificate import PairedSamples, certify
 from kvreplay.analysis.flip import analyze_flip, flip_summary_lines
 from kvreplay.analysis.ledgers import (
     BRIDGE_FILE,
@@ -23,6 +24,7 @@ from kvreplay.analysis.ledgers import (
     HISTORICAL_FLAG_COLUMNS,
     HISTORICAL_LEAF_COLUMNS,
     MATCHED_FILE,
+    RESAMPLE_FILE,
     STOCK_FILE,
     TRANSPLANT_FILE,
     TRANSPLANT_RECOVERY,
@@ -318,6 +320,37 @@ def stock_section(ledger: Ledger) -> Json:
     }
 
 
+def paired_samples(rows: Ledger) -> list[PairedSamples]:
+    """Each resample row's seeds as the certificate's paired samples."""
+    return [
+        PairedSamples(
+            item=str(rows.row_ids[i]),
+            live=tuple(rows["live_answers"][i]),
+            prefill=tuple(rows["prefill_answers"][i]),
+            live_correct=tuple(rows["live_correct"][i]),
+            prefill_correct=tuple(rows["prefill_correct"][i]),
+            changed=tuple(index is not None for index in rows["first_divergence_indices"][i]),
+        )
+        for i in range(len(rows))
+    ]
+
+
+def resample_section(ledger: Ledger) -> Json:
+    """The resample certificate of each precision, pooled over its items and per item."""
+    margin = float(ledger["margin"][0])
+    section: Json = {}
+    for precision in dict.fromkeys(ledger["precision"].tolist()):
+        rows = ledger.select(ledger["precision"] == precision)
+        items = paired_samples(rows)
+        section[precision] = {
+            **certify(items, margin).to_json(),
+            "temperature": float(rows["temperature"][0]),
+            "top_p": float(rows["top_p"][0]),
+            "per_item": {item.item: certify([item], margin).to_json() for item in items},
+        }
+    return section
+
+
 def build_claims(ledgers: Mapping[str, Ledger]) -> Json:
     """Claims for every ledger given (keyed by file name); absent files leave no section."""
     claims: Json = {"schema": SCHEMA}
@@ -333,6 +366,8 @@ def build_claims(ledgers: Mapping[str, Ledger]) -> Json:
         claims["historical_bridge"] = historical_bridge_section(ledgers[HISTORICAL_FILE])
     if STOCK_FILE in ledgers:
         claims["stock_qwen_diagnostic"] = stock_section(ledgers[STOCK_FILE])
+    if RESAMPLE_FILE in ledgers:
+        claims["resample"] = resample_section(ledgers[RESAMPLE_FILE])
     for file_name, ledger in ledgers.items():
         if match := TRANSPLANT_FILE.fullmatch(file_name):
             claims[f"transplant_{match.group(1)}"] = transplant_section(ledger)
@@ -404,4 +439,6 @@ def summary_lines(claims: Json) -> list[str]:
             f"stock_qwen_diagnostic: singleton vs pair tokens exact"
             f" {stock['singleton_pair_token_exact_rows']}/{stock['rows']}"
         )
+    for precision, block in claims.get("resample", {}).items():
+        lines.append(f"resample {precision}: {block['sentence']}")
     return lines + flip_summary_lines(claims.get("extra", {}).get("flip_predictor"))

@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,10 @@ from typing import Literal
 
 import numpy as np
 
+from kvreplay.analysis.certificate import tv_distance
 from kvreplay.errors import KvreplayError
 
-Kind = Literal["text", "bool", "sha256", "int", "optional_int", "float", "float_list"]
+Kind = Literal["text", "bool", "sha256", "int", "optional_int", "float", "float_list", "json"]
 Check = Callable[["Ledger"], None]
 
 MATCHED_FILE = "matched_live_prefill.csv"
@@ -30,6 +32,7 @@ BRIDGE_FILE = "live_teacher_bridge.csv"
 HISTORICAL_FILE = "historical_bridge_audit.csv"
 STOCK_FILE = "stock_qwen_control.csv"
 TRANSPLANT_FILE = re.compile(r"kv_transplant_([A-Za-z0-9_-]+)\.csv")
+RESAMPLE_FILE = "resample_live_prefill.csv"
 LAYER_DRIFT_COLUMN = "cache_relative_l2_by_layer"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -107,6 +110,11 @@ def _parse(kind: Kind, text: str) -> object:
         return int(text)
     if kind == "float":
         return _finite(text)
+    if kind == "json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"is {text[:40]!r}, not JSON") from None
     try:
         values = json.loads(text)
     except json.JSONDecodeError:
@@ -127,7 +135,7 @@ def _finite(value: object) -> float:
 
 
 def _column_array(kind: Kind, values: list[object]) -> np.ndarray:
-    if kind == "float_list":
+    if kind in ("float_list", "json"):
         array = np.empty(len(values), dtype=object)
         array[:] = values
         return array
@@ -399,7 +407,75 @@ def _check_transplant_derived_flags(ledger: Ledger) -> None:
     )
 
 
+def _check_resample_rows(ledger: Ledger) -> None:
+    """Gates: every per-seed list holds one entry per sample, and each summary column
+    (changed seeds, accuracy, answer distribution, TV) follows from the lists."""
+    ledger.require(ledger["integrity_pass"], "integrity_pass", "a resample row must pass")
+    ledger.require(
+        ledger["margin"] == ledger["margin"][0], "margin", "it must be the same on every row"
+    )
+    samples = ledger["samples"]
+    for column in RESAMPLE_SEED_LISTS:
+        lengths = np.array([len(v) if isinstance(v, list) else -1 for v in ledger[column]])
+        ledger.require(lengths == samples, column, "it must list one entry per sample")
+    changed = np.array([sum(i is not None for i in v) for v in ledger["first_divergence_indices"]])
+    ledger.require(
+        changed == ledger["seeds_changed"], "seeds_changed", "it must count the non-null indices"
+    )
+    for arm in ("live", "prefill"):
+        accuracy = np.array([sum(v) / len(v) for v in ledger[f"{arm}_correct"]])
+        ledger.require(
+            np.isclose(accuracy, ledger[f"{arm}_accuracy"]),
+            f"{arm}_accuracy",
+            f"it must be the share of true in {arm}_correct",
+        )
+        counted = np.array(
+            [
+                Counter(answers) == {a: n for a, n in pairs}
+                for answers, pairs in zip(
+                    ledger[f"{arm}_answers"], ledger[f"{arm}_answer_distribution"], strict=True
+                )
+            ]
+        )
+        ledger.require(
+            counted, f"{arm}_answer_distribution", f"it must count the answers of {arm}_answers"
+        )
+    tv = np.array(
+        [
+            tv_distance(a, b)
+            for a, b in zip(ledger["live_answers"], ledger["prefill_answers"], strict=True)
+        ]
+    )
+    ledger.require(
+        np.isclose(tv, ledger["tv_distance"]), "tv_distance", "it must follow from the answers"
+    )
+
+
+RESAMPLE_SEED_LISTS = (
+    "seeds",
+    "first_divergence_indices",
+    "live_answers",
+    "live_correct",
+    "prefill_answers",
+    "prefill_correct",
+)
+RESAMPLE_SPEC = LedgerSpec(
+    columns={
+        **_kinds("sha256", "source_row_sha256", "prefix_sha256"),
+        "precision": "text",
+        **_kinds("int", "prefix_token_count", "samples", "replica_samples", "seeds_changed"),
+        **_kinds("float", "temperature", "top_p", "margin", "share_changed", "tv_distance"),
+        **_kinds("float", "live_accuracy", "prefill_accuracy"),
+        **_kinds("json", *RESAMPLE_SEED_LISTS),
+        **_kinds("json", "live_answer_distribution", "prefill_answer_distribution"),
+        **_kinds("bool", "live_replica_exact", "prefill_replica_exact", "integrity_pass"),
+    },
+    key=("precision", "row_id"),
+    checks=(_check_resample_rows,),
+)
+
 SPECS: dict[str, LedgerSpec] = {
+    RESAMPLE_FILE: RESAMPLE_SPEC,
     MATCHED_FILE: _matrix_spec("live", drift_norms=False),
     FIXED_FILE: _matrix_spec("incremental", drift_norms=True),
     BRIDGE_FILE: LedgerSpec(

@@ -8,10 +8,11 @@ from kvreplay.experiments.experiment import Experiment
 from kvreplay.experiments.fixed_prefix import FixedPrefix
 from kvreplay.experiments.localize import Localize
 from kvreplay.experiments.matched import Matched
+from kvreplay.experiments.resample import Resample
 from kvreplay.experiments.transplant import Transplant
 
 EXPERIMENTS: dict[str, Experiment] = {
-    e.name: e for e in (Matched(), FixedPrefix(), Bridge(), Transplant(), Localize())
+    e.name: e for e in (Matched(), FixedPrefix(), Bridge(), Transplant(), Resample(), Localize())
 }
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from kvreplay.construct import build, live
-from kvreplay.decode import continue_from
+from kvreplay.decode import Sampler, continue_from
 from kvreplay.experiments.prefixes import prefix_from_inputs, prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate
 from kvreplay.experiments.units import Clock, Unit, Workbench
@@ -53,14 +53,29 @@ class Transplanted:
 
 
 @dataclass(frozen=True)
+class Samples:
+    """Seeded continuations of every arm (DESIGN: resample): each seed continues its own
+    copy of the arm's state with the run's sampler reseeded, so the same seed drives
+    every arm. A replica continues only the first ``replica`` seeds: enough to gate the
+    stack's determinism without doubling the cost."""
+
+    seeds: tuple[int, ...]
+    replica: int
+
+    def of(self, name: str) -> tuple[int, ...]:
+        return self.seeds[: self.replica] if name.endswith("_replica") else self.seeds
+
+
+@dataclass(frozen=True)
 class Panel:
     """What a unit runs: its arms (the first two are the compared pair) and transplants.
     With ``keep_states`` the arms continue copies and the boundary states stay for the
-    experiment's own probes."""
+    experiment's own probes; with ``samples`` each arm is continued once per seed."""
 
     arms: tuple[Arm, ...]  # the first two are the compared pair (left, right)
     transplants: tuple[Transplanted, ...] = ()
     keep_states: bool = False
+    samples: Samples | None = None
 
     @property
     def compared(self) -> tuple[str, str]:
@@ -118,24 +133,27 @@ def run_arm(
     state: BoundaryState,
     clock: Clock,
     reuse: dict[str, Any] | None = None,
+    sampler: Sampler | None = None,
 ) -> ArmResult:
     """Fingerprint a boundary state, continue it to the end, and score the suffix.
 
     The state is consumed; fingerprints are taken before it advances. ``reuse`` is an
     earlier arm of this run with the same model, dtype, construction and prefix: when its
     cache and logits fingerprints equal this state's, greedy continuation is provably the
-    same computation, so its suffix is taken instead of decoding again.
+    same computation, so its suffix is taken instead of decoding again. ``sampler``
+    replaces the run's own (a resampled arm's seed).
     """
+    sampler = sampler or worker.config.sampler
     boundary = (state.construction, state.cache_fingerprint(), state.logits_fingerprint())
     argmax = state.argmax()
     saved = snapshot(worker, unit, arm, state)
     earlier = ArmResult.from_dict(reuse["arm"]) if reuse else None
-    if reuse and earlier and worker.config.sampler.greedy and boundary == _boundary(earlier):
+    if reuse and earlier and sampler.greedy and boundary == _boundary(earlier):
         suffix, suffix_sha256 = earlier.suffix, earlier.suffix_sha256
         cache_len, reused_from = earlier.post_decode_cache_len, reuse["key"]
     else:
         with clock.model():
-            suffix = continue_from(lm, state, worker.config.plan, worker.config.sampler)
+            suffix = continue_from(lm, state, worker.config.plan, sampler)
         suffix_sha256, cache_len = sha256_tokens(suffix.token_ids), state.position
         reused_from = None
     outcome = score(lm.tokenizer, suffix, unit.item.answer, worker.config.extractor)
@@ -203,6 +221,17 @@ def _construct(
     return states, record
 
 
+def _replica_suffix_exact(
+    arms: dict[str, ArmResult], samples: dict[str, list[ArmResult]], arm: str
+) -> bool:
+    """The replica decoded what its arm did: its one suffix, or each seed it continued
+    (the first seeds of its arm's)."""
+    if samples:
+        pairs = zip(samples[arm], samples[f"{arm}_replica"], strict=False)
+        return all(a.suffix_sha256 == b.suffix_sha256 for a, b in pairs)
+    return arms[arm].suffix_sha256 == arms[f"{arm}_replica"].suffix_sha256
+
+
 def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> PanelRun:
     """Build every declared arm, compare the compared pair, check every replica and the
     storage of every state against every other, then continue and score each arm."""
@@ -233,11 +262,26 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> Pane
     )
     clones = {f"{arm.name}_replica" for arm in panel.arms if arm.replica == "clone"}
     reuse = unit.inputs.get("reuse", {})
-    arms = {
-        name: run_arm(worker, lm, unit, name, state, clock, reuse.get(name))
-        for name, state in to_run.items()
-        if name not in clones
-    }
+    continuing = {name: state for name, state in to_run.items() if name not in clones}
+    arms: dict[str, ArmResult] = {}
+    samples: dict[str, list[ArmResult]] = {}
+    if panel.samples is None:
+        arms = {
+            name: run_arm(worker, lm, unit, name, state, clock, reuse.get(name))
+            for name, state in continuing.items()
+        }
+    else:
+        # each seed continues its own copy of the state, with the run's sampler reseeded
+        sampler = worker.config.sampler
+        samples = {
+            name: [
+                run_arm(
+                    worker, lm, unit, name, clone(state), clock, sampler=replace(sampler, seed=s)
+                )
+                for s in panel.samples.of(name)
+            ]
+            for name, state in continuing.items()
+        }
     gates = {
         arm.name: ReplicaGate(checks[arm.name].cache_exact, checks[arm.name].logits_exact)
         if arm.replica == "clone"
@@ -245,7 +289,7 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> Pane
             checks[arm.name].cache_exact,
             checks[arm.name].logits_exact,
             checks[arm.name].storage_disjoint,
-            arms[arm.name].suffix_sha256 == arms[f"{arm.name}_replica"].suffix_sha256,
+            _replica_suffix_exact(arms, samples, arm.name),
         )
         for arm in panel.arms
         if arm.replica != "none"
@@ -255,6 +299,7 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> Pane
         precision=unit.precision,
         prefix=record,
         arms=arms,
+        samples=samples,
         replicas=gates,
         comparison=comparison,
         functional_state_equal=functional,

@@ -133,7 +133,9 @@ class PairLabels:
 class PanelRow:
     """A completed row of arms over one prefix (DESIGN: one executor runs any declared
     panel into one of these). ``compared`` names the two arms the row is about; an
-    experiment's own fields (its source, panel entry, probes) stay in ``fields``."""
+    experiment's own fields (its source, panel entry, probes) stay in ``fields``. A
+    resampled panel keeps each arm's seeded continuations, in seed order, in ``samples``
+    instead of ``arms``."""
 
     item_id: str
     precision: str
@@ -146,6 +148,7 @@ class PanelRow:
     compared: tuple[str, str]
     all_layers_transplanted: bool | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+    samples: dict[str, list[ArmResult]] = field(default_factory=dict)
 
     @property
     def left(self) -> ArmResult:
@@ -154,6 +157,14 @@ class PanelRow:
     @property
     def right(self) -> ArmResult:
         return self.arms[self.compared[1]]
+
+    @property
+    def pairs(self) -> list[tuple[ArmResult, ArmResult]]:
+        """The compared arms' continuations side by side: one pair, or one per seed."""
+        if self.samples:
+            left, right = self.compared
+            return list(zip(self.samples[left], self.samples[right], strict=True))
+        return [(self.left, self.right)]
 
     @property
     def labels(self) -> PairLabels:
@@ -187,6 +198,11 @@ class PanelRow:
             **self.prefix,
             **self.fields,
             "arms": {name: arm.to_dict() for name, arm in self.arms.items()},
+            **(
+                {"samples": {n: [s.to_dict() for s in arms] for n, arms in self.samples.items()}}
+                if self.samples
+                else {}
+            ),
             "functional_state_equal": self.functional_state_equal,
             "all_storage_disjoint": self.all_storage_disjoint,
         }
@@ -204,13 +220,17 @@ class PanelRow:
     @classmethod
     def from_dict(cls, data: dict[str, Any], compared: tuple[str, str]) -> PanelRow:
         arms = {name: ArmResult.from_dict(arm) for name, arm in data["arms"].items()}
+        samples = {
+            name: [ArmResult.from_dict(s) for s in arm]
+            for name, arm in data.get("samples", {}).items()
+        }
         replicas = {k: ReplicaGate.from_dict(v) for k, v in data.get("replicas", {}).items()}
         replicas |= {
             name: ReplicaGate.from_dict(data[f"{name}_clone"])
             for name in arms
             if f"{name}_clone" in data
         }
-        known = {"item_id", "precision", "status", "arms", "replicas", "comparison"}
+        known = {"item_id", "precision", "status", "arms", "samples", "replicas", "comparison"}
         known |= {"functional_state_equal", "all_storage_disjoint", "all_layers_transplanted"}
         known |= {f"{name}_clone" for name in arms}
         return cls(
@@ -225,4 +245,5 @@ class PanelRow:
             compared=compared,
             all_layers_transplanted=data.get("all_layers_transplanted"),
             fields={k: v for k, v in data.items() if k not in known and k not in PREFIX_FIELDS},
+            samples=samples,
         )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvreplay.config import RunConfig
+from kvreplay.errors import KvreplayError
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 
@@ -34,6 +35,17 @@ class Scope:
 
     def source_rows(self) -> dict[str, Record]:
         return self.source.rows if self.source else {}
+
+
+T = TypeVar("T")
+
+
+def own_options(kind: type[T], scope: Scope, owner: str) -> T:
+    """An experiment's own options as the dataclass ``kind``; an unknown one is refused."""
+    unknown = sorted(set(scope.options) - {f.name for f in fields(kind)})
+    if unknown:
+        raise KvreplayError(f"Option {unknown[0]!r} is not one of {owner}.")
+    return kind(**scope.options)
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.items import Item, encode_prompt, items_digest
 from kvreplay.ledger import Record, RunLedger
 from kvreplay.models import describe_source, load_tokenizer
@@ -48,10 +48,7 @@ class PanelOptions:
 
     @classmethod
     def of(cls, scope: Scope) -> PanelOptions:
-        unknown = sorted(set(scope.options) - {f.name for f in fields(cls)})
-        if unknown:
-            raise KvreplayError(f"Option {unknown[0]!r} is not one of a panel experiment.")
-        return cls(**scope.options)
+        return own_options(cls, scope, "a panel experiment")
 
 
 def spread_selection(lengths: list[tuple[int, str]], n: int) -> list[str]:
