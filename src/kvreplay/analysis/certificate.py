@@ -27,7 +27,10 @@ generators, so a claims file regenerates bit for bit. alpha = 0.05 throughout.
   lies outside the margin, or equality is rejected by the permutation test and the
   TV interval lies above the margin; otherwise *undecided*, with the samples per item
   that would decide it at power 0.8: each bound's half-width is projected with
-  1/sqrt(K) at the measured spread (the coupling bound at the measured share).
+  1/sqrt(K) at the measured spread (the coupling bound at the measured share). A TV
+  refutation is projected from the TV in excess of the permutation mean, the TV that
+  equal distributions give at this K: the plug-in TV of small samples from a wide
+  answer distribution is far above zero even when nothing changed.
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ class Measured:
     tv: float
     tv_ci: tuple[float, float]
     tv_se: float
+    tv_null: float  # the pooled TV that equal distributions give at these K (plug-in bias)
     permutation_p: float
 
     def samples_for(self, margin: float) -> dict[str, int | None]:
@@ -179,11 +183,13 @@ class Measured:
         return {"accuracy": accuracy, "tv": tv, "faithful": faithful}
 
     def samples_to_refute(self, margin: float) -> int | None:
-        """Samples per item at which the difference would be shown above the margin."""
+        """Samples per item at which the difference would be shown above the margin. The
+        TV must exceed the margin beyond what equal distributions give at this K (the
+        plug-in TV of two samples of one wide distribution is far above zero)."""
         candidates = [
             _smallest(lambda k: abs(self.accuracy_difference)
                       - (Z_TOST + Z_POWER) * self.accuracy_se * np.sqrt(self.k / k) > margin),
-            _smallest(lambda k: self.tv
+            _smallest(lambda k: self.tv - self.tv_null
                       - (Z_HALF + Z_POWER) * self.tv_se * np.sqrt(self.k / k) > margin),
         ]  # fmt: skip
         return min((k for k in candidates if k is not None), default=None)
@@ -232,6 +238,7 @@ def measure(
         tv=observed,
         tv_ci=(float(low), float(high)),
         tv_se=float(np.std(bootstrap)),
+        tv_null=float(np.mean(permuted)),
         permutation_p=float((1 + np.sum(permuted >= observed - 1e-12)) / (1 + replicates)),
     )
 
@@ -269,9 +276,15 @@ class Certificate:
             if self.more_samples is not None
             else "no feasible number of samples decides it at these estimates"
         )
+        accuracy = (
+            "the accuracy change is equivalent to 0 within the margin, in"
+            if -self.margin < self.accuracy_ci90[0] and self.accuracy_ci90[1] < self.margin
+            else "accuracy change in"
+        )
         return (
             f"Undecided at the margin {self.margin:g}: {need} (now {m.k}; TV {m.tv:.3f}, "
-            f"upper bound {self.tv_upper:.3f}; accuracy change in "
+            f"upper bound {self.tv_upper:.3f}, against {m.tv_null:.3f} that equal "
+            f"distributions give at this K; {accuracy} "
             f"[{self.accuracy_ci90[0]:+.3f}, {self.accuracy_ci90[1]:+.3f}]; {share})."
         )
 
@@ -306,6 +319,7 @@ class Certificate:
                 "estimate": m.tv,
                 "bootstrap_95_ci": list(m.tv_ci),
                 "tost_upper_bound": self.tv_upper,
+                "equal_distributions_mean": m.tv_null,
                 "permutation_p": m.permutation_p,
             },
             "power": [
