@@ -528,8 +528,10 @@ RESAMPLE_METHOD_NOTE = (
     " both TOSTs pass. Not faithful: the accuracy interval lies outside the margin, or the"
     " permutation test rejects equality and the TV interval lies above the margin."
     " Otherwise undecided, with the samples per item that would decide at power 0.8,"
-    " projecting each bound with 1/sqrt(K) at the measured spread. The power table gives"
-    " those samples per item for other margins."
+    " projecting each bound with 1/sqrt(K) at the measured spread; a TV refutation is"
+    " projected from the TV in excess of the permutation mean (the TV that equal"
+    " distributions give at this K, far above zero for a wide answer distribution). The"
+    " power table gives those samples per item for other margins."
 )
 RESAMPLE_OTHER = 6  # answers drawn per item panel before the rest are lumped as "other"
 
@@ -609,6 +611,7 @@ def _resample_rows(section: Json) -> list[tuple[str, ...]]:
                 f"{b['mcnemar']['exact_two_sided_p']:.3g}",
                 _estimate(accuracy["estimate"], accuracy["tost_90_ci"], "+.3f"),
                 _estimate(tv["estimate"], tv["bootstrap_95_ci"], ".3f"),
+                f"{tv['equal_distributions_mean']:.3f}",
                 f"{tv['tost_upper_bound']:.3f}",
                 f"{tv['permutation_p']:.3g}",
                 b["verdict"],
@@ -635,6 +638,7 @@ def _resample_blocks(claims: Json, ledgers: dict[str, Ledger], figures: Path) ->
                 "McNemar p",
                 "accuracy change [90% CI]",
                 "TV [95% CI]",
+                "TV if equal distributions",
                 "TV upper bound",
                 "permutation p",
                 "verdict",

@@ -14,13 +14,13 @@ by :mod:`kvreplay.analysis.certificate`.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreplay.analysis.certificate import tv_distance
+from kvreplay.canonical import canonical
 from kvreplay.decode import Sampler
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.columns import Column, Line
@@ -78,7 +78,7 @@ def distribution(answers: list[str | None]) -> list[list[Any]]:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return canonical(value).decode()
 
 
 def _side(arm: str) -> Callable[[Line], list[ArmResult]]:
