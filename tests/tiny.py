@@ -100,6 +100,10 @@ def build(arch: str, seed: int = 0, layers: int = 3):
         return Qwen2ForCausalLM(Qwen2Config(**_common(layers)))
     if arch == "drift_qwen2":
         return DriftQwen2ForCausalLM(DriftQwen2Config(**_common(layers)))
+    if arch == "served_qwen2":  # head size 32: the smallest vLLM's CPU attention serves
+        return Qwen2ForCausalLM(
+            Qwen2Config(**_common(layers) | {"num_attention_heads": 2, "num_key_value_heads": 1})
+        )
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**_common(layers)))
     if arch == "gemma3":

@@ -19,7 +19,7 @@ from kvreplay.config import RunConfig
 from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments import EXPERIMENTS
+from kvreplay.experiments import recorded_experiment
 from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.items import Item, load_jsonl
 from kvreplay.ledger import (
@@ -64,7 +64,7 @@ def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = Fa
     ``present_only`` skips experiments whose CSV is not written yet (a run in progress)."""
     problems = []
     for name in ledger.manifest.get("experiments", {}):
-        experiment = EXPERIMENTS.get(name)
+        experiment = recorded_experiment(name, ledger.manifest)
         if experiment is None:
             problems.append(f"experiment {name}: unknown to this kvreplay version")
             continue
@@ -207,7 +207,7 @@ def check_plan(ledger: RunLedger, records: list[Record], item_order: list[str]) 
     rows = {r.key: r for r in records}
     experiments = ledger.manifest["experiments"]
     for name, entry in experiments.items():
-        experiment = EXPERIMENTS.get(name)
+        experiment = recorded_experiment(name, ledger.manifest)
         if experiment is None:
             continue  # named by check_csvs
         where = f"manifest.json: field experiments.{name}"

@@ -97,6 +97,17 @@ def run_options(func: Callable[..., Any], temperature: float = 0.0) -> Callable[
                      show_default=True),
         click.option("--ray-address", default=None, help="Join this Ray cluster."),
         threads_option,
+        click.option("--backend", type=click.Choice(["hf", "vllm"]), default="hf",
+                     show_default=True,
+                     help="hf: transformers, full K/V access; vllm: a vLLM engine with prefix "
+                          "caching (matched only; see the README)."),
+        click.option("--block-size", type=int, default=32, show_default=True,
+                     help="vllm: KV block size (a multiple of 32 on CPU)."),
+        click.option("--max-num-seqs", type=int, default=8, show_default=True,
+                     help="vllm: most requests the engine batches together."),
+        click.option("--companions", type=int, default=3, show_default=True,
+                     help="vllm: other items' requests sharing the batch-composition arm's "
+                          "batch (0 leaves the arm out)."),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -185,6 +196,7 @@ DEFAULT_TEMPERATURE = {"resample": 0.7}
 def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
     option of the experiment's own as its ``extra``."""
+    from kvreplay.backends import Backend
     from kvreplay.decode import Sampler
     from kvreplay.runner import RunRequest
 
@@ -211,6 +223,9 @@ def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
         gpus_per_worker=take("gpus_per_worker"),
         ray_address=take("ray_address"),
         threads=take("threads"),
+        backend=Backend(
+            take("backend"), take("block_size"), take("max_num_seqs"), take("companions")
+        ),  # fmt: skip
         extra={k: v for k, v in options.items() if v is not None and v is not False},
     )
 

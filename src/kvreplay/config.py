@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from kvreplay.backends import Backend
 from kvreplay.decode import Sampler
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import StagePlan
@@ -24,6 +25,7 @@ class RunSettings:
     chat: bool | None = None
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    backend: Backend = field(default_factory=Backend)
 
     def settings(self) -> dict[str, Any]:
         """These settings alone, as keywords for another RunSettings."""
@@ -54,6 +56,7 @@ class RunConfig(RunSettings):
                 chat=data["chat"],
                 attn_implementation=data["attn_implementation"],
                 trust_remote_code=data["trust_remote_code"],
+                backend=Backend.from_contract(data.get("backend")),
                 run_dir=run_dir,
             )
         except (KeyError, TypeError, KvreplayError) as exc:  # a hand-edited manifest
@@ -63,7 +66,9 @@ class RunConfig(RunSettings):
 
     def contract(self) -> dict[str, Any]:
         """The result-affecting part (paths and snapshot choice excluded)."""
+        backend = self.backend.contract()
         return {
+            **({"backend": backend} if backend is not None else {}),
             "model": self.model,
             "model_digest": self.model_digest,
             "plan": self.plan.to_dict(),

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreplay.decode import Sampler, Segment, feed_each, opener_ids, run_stages
+from kvreplay.decode import Sampler, Segment, Trajectory, feed_each, opener_ids, run_stages
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import StagePlan
 from kvreplay.state import BoundaryState, sha256_tokens
@@ -105,13 +105,22 @@ def live(
     )
     next_opener = opener_ids(lm.tokenizer, plan.suffix_stages[0])
     feed_each(state, lm.model, next_opener)
+    prefix = generated_prefix(prompt_ids, trajectory, plan, next_opener)
+    return state, prefix
+
+
+def generated_prefix(
+    prompt_ids: Sequence[int], trajectory: Trajectory, plan: StagePlan, next_opener: list[int]
+) -> Prefix:
+    """P as a generation of the prefix stages made it: the prompt, each stage's stream and
+    the first suffix stage's opener; unreached when a stage with stops ended without one."""
     unreached = [
         s
         for s, stage in zip(trajectory.segments, plan.prefix_stages, strict=True)
         if stage.stop and not s.stop_reason.startswith("stop:")
     ]
-    prefix = Prefix(
-        token_ids=list(state.token_ids),
+    return Prefix(
+        token_ids=[*prompt_ids, *trajectory.token_ids, *next_opener],
         prompt_len=len(prompt_ids),
         segments=trajectory.segments,
         reached=not unreached,
@@ -119,4 +128,3 @@ def live(
         if unreached
         else "",
     )
-    return state, prefix

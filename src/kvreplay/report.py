@@ -23,6 +23,7 @@ from matplotlib.ticker import MaxNLocator
 from kvreplay.analysis.claims import (
     MATRIX_DESIGNS,
     SCHEMA,
+    SERVED_CONTROL_LABELS,
     build_claims,
     matrix_blocks,
     write_claims,
@@ -702,6 +703,16 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
             f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}",
         ),
         ("dtype contract", json.dumps(env["dtype_contract"], sort_keys=True)),
+        *(
+            [
+                (
+                    "backend",
+                    f"vllm {env.get('vllm', '?')}, " + json.dumps(run["backend"], sort_keys=True),
+                )
+            ]
+            if "backend" in run
+            else []
+        ),
         ("experiments", ", ".join(f"{k} ({v})" for k, v in engines.items())),
         ("kvreplay", f"{manifest.get('kvreplay_version')} at {manifest.get('git_commit') or '?'}"),
     ]
@@ -832,10 +843,55 @@ def _blocks(run_dir: Path, claims: Json, ledgers: dict[str, Ledger], figures: Pa
                     figure, "Donor recovery after swapping all K/V layers (Wilson 95% intervals)."
                 )
             )
+    blocks += _served_blocks(claims)
     blocks += _resample_blocks(claims, ledgers, figures)
     if matrix:
         blocks += _flip_blocks(run_dir, ledgers, figures)
     return blocks
+
+
+SERVED_NOTE = (
+    "These rows come from a serving engine (the vllm backend), which exposes token ids and "
+    "top-k logprobs but no K/V tensors. In the matched tables above, 'live' is a prefix-cache "
+    "hit (P's blocks written by the generation that reached P, prompt prefill and decode "
+    "steps, reused; only the tail block recomputed) and 'prefill' a miss (the cache reset, "
+    "P prefilled in one shot). A row can show whether the two continue differently, where, "
+    "with what top-1/top-2 margin, and how many tokens the hit really reused; it cannot "
+    "show how the cached K/V differ, so the cache-exactness, drift and storage columns are "
+    "empty and no transplant, bridge or localisation runs on this backend."
+)
+
+
+def _served_blocks(claims: Json) -> list[Block]:
+    """What a served run adds: its controls and how much of P the hit reused."""
+    section = claims.get("served_matched")
+    if not section:
+        return []
+    rows = [
+        (
+            precision,
+            f"{b['live_cached_tokens_median']:g} / {b['prefix_token_count_median']:g}",
+            f"{b['prefill_cached_tokens_median']:g}",
+            *(
+                _rate_text(b[key]) if b[key]["n"] else "—"
+                for key in (c.replace("_equal_", "_differs_from_") for c in SERVED_CONTROL_LABELS)
+            ),
+        )
+        for precision, b in section.items()
+    ]
+    return [
+        Heading("Serving engine: prefix-cache hit vs miss"),
+        Paragraph(SERVED_NOTE),
+        Table(
+            (
+                "precision",
+                "hit cached tokens / P (median)",
+                "miss cached tokens (median)",
+                *(f"{label}: suffixes differ" for label in SERVED_CONTROL_LABELS.values()),
+            ),
+            rows,
+        ),
+    ]
 
 
 def _markdown_table(table: Table) -> str:

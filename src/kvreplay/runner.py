@@ -18,6 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvreplay import __version__
+from kvreplay.backends import MAX_MODEL_LEN
 from kvreplay.config import RunConfig, RunSettings
 from kvreplay.decode import opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
@@ -106,10 +107,13 @@ def _check_prompts(
             if item.prefix_token_ids is not None
             else len(encode_prompt(tokenizer, item.prompt, request.chat)) + budget
         )
-        if info["context_length"] and length > info["context_length"]:
+        window = info["context_length"]
+        if not request.backend.kv_access:
+            window = min(window or MAX_MODEL_LEN, MAX_MODEL_LEN)
+        if window and length > window:
             raise KvreplayError(
                 f"Item {item.id} needs {length} tokens, over the model's context window of "
-                f"{info['context_length']}."
+                f"{window}."
             )
 
 
@@ -148,7 +152,7 @@ def build_contract(
         **({"scheme": scheme} if scheme > 1 else {}),
         "run": config.contract(),
         "model_info": info,
-        "environment": environment(config.device, scheme),
+        "environment": environment(config.device, scheme) | config.backend.environment(),
         "items": {"source": items_source, "digest": items_digest(items), "count": len(items)},
     }
 
@@ -160,13 +164,17 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     check_engine(request.engine, request.workers, request.gpus_per_worker)
     plan = _plan(request)
     get_extractor(request.extractor)
-    experiment = get_experiment(request.experiment)
+    experiment = get_experiment(request.experiment, request.backend)
     items = load_items(request.items)
     experiment.check_prompts(items, experiment.count(request.n, items))
     scheme = _recorded_scheme(request.out)
     _check_resume_threads(request)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     info = describe_source(request.model, request.trust_remote_code, scheme, tokenizer)
+    if not request.backend.kv_access:
+        from kvreplay.backends.vllm import check_servable
+
+        check_servable(request.model, request.trust_remote_code)
     _check_prompts(request, plan, items, info, tokenizer)
     config = RunConfig(
         model=request.model,
@@ -235,7 +243,7 @@ def _run_prepared(
     quiet: bool,
     session: EngineSession | None,
 ) -> dict[str, Any]:
-    experiment = get_experiment(request.experiment)
+    experiment = get_experiment(request.experiment, request.backend)
     selection = experiment.select(scope, {**scope.source_rows(), **ledger.by_key()})
     ledger.register_experiment(experiment.name, experiment.config(scope, selection))
     placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)

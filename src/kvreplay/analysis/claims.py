@@ -140,16 +140,31 @@ def _precision_block(rows: Ledger, left: str, stream: int) -> tuple[Json, Json]:
         "rows": n,
         **{
             f"{arm}_replica_exact_rows": _count(
-                rows[f"{arm}_replica_cache_exact"]
-                & rows[f"{arm}_replica_logits_exact"]
-                & rows[f"{arm}_replica_suffix_exact"]
+                np.logical_and.reduce(
+                    [
+                        rows[f"{arm}_replica_{part}_exact"]
+                        for part in ("cache", "logits", "suffix")
+                        if f"{arm}_replica_{part}_exact" in rows
+                    ]  # fmt: skip
+                )
             )
             for arm in (left, "prefill")
         },
-        "functional_state_equal_rows": _count(rows["functional_state_equal"]),
-        "all_storage_disjoint_rows": _count(rows["all_storage_disjoint"]),
+        # a served ledger (no K/V access) has no cache, state or storage columns
+        **{
+            f"{name}_rows": _count(rows[column])
+            for name, column in (
+                ("functional_state_equal", "functional_state_equal"),
+                ("all_storage_disjoint", "all_storage_disjoint"),
+            )
+            if column in rows
+        },
         "integrity_pass_rows": _count(rows["integrity_pass"]),
-        "cache_exact_rows": _count(rows[f"{left}_prefill_cache_exact"]),
+        **(
+            {"cache_exact_rows": _count(rows[f"{left}_prefill_cache_exact"])}
+            if f"{left}_prefill_cache_exact" in rows
+            else {}
+        ),
         "logits_exact_rows": _count(rows[f"{left}_prefill_logits_exact"]),
         **{
             f"{column}_median": _median(rows[column])
@@ -351,6 +366,37 @@ def resample_section(ledger: Ledger) -> Json:
     return section
 
 
+SERVED_CONTROL_LABELS = {
+    "uninterrupted_equal_live": "uninterrupted request vs cache hit",
+    "uninterrupted_equal_prefill": "uninterrupted request vs cache miss",
+    "batched_equal_live": "hit with companions vs hit alone",
+}
+
+
+def served_section(ledger: Ledger) -> Json:
+    """A served matched ledger's own measures, per precision: how much of P the hit
+    really reused, and how often each control continued differently."""
+    section: Json = {}
+    for precision in sorted(set(ledger["precision"].tolist())):
+        rows = ledger.select(ledger["precision"] == precision)
+        block: Json = {
+            "backend": str(rows["backend"][0]),
+            "rows": len(rows),
+            "live_cached_tokens_median": _median(rows["live_cached_tokens"]),
+            "prefill_cached_tokens_median": _median(rows["prefill_cached_tokens"]),
+            "prefix_token_count_median": _median(rows["prefix_token_count"]),
+        }
+        for column, label in SERVED_CONTROL_LABELS.items():
+            known = [v for v in rows[column] if v is not None]
+            differ = sum(1 for v in known if not v)
+            block[column.replace("_equal_", "_differs_from_")] = {
+                "label": label,
+                **rate_payload(differ, len(known), MATRIX_WILSON_Z),
+            }
+        section[precision] = block
+    return section
+
+
 def build_claims(ledgers: Mapping[str, Ledger]) -> Json:
     """Claims for every ledger given (keyed by file name); absent files leave no section."""
     claims: Json = {"schema": SCHEMA}
@@ -360,6 +406,8 @@ def build_claims(ledgers: Mapping[str, Ledger]) -> Json:
             claims[design.section], extra[design.section] = matrix_section(
                 ledgers[design.file], design
             )
+    if MATCHED_FILE in ledgers and "backend" in ledgers[MATCHED_FILE]:
+        claims["served_matched"] = served_section(ledgers[MATCHED_FILE])
     if BRIDGE_FILE in ledgers:
         claims["prospective_bridge"] = prospective_bridge_section(ledgers[BRIDGE_FILE])
     if HISTORICAL_FILE in ledgers:

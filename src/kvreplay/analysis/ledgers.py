@@ -23,7 +23,9 @@ import numpy as np
 from kvreplay.analysis.certificate import tv_distance
 from kvreplay.errors import KvreplayError
 
-Kind = Literal["text", "bool", "sha256", "int", "optional_int", "float", "float_list", "json"]
+Kind = Literal[
+    "text", "bool", "optional_bool", "sha256", "int", "optional_int", "float", "float_list", "json"
+]
 Check = Callable[["Ledger"], None]
 
 MATCHED_FILE = "matched_live_prefill.csv"
@@ -94,7 +96,9 @@ def _parse(kind: Kind, text: str) -> object:
         if not text:
             raise ValueError("is empty")
         return text
-    if kind == "bool":
+    if kind == "optional_bool" and text == "":
+        return None
+    if kind in ("bool", "optional_bool"):
         if text not in ("true", "false"):
             raise ValueError(f"is {text!r}, not true or false")
         return text == "true"
@@ -135,7 +139,7 @@ def _finite(value: object) -> float:
 
 
 def _column_array(kind: Kind, values: list[object]) -> np.ndarray:
-    if kind in ("float_list", "json"):
+    if kind in ("float_list", "json", "optional_bool"):
         array = np.empty(len(values), dtype=object)
         array[:] = values
         return array
@@ -216,8 +220,10 @@ def _check_equal_flag(flag: str, left: str, right: str, *, equal: bool = True) -
     return check
 
 
-def _matrix_spec(left: str, *, drift_norms: bool) -> LedgerSpec:
-    """Schema of a matched or fixed-prefix matrix; only the left arm's name differs."""
+def _matrix_spec(left: str, *, drift_norms: bool, served: bool = False) -> LedgerSpec:
+    """Schema of a matched or fixed-prefix matrix; only the left arm's name differs. A
+    served matrix (a backend without K/V access, named in its ``backend`` column) leaves
+    the K/V columns empty and carries the engine's measures instead."""
     columns: dict[str, Kind] = {
         "source_row_sha256": "sha256",
         "precision": "text",
@@ -286,10 +292,17 @@ def _matrix_spec(left: str, *, drift_norms: bool) -> LedgerSpec:
                 f"it must hold {layers[0]} values, one per layer, like the first row",
             )
 
+    if served:
+        columns = {k: v for k, v in columns.items() if k not in _kv_columns(left)}
+        columns |= {
+            "backend": "text",
+            **_kinds("int", "live_cached_tokens", "prefill_cached_tokens"),
+            **_kinds("optional_bool", *SERVED_CONTROLS),
+        }
     return LedgerSpec(
         columns=columns,
         key=("precision", "row_id"),
-        optional={LAYER_DRIFT_COLUMN: "float_list"},
+        optional={} if served else {LAYER_DRIFT_COLUMN: "float_list"},
         checks=(
             _check_equal_flag("suffix_equal", f"{left}_suffix_sha256", "prefill_suffix_sha256"),
             *(
@@ -304,6 +317,19 @@ def _matrix_spec(left: str, *, drift_norms: bool) -> LedgerSpec:
             check_layer_drift,
             _check_cross_precision_pairing,
         ),
+    )
+
+
+# A served row's controls: empty where the plan or the item set leaves the arm out.
+SERVED_CONTROLS = ("uninterrupted_equal_live", "uninterrupted_equal_prefill", "batched_equal_live")
+
+
+def _kv_columns(left: str) -> frozenset[str]:
+    """Matrix columns only a backend with K/V access can fill."""
+    return frozenset(
+        {f"{arm}_replica_cache_exact" for arm in (left, "prefill")}
+        | {"functional_state_equal", "all_storage_disjoint", f"{left}_prefill_cache_exact"}
+        | {"cache_max_abs_diff", "cache_mean_abs_diff", "logit_max_abs_diff", "logit_mean_abs_diff"}
     )
 
 
@@ -584,11 +610,26 @@ TRANSPLANT_SPEC = LedgerSpec(
 )
 
 
-def spec_for(file_name: str) -> LedgerSpec | None:
-    """The spec of a known ledger file name, or None for any other file."""
-    if TRANSPLANT_FILE.fullmatch(file_name):
+SERVED_MATCHED_SPEC = _matrix_spec("live", drift_norms=False, served=True)
+
+
+def spec_for(file: str | Path) -> LedgerSpec | None:
+    """The spec of a known ledger file (or file name), or None for any other file; a
+    matched ledger file with a ``backend`` column is a served one."""
+    path = Path(file)
+    if TRANSPLANT_FILE.fullmatch(path.name):
         return TRANSPLANT_SPEC
-    return SPECS.get(file_name)
+    if path.name == MATCHED_FILE and path.is_file() and "backend" in _header(path):
+        return SERVED_MATCHED_SPEC
+    return SPECS.get(path.name)
+
+
+def _header(path: Path) -> list[str]:
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            return next(csv.reader(handle), [])
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []  # read_ledger names the problem
 
 
 def load_ledger_dir(folder: Path) -> dict[str, Ledger]:
@@ -598,7 +639,7 @@ def load_ledger_dir(folder: Path) -> dict[str, Ledger]:
     ledgers = {
         path.name: read_ledger(path, spec)
         for path in sorted(folder.iterdir())
-        if path.is_file() and (spec := spec_for(path.name)) is not None
+        if path.is_file() and (spec := spec_for(path)) is not None
     }
     if not ledgers:
         raise LedgerError(str(folder), "the folder holds none of the known ledger CSVs")

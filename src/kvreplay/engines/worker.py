@@ -26,6 +26,7 @@ class Worker:
         self.name = name
         self.device_map = device_map
         self._models: dict[str, LoadedModel] = {}
+        self._served: dict[str, Any] = {}
 
     def model(self, dtype: str) -> LoadedModel:
         if dtype not in self._models:
@@ -44,6 +45,15 @@ class Worker:
             self._models[dtype] = lm
         return self._models[dtype]
 
+    def served(self, dtype: str) -> Any:
+        """The vllm backend's engine for a precision, started once (see
+        :mod:`kvreplay.backends.vllm`)."""
+        if dtype not in self._served:
+            from kvreplay.backends.vllm import load_served
+
+            self._served[dtype] = load_served(self.config, dtype)
+        return self._served[dtype]
+
     def device_info(self) -> dict[str, str]:
         from kvreplay.environment import device_name
 
@@ -54,7 +64,9 @@ class Worker:
         }
 
     def run(self, unit: Unit) -> tuple[dict[str, Any], dict[str, float]]:
-        self.model(unit.precision)  # loading is neither model nor harness time of a row
+        # loading is neither model nor harness time of a row
+        backend = self.config.backend
+        (self.model if backend.kv_access else self.served)(unit.precision)
         clock = Clock()
-        data = get_experiment(unit.experiment).run_unit(self, unit, clock)
+        data = get_experiment(unit.experiment, backend).run_unit(self, unit, clock)
         return data, clock.timing()

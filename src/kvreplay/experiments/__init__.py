@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvreplay.backends import Backend, check_backend
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.bridge import Bridge
 from kvreplay.experiments.experiment import Experiment
 from kvreplay.experiments.fixed_prefix import FixedPrefix
 from kvreplay.experiments.localize import Localize
-from kvreplay.experiments.matched import Matched
+from kvreplay.experiments.matched import Matched, ServedMatched
 from kvreplay.experiments.resample import Resample
 from kvreplay.experiments.transplant import Transplant
 
@@ -16,7 +19,26 @@ EXPERIMENTS: dict[str, Experiment] = {
 }
 
 
-def get_experiment(name: str) -> Experiment:
+# The experiments a backend without K/V access runs, declared as served panels.
+SERVED: dict[str, Experiment] = {e.name: e for e in (ServedMatched(),)}
+
+
+def get_experiment(name: str, backend: Backend | None = None) -> Experiment:
+    """The experiment ``name`` as ``backend`` runs it (hf when not given)."""
     if name not in EXPERIMENTS:
         raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
-    return EXPERIMENTS[name]
+    if backend is None or backend.kv_access:
+        return EXPERIMENTS[name]
+    check_backend(backend, name, frozenset(SERVED))
+    return SERVED[name]
+
+
+def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:
+    """The experiment a run's manifest recorded, as its backend ran it; None if unknown."""
+    if name not in EXPERIMENTS:
+        return None
+    run = manifest.get("contract", {}).get("run")
+    backend = run.get("backend") if isinstance(run, dict) else None
+    if backend is None:
+        return EXPERIMENTS[name]
+    return SERVED.get(name) if isinstance(backend, dict) and backend.get("name") == "vllm" else None

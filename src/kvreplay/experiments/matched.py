@@ -3,12 +3,14 @@ the same prefix, each with a replica (``matched_live_prefill.csv``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvreplay.experiments.columns import Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_columns, matrix_panel, run_matrix
 from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.served import ServedArm, ServedPanel, run_served_panel, served_columns
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -60,3 +62,44 @@ class Matched(Experiment):
         return [
             Line(self.read_row(r.data), r.row_sha256) for r in rows if r.data["item_id"] in complete
         ]
+
+
+class ServedMatched(Matched):
+    """``matched`` on a serving backend: a prefix-cache hit vs a miss of the same P, each
+    with a replica under the same cache condition, beside the uninterrupted request and
+    the hit co-scheduled with companions (see :mod:`kvreplay.experiments.served`). Its
+    rows fill the matched ledger's columns where they apply and leave the K/V ones empty."""
+
+    panel = ServedPanel(  # type: ignore[assignment]
+        (
+            ServedArm("left", "hit"),
+            ServedArm("prefill", "miss"),
+            ServedArm("uninterrupted", "uninterrupted", replica=False),
+            ServedArm("batched", "hit", replica=False, companions=True),
+        )
+    )
+    table = matrix_columns("live", paper_l2=False) + served_columns()
+
+    def units(
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
+    ) -> list[Unit]:
+        """Each unit names its companions: the next items of the selection, in turn."""
+        items, k = selection.items, min(scope.config.backend.companions, len(selection.items) - 1)
+        return [
+            replace(unit, inputs={"companions": companions(items, items.index(unit.item), k)})
+            for unit in super().units(phase, scope, selection, rows)
+        ]
+
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        row, prefix = run_served_panel(worker, unit, clock, self.panel)
+        if row is None:
+            return {"item_id": unit.item.id, "precision": unit.precision, "status": "unreached",
+                    **prefix}  # fmt: skip
+        row.fields |= {"left_construction": "cache-hit", "labels": row.labels.to_dict()}
+        return row.to_dict()
+
+
+def companions(items: list[Item], index: int, k: int) -> list[dict[str, Any]]:
+    """The ``k`` items after ``index``, wrapping around, as plain data for the unit."""
+    mates = [items[(index + step) % len(items)] for step in range(1, k + 1)]
+    return [{"item_id": item.id, "prompt": item.prompt} for item in mates]

@@ -19,10 +19,13 @@ from kvreplay.state import Comparison, first_divergence
 class ArmResult:
     """One continued state (DESIGN: an arm): its boundary fingerprints, the suffix it
     decoded, and that suffix's score. ``reused_from`` names the row whose identical
-    computation supplied the suffix; ``snapshot`` is the saved boundary state, if any."""
+    computation supplied the suffix; ``snapshot`` is the saved boundary state, if any.
+    A served arm (a backend without K/V access) has no cache fingerprint; ``served``
+    holds what the engine reported instead (cached tokens per request, first-step top
+    logprobs)."""
 
     construction: str
-    cache_fingerprint: str
+    cache_fingerprint: str | None
     logits_fingerprint: str
     boundary_argmax: int
     suffix: Trajectory
@@ -33,6 +36,7 @@ class ArmResult:
     correct: bool = False
     snapshot: dict[str, str] | None = None
     reused_from: str | None = None
+    served: dict[str, Any] | None = None
 
     @property
     def suffix_token_ids(self) -> list[int]:
@@ -62,6 +66,8 @@ class ArmResult:
             data["snapshot"] = self.snapshot
         if self.reused_from is not None:
             data["reused_from"] = self.reused_from
+        if self.served is not None:
+            data["served"] = self.served
         return data
 
     @classmethod
@@ -79,6 +85,7 @@ class ArmResult:
             correct=data["correct"],
             snapshot=data.get("snapshot"),
             reused_from=data.get("reused_from"),
+            served=data.get("served"),
         )
 
 
@@ -86,12 +93,17 @@ class ArmResult:
 class ReplicaGate:
     """The integrity gate of a replica: bit-equal state and, when the replica was
     continued, no shared storage and the same suffix. A *clone* is a replica that is
-    checked but not continued (the bridge's): it has no storage or suffix verdict."""
+    checked but not continued (the bridge's): it has no storage or suffix verdict. A
+    served replica (no K/V access) has no cache or storage verdict; it must instead read
+    as many cached tokens as its arm (the same cache condition) and rewrite the same
+    prefix before a hit."""
 
-    cache_exact: bool
+    cache_exact: bool | None
     logits_exact: bool
     storage_disjoint: bool | None = None
     suffix_exact: bool | None = None
+    cached_tokens_equal: bool | None = None
+    prefix_rewrites_exact: bool | None = None
 
     @property
     def is_clone(self) -> bool:
@@ -106,7 +118,7 @@ class ReplicaGate:
 
     @classmethod
     def from_dict(cls, data: dict[str, bool]) -> ReplicaGate:
-        return cls(**data)
+        return cls(**{"cache_exact": None, **data})  # a served gate stores no cache verdict
 
 
 @dataclass(frozen=True)
@@ -143,8 +155,8 @@ class PanelRow:
     arms: dict[str, ArmResult]
     replicas: dict[str, ReplicaGate]
     comparison: Comparison | None  # None where the row keeps only boundary_argmax_equal
-    functional_state_equal: bool
-    all_storage_disjoint: bool
+    functional_state_equal: bool | None  # None: a served row, with no states to compare
+    all_storage_disjoint: bool | None
     compared: tuple[str, str]
     all_layers_transplanted: bool | None = None
     fields: dict[str, Any] = field(default_factory=dict)
@@ -171,6 +183,13 @@ class PanelRow:
         return PairLabels.of(self.left, self.right)
 
     @property
+    def boundary_argmax_equal(self) -> bool:
+        """The compared arms would decode the same first token."""
+        if self.comparison is not None:
+            return self.comparison.boundary_argmax_equal
+        return self.left.boundary_argmax == self.right.boundary_argmax
+
+    @property
     def diverges(self) -> bool:
         return self.left.suffix_sha256 != self.right.suffix_sha256
 
@@ -183,8 +202,8 @@ class PanelRow:
         """Every replica gate, equal cache shapes, no shared storage, full transplants."""
         return (
             self.replicas_exact
-            and self.functional_state_equal
-            and self.all_storage_disjoint
+            and self.functional_state_equal is not False
+            and self.all_storage_disjoint is not False
             and self.all_layers_transplanted is not False
         )
 

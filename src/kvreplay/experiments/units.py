@@ -82,8 +82,10 @@ class Clock:
 class Workbench(Protocol):
     """What a unit's computation uses of the worker that runs it (see
     :class:`kvreplay.engines.worker.Worker`): the run's configuration and each
-    precision's model, loaded once."""
+    precision's model (hf) or engine (vllm), loaded once."""
 
     config: RunConfig
 
     def model(self, dtype: str) -> LoadedModel: ...
+
+    def served(self, dtype: str) -> Any: ...

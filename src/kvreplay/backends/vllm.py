@@ -1,0 +1,212 @@
+"""The vllm backend: one in-process vLLM engine per precision, serving token-id requests.
+
+A request is one stage of a plan: its context's token ids in, the stage's tokens out,
+with the top-2 logprobs of every step (their difference is the top-1/top-2 logit margin,
+as the hf backend records it) and the number of context tokens the engine served from its
+prefix cache. Stops follow the plan exactly as the hf backend does: the engine stops at a
+stop string or EOS, and :class:`~kvreplay.stages.StopDetector` names the reason.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one ``uni``
+worker), so a kvreplay worker process or Ray actor holds its own engine and scripts need
+no ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvreplay.backends import MAX_MODEL_LEN, Backend
+from kvreplay.config import RunConfig
+from kvreplay.decode import Sampler, Segment
+from kvreplay.errors import KvreplayError
+from kvreplay.stages import Stage, StopDetector
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TOP_LOGPROBS = 2
+
+
+@dataclass(frozen=True)
+class Request:
+    """One stage served from a context: token ids in, the stage's tokens out."""
+
+    context: list[int]  # ends with the stage's forced opener, if any
+    stage: Stage
+    sampler: Sampler
+    opener: tuple[int, ...] = ()  # recorded in the segment
+
+
+@dataclass
+class Served:
+    """A served stage: its segment, the cached context tokens the engine reported, and
+    the first step's top logprobs (token id, logprob), best first."""
+
+    segment: Segment
+    cached_tokens: int
+    first_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class ServedModel:
+    """A running engine for one precision, with the tokenizer that made the prompts."""
+
+    engine: Any
+    tokenizer: Any
+    precision: str
+    eos_token_ids: frozenset[int]
+    context_length: int
+
+    def reset_cache(self) -> None:
+        """Drop every prefix-cache block, so that the next request is a miss."""
+        if not self.engine.reset_prefix_cache():
+            raise KvreplayError("vLLM refused to reset its prefix cache.")
+
+    def serve(self, requests: Sequence[Request]) -> list[Served]:
+        """Serve requests together: one ``generate`` call, so they may share batches."""
+        from vllm import SamplingParams
+
+        for request in requests:
+            if len(request.context) + request.stage.max_new_tokens > self.context_length:
+                raise KvreplayError(
+                    f"A request of {len(request.context)} tokens plus its stage's "
+                    f"{request.stage.max_new_tokens} exceeds the engine's context of "
+                    f"{self.context_length} tokens."
+                )
+        params = [
+            SamplingParams(
+                temperature=r.sampler.temperature,
+                top_p=r.sampler.top_p,
+                seed=None if r.sampler.greedy else r.sampler.seed,
+                max_tokens=r.stage.max_new_tokens,
+                stop=list(r.stage.stop),
+                stop_token_ids=sorted(self.eos_token_ids),
+                include_stop_str_in_output=True,
+                logprobs=TOP_LOGPROBS,
+            )
+            for r in requests
+        ]
+        prompts = [{"prompt_token_ids": list(r.context)} for r in requests]
+        outputs = self.engine.generate(prompts, params, use_tqdm=False)
+        return [self._served(r, out) for r, out in zip(requests, outputs, strict=True)]
+
+    def _served(self, request: Request, output: Any) -> Served:
+        completion = output.outputs[0]
+        tokens = [int(t) for t in completion.token_ids]
+        steps = [
+            sorted(((int(t), float(lp.logprob)) for t, lp in step.items()), key=lambda x: -x[1])
+            for step in completion.logprobs or []
+        ]
+        detector = StopDetector(self.tokenizer, request.stage.stop, self.eos_token_ids)
+        reason = "cap"
+        for end in range(1, len(tokens) + 1):
+            hit = detector.hit(tokens[:end])
+            if hit is not None:
+                tokens, steps, reason = tokens[:end], steps[:end], hit
+                break
+        margins = [s[0][1] - s[1][1] if len(s) > 1 else float("inf") for s in steps]
+        return Served(
+            Segment(request.stage.name, list(request.opener), tokens, reason, margins),
+            int(output.num_cached_tokens or 0),
+            steps[0][:TOP_LOGPROBS] if steps else [],
+        )
+
+
+def logprobs_fingerprint(first_logprobs: list[tuple[int, float]]) -> str:
+    """sha256 of a step's top logprobs, exact to the bit (floats as their hex)."""
+    text = json.dumps([[t, float(lp).hex()] for t, lp in first_logprobs])
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def load_served(config: RunConfig, precision: str) -> ServedModel:
+    """Start the engine for one precision over the run's model folder, after checking the
+    folder is the one the run recorded (the same digest as the hf backend's)."""
+    from kvreplay.models import describe_source, load_tokenizer, resolve_source
+
+    check_servable(config.model, config.trust_remote_code)
+    folder, _ = resolve_source(config.model, config.trust_remote_code)
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    info = describe_source(config.model, config.trust_remote_code, tokenizer=tokenizer)
+    if info["model_digest"] != config.model_digest:
+        raise KvreplayError("The model files' digest differs from the run's.")
+    engine = start_engine(
+        str(folder), precision, config.backend, config.trust_remote_code, info["context_length"]
+    )
+    return ServedModel(
+        engine,
+        tokenizer,
+        precision,
+        eos_token_ids(tokenizer, folder),
+        engine.llm_engine.model_config.max_model_len,
+    )
+
+
+def eos_token_ids(tokenizer: Any, folder: Any) -> frozenset[int]:
+    """EOS ids from the tokenizer and the folder's generation config, as the hf backend
+    takes them from the tokenizer and the model's generation config."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        generation = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:
+        generation = None
+    for source in (tokenizer.eos_token_id, generation):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(t) for t in source)
+    return frozenset(ids)
+
+
+def start_engine(
+    folder: str, precision: str, backend: Backend, trust_remote_code: bool, context_length: int
+) -> Any:
+    """An in-process engine over a model folder, with the run's recorded settings."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    try:
+        return LLM(
+            model=folder,
+            tokenizer=folder,
+            dtype=VLLM_DTYPES[precision],
+            block_size=backend.block_size,
+            enable_prefix_caching=True,
+            max_num_seqs=backend.max_num_seqs,
+            max_model_len=min(context_length or MAX_MODEL_LEN, MAX_MODEL_LEN),
+            max_num_batched_tokens=MAX_MODEL_LEN,
+            enforce_eager=True,
+            seed=backend.seed,
+            trust_remote_code=trust_remote_code,
+            distributed_executor_backend="uni",
+        )
+    except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for an unservable model
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvreplayError(f"vLLM cannot serve the model {folder!r}: {first[:300]}") from exc
+
+
+def check_servable(spec: str, trust_remote_code: bool) -> None:
+    """Refuse, before the manifest, a model vLLM cannot serve: a GGUF file, or an
+    architecture its registry does not list (unless remote code was asked for)."""
+    from kvreplay.models import resolve_source, text_config
+
+    _, gguf_file = resolve_source(spec, trust_remote_code)
+    if gguf_file is not None:
+        raise KvreplayError(
+            "The vllm backend serves a model folder (safetensors), not a GGUF file; "
+            "use an embedded model name or a converted folder."
+        )
+    architectures = list(getattr(text_config(spec, trust_remote_code), "architectures", None) or [])
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    if not trust_remote_code and not any(a in supported for a in architectures):
+        raise KvreplayError(
+            f"vLLM cannot serve the model {spec!r}: its architecture "
+            f"{', '.join(architectures) or '(none named)'} is not in vLLM's registry."
+        )

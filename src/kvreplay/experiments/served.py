@@ -1,0 +1,335 @@
+"""Served panels (DESIGN: backend): the arms of a row on a backend without K/V access.
+
+A serving engine with automatic prefix caching answers a staged generation's next
+request from the K/V blocks that earlier requests wrote, prompt prefill *and decode
+steps*; only the tail block is recomputed. That is the serving form of live vs prefill:
+
+- ``hit``: the cache is reset, the prefix stages are generated again (rewriting P's
+  blocks exactly as the first generation did), then P is sent as a new request;
+- ``miss``: the cache is reset and P is sent: a one-shot prefill of P;
+- ``uninterrupted``: one request decodes from the prompt straight through the boundary,
+  the truest live state a serving engine has (only where no opener or stop string sits
+  at the boundary);
+- a ``companions`` arm is a hit whose every request shares the batch with other items'
+  requests (the paper's batch-composition control).
+
+Every request of an arm after the first is served as the engine would serve a
+multi-turn conversation: from the blocks the arm itself wrote. :func:`run_served_panel`
+is the executor; declarations are data, as for :func:`~kvreplay.experiments.panel.run_panel`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvreplay.construct import Prefix, generated_prefix
+from kvreplay.decode import Sampler, Segment, Trajectory, opener_ids
+from kvreplay.experiments.columns import Column, Line
+from kvreplay.experiments.prefixes import prefix_record, prompt_ids
+from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate
+from kvreplay.experiments.units import Clock, Unit, Workbench
+from kvreplay.items import encode_prompt
+from kvreplay.scoring import score
+from kvreplay.stages import Stage, StagePlan
+from kvreplay.state import first_divergence, sha256_tokens
+
+Condition = Literal["hit", "miss", "uninterrupted"]
+
+
+@dataclass(frozen=True)
+class ServedArm:
+    """A declared served arm: its cache condition, whether it has a replica served
+    under the same condition, and whether its requests share batches with companions."""
+
+    name: str
+    condition: Condition
+    replica: bool = True
+    companions: bool = False
+
+    @property
+    def construction(self) -> str:
+        name = "uninterrupted" if self.condition == "uninterrupted" else f"cache-{self.condition}"
+        return f"{name}-batched" if self.companions else name
+
+
+@dataclass(frozen=True)
+class ServedPanel:
+    """What a served unit runs: its arms, the first two being the compared pair."""
+
+    arms: tuple[ServedArm, ...]
+
+    @property
+    def compared(self) -> tuple[str, str]:
+        return self.arms[0].name, self.arms[1].name
+
+
+@dataclass
+class ServedArmRun:
+    """An arm as served, before it is scored: its suffix, what the engine reported, and
+    whether a hit's prefix rewrite reproduced P (None for other conditions)."""
+
+    segments: list[Segment]
+    cached_tokens: list[int]
+    first_logprobs: list[tuple[int, float]]
+    prefix_rewritten: bool | None = None
+    extra: dict[str, Any] | None = None
+
+
+def straight_through(plan: StagePlan) -> bool:
+    """A single request can decode through the boundary: one prefix stage without stop
+    strings, and a first suffix stage without opener or stop strings."""
+    first = plan.suffix_stages[0]
+    (only, *more) = plan.prefix_stages
+    return not more and not only.stop and not first.opener and not first.stop
+
+
+def serve_stages(
+    served: Any,
+    context: list[int],
+    stages: Sequence[Stage],
+    sampler: Sampler,
+    first_opener_fed: bool,
+    companions: Sequence[list[int]] = (),
+) -> ServedArmRun:
+    """Serve ``stages`` in order from ``context``, one request per stage, each sharing
+    its batch with a request per companion prompt."""
+    from kvreplay.backends.vllm import Request
+
+    run = ServedArmRun([], [], [])
+    for index, stage in enumerate(stages):
+        forced = opener_ids(served.tokenizer, stage)
+        if not (index == 0 and first_opener_fed):
+            context = context + forced
+        requests = [Request(context, stage, sampler, tuple(forced))]
+        requests += [Request(list(c), stage, sampler) for c in companions]
+        result = served.serve(requests)[0]
+        run.segments.append(result.segment)
+        run.cached_tokens.append(result.cached_tokens)
+        run.first_logprobs = run.first_logprobs or result.first_logprobs
+        context = context + result.segment.token_ids
+    return run
+
+
+def _generate_prefix(served: Any, ids: list[int], plan: StagePlan, sampler: Sampler) -> Prefix:
+    run = serve_stages(served, ids, plan.prefix_stages, sampler, first_opener_fed=False)
+    next_opener = opener_ids(served.tokenizer, plan.suffix_stages[0])
+    return generated_prefix(ids, Trajectory(run.segments), plan, next_opener)
+
+
+def _uninterrupted(
+    served: Any, ids: list[int], prefix: Prefix, plan: StagePlan, sampler: Sampler
+) -> ServedArmRun:
+    """One request from the prompt through the boundary and the first suffix stage,
+    then the remaining suffix stages from what it wrote."""
+    boundary, first = plan.prefix_stages[0], plan.suffix_stages[0]
+    through = Stage(first.name, boundary.max_new_tokens + first.max_new_tokens)
+    straight = serve_stages(served, ids, [through], sampler, first_opener_fed=False)
+    segment = straight.segments[0]
+    cut = len(prefix.token_ids) - prefix.prompt_len
+    head = Segment(
+        first.name, [], segment.token_ids[cut:], segment.stop_reason, segment.margins[cut:]
+    )
+    rest = serve_stages(
+        served, ids + segment.token_ids, plan.suffix_stages[1:], sampler, first_opener_fed=False
+    )
+    return ServedArmRun(
+        [head, *rest.segments],
+        straight.cached_tokens + rest.cached_tokens,
+        [],
+        extra={"prefix_equal": ids + segment.token_ids[:cut] == prefix.token_ids},
+    )
+
+
+def serve_arm(
+    served: Any,
+    arm: ServedArm,
+    ids: list[int],
+    prefix: Prefix,
+    plan: StagePlan,
+    sampler: Sampler,
+    companions: Sequence[list[int]],
+) -> ServedArmRun:
+    """One arm under its cache condition, from a reset cache."""
+    served.reset_cache()
+    if arm.condition == "uninterrupted":
+        return _uninterrupted(served, ids, prefix, plan, sampler)
+    rewritten = None
+    if arm.condition == "hit":
+        rewritten = _generate_prefix(served, ids, plan, sampler).token_ids == prefix.token_ids
+    run = serve_stages(
+        served,
+        prefix.token_ids,
+        plan.suffix_stages,
+        sampler,
+        first_opener_fed=True,
+        companions=companions if arm.companions else (),
+    )
+    run.prefix_rewritten = rewritten
+    return run
+
+
+def _arm_result(worker: Workbench, served: Any, unit: Unit, arm: ServedArm, run: ServedArmRun,
+                prefix: Prefix, companions: list[str]) -> ArmResult:  # fmt: skip
+    from kvreplay.backends.vllm import logprobs_fingerprint
+
+    suffix = Trajectory(run.segments)
+    first = run.segments[0].token_ids
+    outcome = score(served.tokenizer, suffix, unit.item.answer, worker.config.extractor)
+    report: dict[str, Any] = {
+        "cached_tokens": run.cached_tokens,
+        "first_logprobs": [[t, lp] for t, lp in run.first_logprobs],
+        **(run.extra or {}),
+        **({"companions": companions} if arm.companions else {}),
+    }
+    return ArmResult(
+        construction=arm.construction,
+        cache_fingerprint=None,
+        logits_fingerprint=logprobs_fingerprint(run.first_logprobs),
+        boundary_argmax=first[0] if first else -1,
+        suffix=suffix,
+        suffix_sha256=sha256_tokens(suffix.token_ids),
+        post_decode_cache_len=len(prefix.token_ids) + len(suffix.token_ids) - 1,
+        answer=outcome["extracted"],
+        answer_parsed=outcome["parsed"],
+        correct=outcome["correct"],
+        served=report,
+    )
+
+
+def _gate(arm: ArmResult, replica: ArmResult, rewrites: list[bool | None]) -> ReplicaGate:
+    assert arm.served is not None and replica.served is not None
+    return ReplicaGate(
+        cache_exact=None,
+        logits_exact=arm.logits_fingerprint == replica.logits_fingerprint,
+        suffix_exact=arm.suffix_sha256 == replica.suffix_sha256,
+        cached_tokens_equal=arm.served["cached_tokens"] == replica.served["cached_tokens"],
+        prefix_rewrites_exact=None if None in rewrites else all(rewrites),
+    )
+
+
+def run_served_panel(
+    worker: Workbench, unit: Unit, clock: Clock, panel: ServedPanel
+) -> tuple[PanelRow | None, dict[str, Any]]:
+    """Serve every declared arm (and replica) over one generated prefix; the row is None
+    when generation did not reach the boundary."""
+    served = worker.served(unit.precision)
+    config = worker.config
+    ids = prompt_ids(worker, served, unit.item)
+    with clock.model():
+        served.reset_cache()
+        prefix = _generate_prefix(served, ids, config.plan, config.sampler)
+    record = prefix_record(prefix)
+    if not prefix.reached:
+        return None, record
+    mates = unit.inputs.get("companions", [])
+    companion_ids = [encode_prompt(served.tokenizer, m["prompt"], config.chat) for m in mates]
+    arms: dict[str, ArmResult] = {}
+    rewrites: dict[str, bool | None] = {}
+    for arm in panel.arms:
+        if arm.condition == "uninterrupted" and not straight_through(config.plan):
+            continue
+        if arm.companions and not mates:
+            continue
+        for name in [arm.name] + ([f"{arm.name}_replica"] if arm.replica else []):
+            with clock.model():
+                run = serve_arm(
+                    served, arm, ids, prefix, config.plan, config.sampler, companion_ids
+                )
+            companions = [m["item_id"] for m in mates]
+            arms[name] = _arm_result(worker, served, unit, arm, run, prefix, companions)
+            rewrites[name] = run.prefix_rewritten
+    gates = {
+        arm.name: _gate(
+            arms[arm.name],
+            arms[f"{arm.name}_replica"],
+            [rewrites[arm.name], rewrites[f"{arm.name}_replica"]],
+        )
+        for arm in panel.arms
+        if arm.replica
+    }
+    row = PanelRow(
+        item_id=unit.item.id,
+        precision=unit.precision,
+        prefix=record,
+        arms=arms,
+        replicas=gates,
+        comparison=None,
+        functional_state_equal=None,
+        all_storage_disjoint=None,
+        compared=panel.compared,
+        fields={"backend": config.backend.name},
+    )
+    return row, record
+
+
+def margin_at(arm: ArmResult, index: int | None) -> float | None:
+    """The top-1/top-2 margin of the step that decoded suffix token ``index`` (None for
+    a forced opener token or no index)."""
+    if index is None:
+        return None
+    position = 0
+    for segment in arm.suffix.segments:
+        position += len(segment.opener_ids)
+        if index < position:
+            return None
+        if index < position + len(segment.token_ids):
+            return round(segment.margins[index - position], 6)
+        position += len(segment.token_ids)
+    return None
+
+
+def first_token_logprob_diff(left: ArmResult, right: ArmResult) -> float | None:
+    """|logprob| difference of the left arm's first token between the two arms, where
+    both engines listed it among their top logprobs."""
+    assert left.served is not None and right.served is not None
+    lefts, rights = (
+        dict(map(tuple, left.served["first_logprobs"])),
+        dict(map(tuple, right.served["first_logprobs"])),
+    )
+    if not lefts or left.boundary_argmax not in rights:
+        return None
+    return abs(lefts[left.boundary_argmax] - rights[left.boundary_argmax])
+
+
+def _served(arm: str, what: str) -> Any:
+    return lambda x: x.row.arms[arm].served[what][0] if arm in x.row.arms else None
+
+
+def _equal(arm: str, other: str) -> Any:
+    def get(x: Line) -> bool | None:
+        arms = x.row.arms
+        return arms[arm].suffix_sha256 == arms[other].suffix_sha256 if arm in arms else None
+
+    return get
+
+
+def _sha(arm: str) -> Any:
+    return lambda x: x.row.arms[arm].suffix_sha256 if arm in x.row.arms else None
+
+
+def served_columns() -> list[Column[Line]]:
+    """The columns a served row adds to a matrix ledger in place of the K/V columns it
+    leaves empty: engine-reported cached tokens and logprob-based measures."""
+
+    def divergence(x: Line) -> int | None:
+        return first_divergence(x.row.left.suffix_token_ids, x.row.right.suffix_token_ids)
+
+    return [
+        Column("backend", lambda x: x.row.fields["backend"]),
+        Column("live_cached_tokens", _served("left", "cached_tokens")),
+        Column("prefill_cached_tokens", _served("prefill", "cached_tokens")),
+        Column("first_token_logprob_diff",
+               lambda x: first_token_logprob_diff(x.row.left, x.row.right)),
+        Column("live_margin_at_divergence", lambda x: margin_at(x.row.left, divergence(x))),
+        Column("prefill_margin_at_divergence", lambda x: margin_at(x.row.right, divergence(x))),
+        Column("uninterrupted_suffix_sha256", _sha("uninterrupted")),
+        Column("uninterrupted_equal_live", _equal("uninterrupted", "left")),
+        Column("uninterrupted_equal_prefill", _equal("uninterrupted", "prefill")),
+        Column("batched_suffix_sha256", _sha("batched")),
+        Column("batched_equal_live", _equal("batched", "left")),
+        Column("batch_companions", lambda x: json.dumps(
+            x.row.arms["batched"].served["companions"]) if "batched" in x.row.arms else None),
+    ]  # fmt: skip

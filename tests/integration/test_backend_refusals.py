@@ -1,0 +1,47 @@
+"""Backend refusals (issue 13) that need no engine: one sentence, exit 2, nothing written.
+They hold in either environment; the one about a missing vLLM only where it is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from helpers import invoke
+
+
+def refused(tmp_path: Path, *args: object) -> str:
+    out = tmp_path / "run"
+    result = invoke("run", *args, "--out", out)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert not out.exists()
+    return result.output
+
+
+@pytest.mark.parametrize("experiment", ["transplant", "localize", "bridge", "fixed-prefix"])
+def test_kv_experiments_refused_on_vllm(tmp_path: Path, tiny_dirs, experiment: str) -> None:
+    output = refused(tmp_path, experiment, "--model", tiny_dirs["qwen2"], "--backend", "vllm")
+    assert "K/V tensors, which the vllm backend does not expose" in output
+    assert "--backend hf" in output
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--block-size", 48, "multiple of 32"),
+        ("--max-num-seqs", 0, "at least 1"),
+        ("--companions", 8, "--companions must be from 0 to 7"),
+    ],
+)
+def test_bad_engine_settings(tmp_path: Path, tiny_dirs, option: str, value: int, message: str):
+    output = refused(
+        tmp_path, "matched", "--model", tiny_dirs["qwen2"], "--backend", "vllm", option, value
+    )
+    assert message in output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_vllm_not_installed(tmp_path: Path, tiny_dirs) -> None:
+    output = refused(tmp_path, "matched", "--model", tiny_dirs["qwen2"], "--backend", "vllm")
+    assert "make setup-vllm" in output

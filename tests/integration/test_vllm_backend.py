@@ -1,0 +1,132 @@
+"""The vllm backend (issue 13) end to end on a tiny Qwen2 that vLLM's CPU attention
+serves (head size 32): ``matched`` rows with hit/miss arms and replicas, engine-reported
+cached tokens, the paper's ledger with its K/V columns empty, analyze, report, audit
+re-execution and a forged row caught. It runs in the vLLM environment (``make test`` runs
+it there, see the Makefile); elsewhere it is deselected by its marker."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from helpers import invoke
+from tiny import save_tiny
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+KV_COLUMNS = (
+    "live_prefill_cache_exact",
+    "cache_max_abs_diff",
+    "functional_state_equal",
+    "all_storage_disjoint",
+    "live_replica_cache_exact",
+    "cache_relative_l2_by_layer",
+)
+CSV = "matched_live_prefill.csv"
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("vllm")
+    model = save_tiny(root / "model", "served_qwen2")
+    out = root / "run"
+    result = invoke("run", "matched", "--model", model, "--n", 3, "--plan", "short",
+                    "--backend", "vllm", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line)["data"] for line in (run / "rows.jsonl").read_text().splitlines()]
+
+
+def test_rows_hold_hit_and_miss_arms_with_replicas(served_run: Path) -> None:
+    data = rows(served_run)
+    assert len(data) == 6 and {r["precision"] for r in data} == {"bf16", "fp32"}
+    for row in data:
+        arms = row["arms"]
+        assert set(arms) == {"left", "left_replica", "prefill", "prefill_replica",
+                             "uninterrupted", "batched"}  # fmt: skip
+        assert arms["left"]["construction"] == "cache-hit"
+        assert arms["prefill"]["construction"] == "cache-miss"
+        hit = arms["left"]["served"]["cached_tokens"][0]
+        # the hit reuses every full block of P and nothing else; the miss reuses nothing
+        assert hit == row["prefix_token_count"] // 32 * 32 and hit > 0
+        assert arms["prefill"]["served"]["cached_tokens"][0] == 0
+        assert arms["left"]["cache_fingerprint"] is None
+        for gate in row["replicas"].values():
+            assert gate == {"logits_exact": True, "suffix_exact": True,
+                            "cached_tokens_equal": True, **gate}  # fmt: skip
+        assert row["replicas"]["left"]["prefix_rewrites_exact"] is True
+        assert len(arms["batched"]["served"]["companions"]) == 2  # n = 3: the two others
+        assert arms["uninterrupted"]["served"]["prefix_equal"] is True
+
+
+def test_ledger_leaves_kv_columns_empty(served_run: Path) -> None:
+    with (served_run / CSV).open() as handle:
+        lines = list(csv.DictReader(handle))
+    assert len(lines) == 6
+    for line in lines:
+        assert line["backend"] == "vllm" and line["integrity_pass"] == "true"
+        assert all(line[c] == "" for c in KV_COLUMNS)
+        assert line["live_prefill_logits_exact"] in ("true", "false")
+        assert int(line["live_cached_tokens"]) > 0 and line["prefill_cached_tokens"] == "0"
+
+
+def test_manifest_records_engine_settings(served_run: Path) -> None:
+    contract = json.loads((served_run / "manifest.json").read_text())["contract"]
+    backend = contract["run"]["backend"]
+    assert backend["name"] == "vllm" and backend["block_size"] == 32
+    assert backend["enable_prefix_caching"] is True and backend["kv_access"] is False
+    assert contract["environment"]["vllm"]
+
+
+def test_analyze_and_report(served_run: Path) -> None:
+    assert invoke("analyze", served_run).exit_code == 0
+    claims = json.loads((served_run / "claims.json").read_text())
+    assert set(claims["served_matched"]) == {"bf16", "fp32"}
+    assert "cache_exact_rows" not in claims["matched_live_prefill"]["bf16"]
+    assert invoke("report", served_run).exit_code == 0
+    report = (served_run / "report.md").read_text()
+    assert "Serving engine: prefix-cache hit vs miss" in report
+    assert "cannot show how the cached K/V differ" in report
+
+
+def test_audit_reexecutes_and_catches_a_forged_row(served_run: Path, tmp_path: Path) -> None:
+    result = invoke("audit", served_run)
+    assert result.exit_code == 0, result.output
+    from kvreplay.canonical import sha256_json
+    from kvreplay.experiments import SERVED
+    from kvreplay.ledger import GENESIS, Record, render_csv
+
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    for name in ("manifest.json", "items.jsonl"):
+        (forged / name).write_bytes((served_run / name).read_bytes())
+    lines = [json.loads(x) for x in (served_run / "rows.jsonl").read_text().splitlines()]
+    lines[0]["data"]["arms"]["left"]["served"]["cached_tokens"][0] += 32
+    contract = sha256_json(json.loads((forged / "manifest.json").read_text())["contract"])
+    records, prev = [], GENESIS
+    for seq, line in enumerate(lines):  # rechained, as a careful forger would
+        record = Record(**{**line, "seq": seq, "prev": prev, "contract": contract})
+        record.hash = record.expected_hash()
+        records.append(record)
+        prev = record.hash
+    (forged / "rows.jsonl").write_text("".join(r.to_line() for r in records))
+    served = SERVED["matched"]
+    (forged / CSV).write_text(render_csv(served.columns, served.csv_rows(records)))
+    result = invoke("audit", forged)
+    assert result.exit_code == 1
+    assert f"row {lines[0]['key']}: field arms.left.served.cached_tokens" in result.output
+
+
+def test_model_vllm_cannot_serve_is_refused(tmp_path: Path, tiny_dirs) -> None:
+    out = tmp_path / "run"
+    result = invoke("run", "matched", "--model", tiny_dirs["drift_qwen2"], "--backend", "vllm",
+                    "--out", out)  # fmt: skip
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "vLLM cannot serve the model" in result.output
+    assert not out.exists()
