@@ -130,3 +130,21 @@ def test_model_vllm_cannot_serve_is_refused(tmp_path: Path, tiny_dirs) -> None:
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "vLLM cannot serve the model" in result.output
     assert not out.exists()
+
+
+def test_ray_actor_holds_its_own_engine(served_run: Path, tmp_path: Path, monkeypatch) -> None:
+    """``--engine ray --backend vllm``: the actor starts its own engine; rows equal the
+    local engine's field by field (timing and worker aside)."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    out = tmp_path / "ray"
+    model = served_run.parent / "model"
+    result = invoke("run", "matched", "--model", model, "--n", 3, "--plan", "short",
+                    "--backend", "vllm", "--engine", "ray", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    local = [json.loads(x) for x in (served_run / "rows.jsonl").read_text().splitlines()]
+    distributed = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert [r["data"] for r in local] == [r["data"] for r in distributed]
+    assert {r["worker"] for r in distributed} == {"ray-0"}
+    assert (served_run / CSV).read_bytes() == (out / CSV).read_bytes()
