@@ -148,3 +148,32 @@ def test_ray_actor_holds_its_own_engine(served_run: Path, tmp_path: Path, monkey
     assert [r["data"] for r in local] == [r["data"] for r in distributed]
     assert {r["worker"] for r in distributed} == {"ray-0"}
     assert (served_run / CSV).read_bytes() == (out / CSV).read_bytes()
+
+
+def test_resample_on_served_states(served_run: Path, tmp_path: Path) -> None:
+    """``resample --backend vllm``: each seed is a request with its own seed from a hit
+    and from a miss of P; replicas repeat the first seeds; the certificate is computed
+    from the ledger and audit re-executes it."""
+    out = tmp_path / "resample"
+    model = served_run.parent / "model"
+    result = invoke("run", "resample", "--model", model, "--n", 2, "--plan", "short",
+                    "--dtypes", "bf16", "--samples", 3, "--replica-samples", 1,
+                    "--backend", "vllm", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for row in rows(out):
+        samples = row["samples"]
+        arms = ("live", "live_replica", "prefill", "prefill_replica")
+        assert [len(samples[a]) for a in arms] == [3, 1, 3, 1]
+        assert {s["construction"] for s in samples["live"]} == {"cache-hit"}
+        assert all(s["served"]["cached_tokens"][0] > 0 for s in samples["live"])
+        assert all(s["served"]["cached_tokens"][0] == 0 for s in samples["prefill"])
+        assert all(gate["suffix_exact"] for gate in row["replicas"].values())
+    with (out / "resample_live_prefill.csv").open() as handle:
+        lines = list(csv.DictReader(handle))
+    assert [line["backend"] for line in lines] == ["vllm", "vllm"]
+    assert all(line["live_prefill_cache_exact"] == "" for line in lines)
+    assert invoke("analyze", out).exit_code == 0
+    claims = json.loads((out / "claims.json").read_text())
+    assert claims["resample"]["bf16"]["verdict"] in ("faithful", "not faithful", "undecided")
+    result = invoke("audit", out)
+    assert result.exit_code == 0, result.output

@@ -11,7 +11,7 @@ from kvreplay.experiments.experiment import Experiment
 from kvreplay.experiments.fixed_prefix import FixedPrefix
 from kvreplay.experiments.localize import Localize
 from kvreplay.experiments.matched import Matched, ServedMatched
-from kvreplay.experiments.resample import Resample
+from kvreplay.experiments.resample import Resample, ServedResample
 from kvreplay.experiments.transplant import Transplant
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -20,7 +20,7 @@ EXPERIMENTS: dict[str, Experiment] = {
 
 
 # The experiments a backend without K/V access runs, declared as served panels.
-SERVED: dict[str, Experiment] = {e.name: e for e in (ServedMatched(),)}
+SERVED: dict[str, Experiment] = {e.name: e for e in (ServedMatched(), ServedResample())}
 
 
 def get_experiment(name: str, backend: Backend | None = None) -> Experiment:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvreplay.experiments.rows import PanelRow
+from kvreplay.state import Comparison
 
 T = TypeVar("T")
 
@@ -27,6 +28,11 @@ class Line:
 
     row: PanelRow
     source_row_sha256: str
+
+
+def kv(get: Callable[[Comparison], Any]) -> Callable[[Line], Any]:
+    """A K/V column's getter: empty on a served row, which has no states to compare."""
+    return lambda x: None if x.row.comparison is None else get(x.row.comparison)
 
 
 def csv_value(value: Any) -> str:

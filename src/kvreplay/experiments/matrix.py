@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from kvreplay.experiments.columns import Column, Line
+from kvreplay.experiments.columns import Column, Line, kv
 from kvreplay.experiments.panel import Arm, Panel, run_panel
 from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.state import Comparison
@@ -52,7 +52,7 @@ def _label(name: str) -> Callable[[Line], Any]:
 
 def _l2_columns() -> list[Column[Line]]:
     return [
-        Column(f"cache_{what}", _kv(lambda c, w=what: c.cache[w]))
+        Column(f"cache_{what}", kv(lambda c, w=what: c.cache[w]))
         for what in ("delta_l2_norm", "left_l2_norm", "right_l2_norm", "relative_l2_diff")
     ]
 
@@ -77,13 +77,13 @@ def matrix_columns(left: str, paper_l2: bool) -> list[Column[Line]]:
         *_replica_columns(left),
         Column("functional_state_equal", lambda x: x.row.functional_state_equal),
         Column("all_storage_disjoint", lambda x: x.row.all_storage_disjoint),
-        Column(f"{left}_prefill_cache_exact", _kv(lambda c: c.cache_exact)),
-        Column("cache_max_abs_diff", _kv(lambda c: c.cache["max_abs_diff"])),
-        Column("cache_mean_abs_diff", _kv(lambda c: c.cache["mean_abs_diff"])),
+        Column(f"{left}_prefill_cache_exact", kv(lambda c: c.cache_exact)),
+        Column("cache_max_abs_diff", kv(lambda c: c.cache["max_abs_diff"])),
+        Column("cache_mean_abs_diff", kv(lambda c: c.cache["mean_abs_diff"])),
         *(l2 if paper_l2 else []),
         Column(f"{left}_prefill_logits_exact", _logits_exact),
-        Column("logit_max_abs_diff", _kv(lambda c: c.logits["max_abs_diff"])),
-        Column("logit_mean_abs_diff", _kv(lambda c: c.logits["mean_abs_diff"])),
+        Column("logit_max_abs_diff", kv(lambda c: c.logits["max_abs_diff"])),
+        Column("logit_mean_abs_diff", kv(lambda c: c.logits["mean_abs_diff"])),
         Column("boundary_argmax_equal", lambda x: x.row.boundary_argmax_equal),
         Column(f"{left}_suffix_sha256", _suffix_sha256("left")),
         Column(f"{left}_replica_suffix_sha256", _suffix_sha256("left_replica")),
@@ -99,15 +99,10 @@ def matrix_columns(left: str, paper_l2: bool) -> list[Column[Line]]:
         Column("prompt_token_count", lambda x: x.row.prefix["prompt_token_count"]),
         Column("suffix_token_count", lambda x: len(x.row.left.suffix_token_ids)),
         Column("first_step_top2_margin", lambda x: _rounded(x.row.left.first_step_margin)),
-        Column("keys_relative_l2_diff", _kv(lambda c: c.keys["relative_l2_diff"])),
-        Column("values_relative_l2_diff", _kv(lambda c: c.values["relative_l2_diff"])),
-        Column("cache_relative_l2_by_layer", _kv(_by_layer)),
+        Column("keys_relative_l2_diff", kv(lambda c: c.keys["relative_l2_diff"])),
+        Column("values_relative_l2_diff", kv(lambda c: c.values["relative_l2_diff"])),
+        Column("cache_relative_l2_by_layer", kv(_by_layer)),
     ]  # fmt: skip
-
-
-def _kv(get: Callable[[Comparison], Any]) -> Callable[[Line], Any]:
-    """A K/V column's getter: empty on a served row, which has no states to compare."""
-    return lambda x: None if x.row.comparison is None else get(x.row.comparison)
 
 
 def _logits_exact(x: Line) -> bool:

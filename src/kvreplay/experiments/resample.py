@@ -23,11 +23,12 @@ from kvreplay.analysis.certificate import tv_distance
 from kvreplay.canonical import canonical
 from kvreplay.decode import Sampler
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.columns import Column, Line
+from kvreplay.experiments.columns import Column, Line, kv
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Samples, run_panel
-from kvreplay.experiments.rows import ArmResult, PairLabels
+from kvreplay.experiments.rows import ArmResult, PairLabels, PanelRow
 from kvreplay.experiments.scope import Scope, Selection, own_options
+from kvreplay.experiments.served import ServedArm, ServedPanel, run_served_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -108,6 +109,15 @@ def _arm_columns(arm: str) -> list[Column[Line]]:
     ]
 
 
+def _logits_exact(line: Line) -> bool:
+    """Boundary logits bit-equal; on a served row, the first seed's first-step top
+    logprobs (raw logits, before any sampling)."""
+    if line.row.comparison is not None:
+        return line.row.comparison.logits["exact"]
+    live, prefill = (line.row.samples[arm][0] for arm in ("live", "prefill"))
+    return live.logits_fingerprint == prefill.logits_fingerprint
+
+
 def _tv(line: Line) -> float:
     live, prefill = (_answers(line.row.samples[arm]) for arm in ("live", "prefill"))
     return round(tv_distance(live, prefill), 9)
@@ -125,9 +135,9 @@ TABLE: list[Column[Line]] = [
     Column("samples", lambda x: len(x.row.pairs)),
     Column("seeds", lambda x: _json(x.row.fields["resample"]["seeds"])),
     _sampling("replica_samples"),
-    Column("live_prefill_cache_exact", lambda x: x.row.comparison.cache_exact),
-    Column("live_prefill_logits_exact", lambda x: x.row.comparison.logits["exact"]),
-    Column("boundary_argmax_equal", lambda x: x.row.comparison.boundary_argmax_equal),
+    Column("live_prefill_cache_exact", kv(lambda c: c.cache_exact)),
+    Column("live_prefill_logits_exact", lambda x: _logits_exact(x)),
+    Column("boundary_argmax_equal", kv(lambda c: c.boundary_argmax_equal)),
     Column("seeds_changed", _changed),
     Column("share_changed", lambda x: round(_changed(x) / len(x.row.pairs), 9)),
     Column("first_divergence_indices", lambda x: _json(_divergences(x))),
@@ -185,19 +195,40 @@ class Resample(Experiment):
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
         inputs = unit.inputs["resample"]
         samples = Samples(tuple(inputs["seeds"]), inputs["replica_samples"])
-        result = run_panel(worker, unit, clock, replace(self.panel, samples=samples))
-        if result.row is None:
+        row, prefix = self.run_row(worker, unit, clock, samples)
+        if row is None:
             return {"item_id": unit.item.id, "precision": unit.precision, "status": "unreached",
-                    **result.prefix}  # fmt: skip
+                    **prefix}  # fmt: skip
         sampler = worker.config.sampler
-        result.row.fields = {
+        row.fields |= {
             "resample": {
                 **inputs,
                 "temperature": sampler.temperature,
                 "top_p": sampler.top_p,
             }
         }
-        return result.row.to_dict()
+        return row.to_dict()
+
+    def run_row(
+        self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples
+    ) -> tuple[PanelRow | None, dict[str, Any]]:
+        result = run_panel(worker, unit, clock, replace(self.panel, samples=samples))
+        return result.row, result.prefix
 
     def lines(self, rows: list[Record]) -> list[Line]:
         return [Line(self.read_row(r.data), r.row_sha256) for r in rows if r.data["status"] == "ok"]
+
+
+class ServedResample(Resample):
+    """``resample`` on a serving backend: a prefix-cache hit (``live``) and a miss
+    (``prefill``) of the same P, each continued once per seed with the engine's own
+    per-request seeded sampler (see :mod:`kvreplay.experiments.served`); the K/V
+    columns stay empty and ``backend`` names the engine."""
+
+    panel = ServedPanel((ServedArm("live", "hit"), ServedArm("prefill", "miss")))  # type: ignore[assignment]
+    table = [*TABLE, Column("backend", lambda x: x.row.fields["backend"])]
+
+    def run_row(
+        self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples
+    ) -> tuple[PanelRow | None, dict[str, Any]]:
+        return run_served_panel(worker, unit, clock, replace(self.panel, samples=samples))

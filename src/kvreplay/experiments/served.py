@@ -14,7 +14,8 @@ steps*; only the tail block is recomputed. That is the serving form of live vs p
   requests (the paper's batch-composition control).
 
 Every request of an arm after the first is served as the engine would serve a
-multi-turn conversation: from the blocks the arm itself wrote. :func:`run_served_panel`
+multi-turn conversation: from the blocks the arm itself wrote. A resampled panel serves
+each arm once per seed (the engine's per-request seeded sampler), each from a reset cache. :func:`run_served_panel`
 is the executor; declarations are data, as for :func:`~kvreplay.experiments.panel.run_panel`.
 """
 
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvreplay.construct import Prefix, generated_prefix
 from kvreplay.decode import Sampler, Segment, Trajectory, opener_ids
 from kvreplay.experiments.columns import Column, Line
+from kvreplay.experiments.panel import Samples
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate
 from kvreplay.experiments.units import Clock, Unit, Workbench
@@ -60,6 +62,7 @@ class ServedPanel:
     """What a served unit runs: its arms, the first two being the compared pair."""
 
     arms: tuple[ServedArm, ...]
+    samples: Samples | None = None  # as for a panel: each arm continued once per seed
 
     @property
     def compared(self) -> tuple[str, str]:
@@ -149,16 +152,19 @@ def serve_arm(
     ids: list[int],
     prefix: Prefix,
     plan: StagePlan,
-    sampler: Sampler,
+    samplers: tuple[Sampler, Sampler],
     companions: Sequence[list[int]],
 ) -> ServedArmRun:
-    """One arm under its cache condition, from a reset cache."""
+    """One arm under its cache condition, from a reset cache. ``samplers`` are the
+    prefix's (a hit rewrites P with it) and the arm's own (a resampled arm's seed)."""
+    prefix_sampler, sampler = samplers
     served.reset_cache()
     if arm.condition == "uninterrupted":
         return _uninterrupted(served, ids, prefix, plan, sampler)
     rewritten = None
     if arm.condition == "hit":
-        rewritten = _generate_prefix(served, ids, plan, sampler).token_ids == prefix.token_ids
+        rewrite = _generate_prefix(served, ids, plan, prefix_sampler)
+        rewritten = rewrite.token_ids == prefix.token_ids
     run = serve_stages(
         served,
         prefix.token_ids,
@@ -199,13 +205,19 @@ def _arm_result(worker: Workbench, served: Any, unit: Unit, arm: ServedArm, run:
     )
 
 
-def _gate(arm: ArmResult, replica: ArmResult, rewrites: list[bool | None]) -> ReplicaGate:
-    assert arm.served is not None and replica.served is not None
+def _gate(
+    arm: list[ArmResult], replica: list[ArmResult], rewrites: list[bool | None]
+) -> ReplicaGate:
+    """A served replica's gate over the seeds it continued (one, unless resampled)."""
+    pairs = list(zip(arm, replica, strict=False))
     return ReplicaGate(
         cache_exact=None,
-        logits_exact=arm.logits_fingerprint == replica.logits_fingerprint,
-        suffix_exact=arm.suffix_sha256 == replica.suffix_sha256,
-        cached_tokens_equal=arm.served["cached_tokens"] == replica.served["cached_tokens"],
+        logits_exact=all(a.logits_fingerprint == r.logits_fingerprint for a, r in pairs),
+        suffix_exact=all(a.suffix_sha256 == r.suffix_sha256 for a, r in pairs),
+        cached_tokens_equal=all(
+            (a.served or {}).get("cached_tokens") == (r.served or {}).get("cached_tokens")
+            for a, r in pairs
+        ),
         prefix_rewrites_exact=None if None in rewrites else all(rewrites),
     )
 
@@ -226,26 +238,30 @@ def run_served_panel(
         return None, record
     mates = unit.inputs.get("companions", [])
     companion_ids = [encode_prompt(served.tokenizer, m["prompt"], config.chat) for m in mates]
-    arms: dict[str, ArmResult] = {}
-    rewrites: dict[str, bool | None] = {}
+    companions = [m["item_id"] for m in mates]
+    results: dict[str, list[ArmResult]] = {}
+    rewrites: dict[str, list[bool | None]] = {}
     for arm in panel.arms:
         if arm.condition == "uninterrupted" and not straight_through(config.plan):
             continue
         if arm.companions and not mates:
             continue
         for name in [arm.name] + ([f"{arm.name}_replica"] if arm.replica else []):
-            with clock.model():
-                run = serve_arm(
-                    served, arm, ids, prefix, config.plan, config.sampler, companion_ids
+            seeds = panel.samples.of(name) if panel.samples else (config.sampler.seed,)
+            results[name], rewrites[name] = [], []
+            for seed in seeds:
+                samplers = (config.sampler, replace(config.sampler, seed=seed))
+                with clock.model():
+                    run = serve_arm(served, arm, ids, prefix, config.plan, samplers, companion_ids)
+                results[name].append(
+                    _arm_result(worker, served, unit, arm, run, prefix, companions)
                 )
-            companions = [m["item_id"] for m in mates]
-            arms[name] = _arm_result(worker, served, unit, arm, run, prefix, companions)
-            rewrites[name] = run.prefix_rewritten
+                rewrites[name].append(run.prefix_rewritten)
     gates = {
         arm.name: _gate(
-            arms[arm.name],
-            arms[f"{arm.name}_replica"],
-            [rewrites[arm.name], rewrites[f"{arm.name}_replica"]],
+            results[arm.name],
+            results[f"{arm.name}_replica"],
+            rewrites[arm.name] + rewrites[f"{arm.name}_replica"],
         )
         for arm in panel.arms
         if arm.replica
@@ -254,7 +270,8 @@ def run_served_panel(
         item_id=unit.item.id,
         precision=unit.precision,
         prefix=record,
-        arms=arms,
+        arms={} if panel.samples else {name: runs[0] for name, runs in results.items()},
+        samples=results if panel.samples else {},
         replicas=gates,
         comparison=None,
         functional_state_equal=None,
