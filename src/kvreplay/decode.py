@@ -124,9 +124,11 @@ def opener_ids(tokenizer: Any, stage: Stage) -> list[int]:
     return list(ids)
 
 
-def eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+def eos_ids(tokenizer: Any, generation_config: Any) -> frozenset[int]:
+    """EOS ids from the tokenizer and the model's generation config (either may name
+    one id, several or none)."""
     ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif source:
@@ -150,7 +152,9 @@ def run_stage(
     feed_last: bool,
 ) -> Segment:
     """Decode one stage from ``state`` (whose opener ``forced`` is already fed)."""
-    detector = StopDetector(lm.tokenizer, stage.stop, eos_ids(lm.tokenizer, lm.model))
+    detector = StopDetector(
+        lm.tokenizer, stage.stop, eos_ids(lm.tokenizer, lm.model.generation_config)
+    )
     tokens: list[int] = []
     margins: list[float] = []
     reason = "cap"

@@ -851,12 +851,13 @@ def _blocks(run_dir: Path, claims: Json, ledgers: dict[str, Ledger], figures: Pa
 
 
 SERVED_NOTE = (
-    "These rows come from a serving engine (the vllm backend), which exposes token ids and "
-    "top-k logprobs but no K/V tensors. In the matched tables above, 'live' is a prefix-cache "
-    "hit (P's blocks written by the generation that reached P, prompt prefill and decode "
-    "steps, reused; only the tail block recomputed) and 'prefill' a miss (the cache reset, "
-    "P prefilled in one shot). A row can show whether the two continue differently, where, "
-    "with what top-1/top-2 margin, and how many tokens the hit really reused; it cannot "
+    "These rows come from a serving engine, which exposes token ids and top-k logprobs but "
+    "no K/V tensors. In the matched tables above, 'live' is a prefix-cache hit (the blocks "
+    "of P written by the generation that reached P, prompt prefill and decode steps, reused; "
+    "only the tail recomputed) and 'prefill' a miss (the cache reset, P prefilled in one "
+    "shot); the integrity gate checks that every hit read all the full blocks its rewrite "
+    "of P wrote and every miss none. A row can show whether the two continue differently, "
+    "where, with what top-1/top-2 margin, and how many tokens the hit reused; it cannot "
     "show how the cached K/V differ, so the cache-exactness, drift and storage columns are "
     "empty and no transplant, bridge or localisation runs on this backend."
 )

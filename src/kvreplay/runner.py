@@ -172,9 +172,10 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     info = describe_source(request.model, request.trust_remote_code, scheme, tokenizer)
     if not request.backend.kv_access:
-        from kvreplay.backends.vllm import check_servable
+        from kvreplay.backends.vllm import check_device, check_servable
 
         check_servable(request.model, request.trust_remote_code)
+        check_device(request.device)
     _check_prompts(request, plan, items, info, tokenizer)
     config = RunConfig(
         model=request.model,

@@ -53,16 +53,26 @@ def test_rows_hold_hit_and_miss_arms_with_replicas(served_run: Path) -> None:
         assert arms["left"]["construction"] == "cache-hit"
         assert arms["prefill"]["construction"] == "cache-miss"
         hit = arms["left"]["served"]["cached_tokens"][0]
-        # the hit reuses every full block of P and nothing else; the miss reuses nothing
-        assert hit == row["prefix_token_count"] // 32 * 32 and hit > 0
+        # the hit reuses every full block of what the rewrite computed (P less its last
+        # token, which was sampled, never fed); the miss reuses nothing
+        assert hit == (row["prefix_token_count"] - 1) // 32 * 32 and hit > 0
+        assert arms["left"]["served"]["expected_cached_tokens"] == hit
         assert arms["prefill"]["served"]["cached_tokens"][0] == 0
         assert arms["left"]["cache_fingerprint"] is None
-        for gate in row["replicas"].values():
-            assert gate == {"logits_exact": True, "suffix_exact": True,
-                            "cached_tokens_equal": True, **gate}  # fmt: skip
-        assert row["replicas"]["left"]["prefix_rewrites_exact"] is True
-        assert len(arms["batched"]["served"]["companions"]) == 2  # n = 3: the two others
-        assert arms["uninterrupted"]["served"]["prefix_equal"] is True
+        gates = row["replicas"]
+        assert set(gates["left"]) == {"logits_exact", "suffix_exact", "cached_tokens_equal",
+                                      "prefix_rewrites_exact", "cache_condition_met"}  # fmt: skip
+        assert set(gates["prefill"]) == set(gates["left"]) - {"prefix_rewrites_exact"}
+        assert all(all(gate.values()) for gate in gates.values())
+        assert (
+            arms["batched"]["served"]["companions"]
+            == [  # n = 3: the two others, in turn
+                f"r{(int(row['item_id'][1:]) + k) % 3:04d}" for k in (1, 2)
+            ]
+        )
+        assert arms["batched"]["served"]["prefix_reproduced"] is True
+        assert arms["uninterrupted"]["served"]["prefix_reproduced"] is True
+        assert len(arms["uninterrupted"]["served"]["first_logprobs"]) >= 2
 
 
 def test_ledger_leaves_kv_columns_empty(served_run: Path) -> None:
@@ -107,7 +117,8 @@ def test_audit_reexecutes_and_catches_a_forged_row(served_run: Path, tmp_path: P
     for name in ("manifest.json", "items.jsonl"):
         (forged / name).write_bytes((served_run / name).read_bytes())
     lines = [json.loads(x) for x in (served_run / "rows.jsonl").read_text().splitlines()]
-    lines[0]["data"]["arms"]["left"]["served"]["cached_tokens"][0] += 32
+    lines[0]["data"]["arms"]["left"]["served"]["cached_tokens"][0] += 32  # consistent forgery:
+    lines[0]["data"]["arms"]["left"]["served"]["expected_cached_tokens"] += 32  # gate holds
     contract = sha256_json(json.loads((forged / "manifest.json").read_text())["contract"])
     records, prev = [], GENESIS
     for seq, line in enumerate(lines):  # rechained, as a careful forger would

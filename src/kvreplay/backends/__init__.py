@@ -44,6 +44,11 @@ class Backend:
     def __post_init__(self) -> None:
         if self.name not in BACKENDS:
             raise KvreplayError(f"Unknown backend {self.name!r}; choose {' or '.join(BACKENDS)}.")
+        settings = (self.block_size, self.max_num_seqs, self.companions, self.seed)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in settings):
+            raise KvreplayError("The engine settings must be integers.")
+        if self.name == "hf":
+            return  # transformers reads none of the engine settings
         if self.block_size < 1 or self.block_size % 32:
             raise KvreplayError("--block-size must be a positive multiple of 32.")
         if self.max_num_seqs < 1:
@@ -93,9 +98,11 @@ def vllm_version() -> str:
     raise KvreplayError(VLLM_SETUP)
 
 
-def check_backend(backend: Backend, experiment: str, served: frozenset[str]) -> None:
-    """Refuse, before anything is written, an experiment the backend cannot run and a
-    vllm backend that is not installed."""
+def check_backend(
+    backend: Backend, experiment: str, served: frozenset[str], require_engine: bool = True
+) -> None:
+    """Refuse, before anything is written, an experiment the backend cannot run and
+    (when it must run) a vllm backend that is not installed."""
     if backend.kv_access:
         return
     if experiment not in served:
@@ -104,6 +111,7 @@ def check_backend(backend: Backend, experiment: str, served: frozenset[str]) -> 
             f"not expose; run it with --backend hf (the {backend.name} backend runs "
             f"{', '.join(sorted(served))})."
         )
-    if importlib.util.find_spec("vllm") is None:
-        raise KvreplayError(VLLM_SETUP)
-    vllm_version()
+    if require_engine:
+        if importlib.util.find_spec("vllm") is None:
+            raise KvreplayError(VLLM_SETUP)
+        vllm_version()

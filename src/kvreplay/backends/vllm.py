@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreplay.backends import MAX_MODEL_LEN, Backend
+from kvreplay.backends import MAX_MODEL_LEN, VLLM_SETUP, Backend
 from kvreplay.config import RunConfig
-from kvreplay.decode import Sampler, Segment
+from kvreplay.decode import Sampler, Segment, eos_ids
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import Stage, StopDetector
 
@@ -43,11 +43,12 @@ class Request:
 @dataclass
 class Served:
     """A served stage: its segment, the cached context tokens the engine reported, and
-    the first step's top logprobs (token id, logprob), best first."""
+    each step's top logprobs (token id, logprob), best first: the top two and the
+    sampled token."""
 
     segment: Segment
     cached_tokens: int
-    first_logprobs: list[tuple[int, float]]
+    steps: list[list[tuple[int, float]]]
 
 
 @dataclass
@@ -56,7 +57,6 @@ class ServedModel:
 
     engine: Any
     tokenizer: Any
-    precision: str
     eos_token_ids: frozenset[int]
     context_length: int
 
@@ -85,6 +85,7 @@ class ServedModel:
                 stop=list(r.stage.stop),
                 stop_token_ids=sorted(self.eos_token_ids),
                 include_stop_str_in_output=True,
+                skip_special_tokens=False,  # stop strings are matched as StopDetector does
                 logprobs=TOP_LOGPROBS,
             )
             for r in requests
@@ -107,11 +108,16 @@ class ServedModel:
             if hit is not None:
                 tokens, steps, reason = tokens[:end], steps[:end], hit
                 break
-        margins = [s[0][1] - s[1][1] if len(s) > 1 else float("inf") for s in steps]
+        if reason == "cap" and completion.finish_reason == "stop":  # the engine saw a stop
+            stop = completion.stop_reason
+            reason = f"stop:{stop}" if isinstance(stop, str) else "eos"
+        if any(len(step) < TOP_LOGPROBS for step in steps):
+            raise KvreplayError("vLLM returned fewer than two logprobs for a step.")
+        margins = [step[0][1] - step[1][1] for step in steps]
         return Served(
             Segment(request.stage.name, list(request.opener), tokens, reason, margins),
             int(output.num_cached_tokens or 0),
-            steps[0][:TOP_LOGPROBS] if steps else [],
+            steps,
         )
 
 
@@ -127,6 +133,7 @@ def load_served(config: RunConfig, precision: str) -> ServedModel:
     from kvreplay.models import describe_source, load_tokenizer, resolve_source
 
     check_servable(config.model, config.trust_remote_code)
+    check_device(config.device)
     folder, _ = resolve_source(config.model, config.trust_remote_code)
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     info = describe_source(config.model, config.trust_remote_code, tokenizer=tokenizer)
@@ -138,28 +145,18 @@ def load_served(config: RunConfig, precision: str) -> ServedModel:
     return ServedModel(
         engine,
         tokenizer,
-        precision,
-        eos_token_ids(tokenizer, folder),
+        eos_ids(tokenizer, _generation_config(folder)),
         engine.llm_engine.model_config.max_model_len,
     )
 
 
-def eos_token_ids(tokenizer: Any, folder: Any) -> frozenset[int]:
-    """EOS ids from the tokenizer and the folder's generation config, as the hf backend
-    takes them from the tokenizer and the model's generation config."""
+def _generation_config(folder: Any) -> Any:
     from transformers import GenerationConfig
 
-    ids: set[int] = set()
     try:
-        generation = GenerationConfig.from_pretrained(folder).eos_token_id
-    except OSError:
-        generation = None
-    for source in (tokenizer.eos_token_id, generation):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(t) for t in source)
-    return frozenset(ids)
+        return GenerationConfig.from_pretrained(folder)
+    except OSError:  # the folder has none
+        return None
 
 
 def start_engine(
@@ -190,6 +187,18 @@ def start_engine(
         raise KvreplayError(f"vLLM cannot serve the model {folder!r}: {first[:300]}") from exc
 
 
+def check_device(device: str) -> None:
+    """vLLM serves on the platform it was built for; the run must record that device."""
+    from vllm.platforms import current_platform
+
+    platform = current_platform.device_type
+    if device.split(":")[0] != platform:
+        raise KvreplayError(
+            f"This vLLM build serves on {platform}, but the run asks for --device {device}; "
+            f"pass --device {platform}."
+        )
+
+
 def check_servable(spec: str, trust_remote_code: bool) -> None:
     """Refuse, before the manifest, a model vLLM cannot serve: a GGUF file, or an
     architecture its registry does not list (unless remote code was asked for)."""
@@ -202,7 +211,10 @@ def check_servable(spec: str, trust_remote_code: bool) -> None:
             "use an embedded model name or a converted folder."
         )
     architectures = list(getattr(text_config(spec, trust_remote_code), "architectures", None) or [])
-    from vllm import ModelRegistry
+    try:
+        from vllm import ModelRegistry
+    except Exception as exc:  # noqa: BLE001 - a broken install fails in many ways
+        raise KvreplayError(VLLM_SETUP + f" (importing vLLM failed: {type(exc).__name__})") from exc
 
     supported = set(ModelRegistry.get_supported_archs())
     if not trust_remote_code and not any(a in supported for a in architectures):

@@ -5,6 +5,7 @@ every engine runs the same code."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from kvreplay.config import RunConfig
@@ -46,11 +47,14 @@ class Worker:
         return self._models[dtype]
 
     def served(self, dtype: str) -> Any:
-        """The vllm backend's engine for a precision, started once (see
-        :mod:`kvreplay.backends.vllm`)."""
+        """The vllm backend's engine for a precision (see :mod:`kvreplay.backends.vllm`).
+        One engine at a time: a second would not fit beside the first on a GPU, and rows
+        come precision by precision, so each starts once in a run."""
         if dtype not in self._served:
             from kvreplay.backends.vllm import load_served
 
+            self._served.clear()
+            gc.collect()
             self._served[dtype] = load_served(self.config, dtype)
         return self._served[dtype]
 

@@ -23,22 +23,25 @@ EXPERIMENTS: dict[str, Experiment] = {
 SERVED: dict[str, Experiment] = {e.name: e for e in (ServedMatched(), ServedResample())}
 
 
-def get_experiment(name: str, backend: Backend | None = None) -> Experiment:
-    """The experiment ``name`` as ``backend`` runs it (hf when not given)."""
+def get_experiment(
+    name: str, backend: Backend | None = None, require_engine: bool = True
+) -> Experiment:
+    """The experiment ``name`` as ``backend`` runs it (hf when not given); deriving a
+    recorded run's CSV needs no engine installed (``require_engine=False``)."""
     if name not in EXPERIMENTS:
         raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
     if backend is None or backend.kv_access:
         return EXPERIMENTS[name]
-    check_backend(backend, name, frozenset(SERVED))
+    check_backend(backend, name, frozenset(SERVED), require_engine)
     return SERVED[name]
 
 
 def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:
-    """The experiment a run's manifest recorded, as its backend ran it; None if unknown."""
-    if name not in EXPERIMENTS:
-        return None
+    """The experiment a run's manifest recorded, as its backend ran it; None if this
+    kvreplay cannot derive it (an unknown name or backend)."""
     run = manifest.get("contract", {}).get("run")
-    backend = run.get("backend") if isinstance(run, dict) else None
-    if backend is None:
-        return EXPERIMENTS[name]
-    return SERVED.get(name) if isinstance(backend, dict) and backend.get("name") == "vllm" else None
+    try:
+        backend = Backend.from_contract(run.get("backend") if isinstance(run, dict) else None)
+        return get_experiment(name, backend, require_engine=False)
+    except (KvreplayError, KeyError, TypeError):
+        return None

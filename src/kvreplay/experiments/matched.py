@@ -95,7 +95,10 @@ class ServedMatched(Matched):
         if row is None:
             return {"item_id": unit.item.id, "precision": unit.precision, "status": "unreached",
                     **prefix}  # fmt: skip
-        row.fields |= {"left_construction": "cache-hit", "labels": row.labels.to_dict()}
+        row.fields |= {
+            "left_construction": self.panel.arms[0].construction,
+            "labels": row.labels.to_dict(),
+        }
         return row.to_dict()
 
 

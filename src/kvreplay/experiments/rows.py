@@ -16,6 +16,36 @@ from kvreplay.state import Comparison, first_divergence
 
 
 @dataclass
+class ServedReport:
+    """What a serving engine reported for a served arm, in place of the K/V it does not
+    expose: cached context tokens per request, the first step's top logprobs
+    (``[token, logprob]``, best first), the cached tokens its cache condition implies
+    (every full block of the P a hit's rewrite computed; 0 for a miss; None for a
+    request from the prompt), whether the arm's own generation of P reproduced it, and
+    the items whose requests shared its batches."""
+
+    cached_tokens: list[int]
+    first_logprobs: list[list[Any]]
+    expected_cached_tokens: int | None = None
+    prefix_reproduced: bool | None = None
+    companions: list[str] | None = None
+
+    @property
+    def condition_met(self) -> bool | None:
+        """The engine served the first request as the arm's cache condition says."""
+        if self.expected_cached_tokens is None:
+            return None
+        return self.cached_tokens[0] == self.expected_cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServedReport:
+        return cls(**data)
+
+
+@dataclass
 class ArmResult:
     """One continued state (DESIGN: an arm): its boundary fingerprints, the suffix it
     decoded, and that suffix's score. ``reused_from`` names the row whose identical
@@ -36,7 +66,7 @@ class ArmResult:
     correct: bool = False
     snapshot: dict[str, str] | None = None
     reused_from: str | None = None
-    served: dict[str, Any] | None = None
+    served: ServedReport | None = None
 
     @property
     def suffix_token_ids(self) -> list[int]:
@@ -47,6 +77,21 @@ class ArmResult:
         """Top-1 minus top-2 logit at the first decoded token, as recorded."""
         margins = self.suffix.segments[0].margins
         return margins[0] if margins else None
+
+    def margin_at(self, index: int | None) -> float | None:
+        """The top-1/top-2 margin of the step that decoded suffix token ``index``; None
+        for a forced opener token or no index."""
+        if index is None:
+            return None
+        position = 0
+        for segment in self.suffix.segments:
+            position += len(segment.opener_ids)
+            if index < position:
+                return None
+            if index < position + len(segment.token_ids):
+                return round(segment.margins[index - position], 6)
+            position += len(segment.token_ids)
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -67,7 +112,7 @@ class ArmResult:
         if self.reused_from is not None:
             data["reused_from"] = self.reused_from
         if self.served is not None:
-            data["served"] = self.served
+            data["served"] = self.served.to_dict()
         return data
 
     @classmethod
@@ -85,7 +130,7 @@ class ArmResult:
             correct=data["correct"],
             snapshot=data.get("snapshot"),
             reused_from=data.get("reused_from"),
-            served=data.get("served"),
+            served=ServedReport.from_dict(data["served"]) if "served" in data else None,
         )
 
 
@@ -104,6 +149,7 @@ class ReplicaGate:
     suffix_exact: bool | None = None
     cached_tokens_equal: bool | None = None
     prefix_rewrites_exact: bool | None = None
+    cache_condition_met: bool | None = None  # served: the hit hit and the miss missed
 
     @property
     def is_clone(self) -> bool:

@@ -15,8 +15,13 @@ steps*; only the tail block is recomputed. That is the serving form of live vs p
 
 Every request of an arm after the first is served as the engine would serve a
 multi-turn conversation: from the blocks the arm itself wrote. A resampled panel serves
-each arm once per seed (the engine's per-request seeded sampler), each from a reset cache. :func:`run_served_panel`
-is the executor; declarations are data, as for :func:`~kvreplay.experiments.panel.run_panel`.
+each arm once per seed (the engine's per-request seeded sampler), each from a reset
+cache. :func:`run_served_panel` is the executor; declarations are data, as for
+:func:`~kvreplay.experiments.panel.run_panel`.
+
+Integrity: a replica must reproduce its arm's suffix, first-step logprobs (bit for bit)
+and cached-token counts; a hit must read every full block of the P its rewrite computed
+(and the rewrite must reproduce P), a miss none.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from kvreplay.config import RunConfig
 from kvreplay.construct import Prefix, generated_prefix
 from kvreplay.decode import Sampler, Segment, Trajectory, opener_ids
 from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.panel import Samples
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
-from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate
+from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport
 from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.items import encode_prompt
 from kvreplay.scoring import score
@@ -71,22 +77,31 @@ class ServedPanel:
 
 @dataclass
 class ServedArmRun:
-    """An arm as served, before it is scored: its suffix, what the engine reported, and
-    whether a hit's prefix rewrite reproduced P (None for other conditions)."""
+    """An arm as served, before it is scored: its suffix, the cached tokens per request,
+    every step's top logprobs of its first request, the cached tokens its condition
+    implies and whether its own generation of P reproduced P (hit, uninterrupted)."""
 
     segments: list[Segment]
     cached_tokens: list[int]
-    first_logprobs: list[tuple[int, float]]
-    prefix_rewritten: bool | None = None
-    extra: dict[str, Any] | None = None
+    steps: list[list[tuple[int, float]]]
+    expected_cached_tokens: int | None = None
+    prefix_reproduced: bool | None = None
 
 
-def straight_through(plan: StagePlan) -> bool:
-    """A single request can decode through the boundary: one prefix stage without stop
-    strings, and a first suffix stage without opener or stop strings."""
+def straight_through(plan: StagePlan, prefix: Prefix) -> bool:
+    """A single request can decode through the boundary: one prefix stage without opener
+    or stop strings that ran to its cap (an EOS would end the request there), and a
+    first suffix stage without opener or stop strings."""
     first = plan.suffix_stages[0]
     (only, *more) = plan.prefix_stages
-    return not more and not only.stop and not first.opener and not first.stop
+    ran_to_cap = prefix.segments[0].stop_reason == "cap"
+    return (
+        not more
+        and not only.opener
+        and not only.stop
+        and ran_to_cap
+        and not (first.opener or first.stop)
+    )
 
 
 def serve_stages(
@@ -111,7 +126,7 @@ def serve_stages(
         result = served.serve(requests)[0]
         run.segments.append(result.segment)
         run.cached_tokens.append(result.cached_tokens)
-        run.first_logprobs = run.first_logprobs or result.first_logprobs
+        run.steps = run.steps or result.steps
         context = context + result.segment.token_ids
     return run
 
@@ -141,9 +156,17 @@ def _uninterrupted(
     return ServedArmRun(
         [head, *rest.segments],
         straight.cached_tokens + rest.cached_tokens,
-        [],
-        extra={"prefix_equal": ids + segment.token_ids[:cut] == prefix.token_ids},
+        straight.steps[cut:],
+        prefix_reproduced=ids + segment.token_ids[:cut] == prefix.token_ids,
     )
+
+
+def expected_hit(prefix: Prefix, next_opener: list[int], block_size: int) -> int:
+    """The cached tokens a hit must read: every full block of the tokens the prefix
+    rewrite computed (P less the next stage's opener and the last generated token,
+    which was sampled but never fed)."""
+    computed = len(prefix.token_ids) - len(next_opener) - 1
+    return computed // block_size * block_size
 
 
 def serve_arm(
@@ -151,20 +174,23 @@ def serve_arm(
     arm: ServedArm,
     ids: list[int],
     prefix: Prefix,
-    plan: StagePlan,
-    samplers: tuple[Sampler, Sampler],
+    config: RunConfig,
+    sampler: Sampler,
     companions: Sequence[list[int]],
 ) -> ServedArmRun:
-    """One arm under its cache condition, from a reset cache. ``samplers`` are the
-    prefix's (a hit rewrites P with it) and the arm's own (a resampled arm's seed)."""
-    prefix_sampler, sampler = samplers
+    """One arm under its cache condition, from a reset cache; ``sampler`` is the arm's
+    (a resampled arm's seed), the prefix rewrite uses the run's."""
     served.reset_cache()
+    plan = config.plan
     if arm.condition == "uninterrupted":
         return _uninterrupted(served, ids, prefix, plan, sampler)
-    rewritten = None
+    reproduced, expected = None, 0
     if arm.condition == "hit":
-        rewrite = _generate_prefix(served, ids, plan, prefix_sampler)
-        rewritten = rewrite.token_ids == prefix.token_ids
+        reproduced = _generate_prefix(served, ids, plan, config.sampler).token_ids == (
+            prefix.token_ids
+        )
+        next_opener = opener_ids(served.tokenizer, plan.suffix_stages[0])
+        expected = expected_hit(prefix, next_opener, config.backend.block_size)
     run = serve_stages(
         served,
         prefix.token_ids,
@@ -173,7 +199,7 @@ def serve_arm(
         first_opener_fed=True,
         companions=companions if arm.companions else (),
     )
-    run.prefix_rewritten = rewritten
+    run.prefix_reproduced, run.expected_cached_tokens = reproduced, expected
     return run
 
 
@@ -183,17 +209,12 @@ def _arm_result(worker: Workbench, served: Any, unit: Unit, arm: ServedArm, run:
 
     suffix = Trajectory(run.segments)
     first = run.segments[0].token_ids
+    first_logprobs = run.steps[0] if run.steps else []
     outcome = score(served.tokenizer, suffix, unit.item.answer, worker.config.extractor)
-    report: dict[str, Any] = {
-        "cached_tokens": run.cached_tokens,
-        "first_logprobs": [[t, lp] for t, lp in run.first_logprobs],
-        **(run.extra or {}),
-        **({"companions": companions} if arm.companions else {}),
-    }
     return ArmResult(
         construction=arm.construction,
         cache_fingerprint=None,
-        logits_fingerprint=logprobs_fingerprint(run.first_logprobs),
+        logits_fingerprint=logprobs_fingerprint(first_logprobs),
         boundary_argmax=first[0] if first else -1,
         suffix=suffix,
         suffix_sha256=sha256_tokens(suffix.token_ids),
@@ -201,24 +222,33 @@ def _arm_result(worker: Workbench, served: Any, unit: Unit, arm: ServedArm, run:
         answer=outcome["extracted"],
         answer_parsed=outcome["parsed"],
         correct=outcome["correct"],
-        served=report,
+        served=ServedReport(
+            cached_tokens=run.cached_tokens,
+            first_logprobs=[[t, lp] for t, lp in first_logprobs],
+            expected_cached_tokens=run.expected_cached_tokens,
+            prefix_reproduced=run.prefix_reproduced,
+            companions=companions if arm.companions else None,
+        ),
     )
 
 
-def _gate(
-    arm: list[ArmResult], replica: list[ArmResult], rewrites: list[bool | None]
-) -> ReplicaGate:
+def _gate(arm: list[ArmResult], replica: list[ArmResult]) -> ReplicaGate:
     """A served replica's gate over the seeds it continued (one, unless resampled)."""
     pairs = list(zip(arm, replica, strict=False))
+    reports = [r.served for r in arm + replica if r.served is not None]
+    reproduced = [r.prefix_reproduced for r in reports]
     return ReplicaGate(
         cache_exact=None,
         logits_exact=all(a.logits_fingerprint == r.logits_fingerprint for a, r in pairs),
         suffix_exact=all(a.suffix_sha256 == r.suffix_sha256 for a, r in pairs),
         cached_tokens_equal=all(
-            (a.served or {}).get("cached_tokens") == (r.served or {}).get("cached_tokens")
+            a.served is not None
+            and r.served is not None
+            and a.served.cached_tokens == r.served.cached_tokens
             for a, r in pairs
         ),
-        prefix_rewrites_exact=None if None in rewrites else all(rewrites),
+        prefix_rewrites_exact=None if None in reproduced else all(reproduced),
+        cache_condition_met=all(r.condition_met is not False for r in reports),
     )
 
 
@@ -240,29 +270,23 @@ def run_served_panel(
     companion_ids = [encode_prompt(served.tokenizer, m["prompt"], config.chat) for m in mates]
     companions = [m["item_id"] for m in mates]
     results: dict[str, list[ArmResult]] = {}
-    rewrites: dict[str, list[bool | None]] = {}
     for arm in panel.arms:
-        if arm.condition == "uninterrupted" and not straight_through(config.plan):
+        if arm.condition == "uninterrupted" and not straight_through(config.plan, prefix):
             continue
         if arm.companions and not mates:
             continue
         for name in [arm.name] + ([f"{arm.name}_replica"] if arm.replica else []):
             seeds = panel.samples.of(name) if panel.samples else (config.sampler.seed,)
-            results[name], rewrites[name] = [], []
+            results[name] = []
             for seed in seeds:
-                samplers = (config.sampler, replace(config.sampler, seed=seed))
+                sampler = replace(config.sampler, seed=seed)
                 with clock.model():
-                    run = serve_arm(served, arm, ids, prefix, config.plan, samplers, companion_ids)
+                    run = serve_arm(served, arm, ids, prefix, config, sampler, companion_ids)
                 results[name].append(
                     _arm_result(worker, served, unit, arm, run, prefix, companions)
                 )
-                rewrites[name].append(run.prefix_rewritten)
     gates = {
-        arm.name: _gate(
-            results[arm.name],
-            results[f"{arm.name}_replica"],
-            rewrites[arm.name] + rewrites[f"{arm.name}_replica"],
-        )
+        arm.name: _gate(results[arm.name], results[f"{arm.name}_replica"])
         for arm in panel.arms
         if arm.replica
     }
@@ -282,43 +306,30 @@ def run_served_panel(
     return row, record
 
 
-def margin_at(arm: ArmResult, index: int | None) -> float | None:
-    """The top-1/top-2 margin of the step that decoded suffix token ``index`` (None for
-    a forced opener token or no index)."""
-    if index is None:
-        return None
-    position = 0
-    for segment in arm.suffix.segments:
-        position += len(segment.opener_ids)
-        if index < position:
-            return None
-        if index < position + len(segment.token_ids):
-            return round(segment.margins[index - position], 6)
-        position += len(segment.token_ids)
-    return None
-
-
 def first_token_logprob_diff(left: ArmResult, right: ArmResult) -> float | None:
     """|logprob| difference of the left arm's first token between the two arms, where
     both engines listed it among their top logprobs."""
     assert left.served is not None and right.served is not None
-    lefts, rights = (
-        dict(map(tuple, left.served["first_logprobs"])),
-        dict(map(tuple, right.served["first_logprobs"])),
-    )
-    if not lefts or left.boundary_argmax not in rights:
+    lefts = {t: lp for t, lp in left.served.first_logprobs}
+    rights = {t: lp for t, lp in right.served.first_logprobs}
+    token = left.boundary_argmax
+    if token not in lefts or token not in rights:
         return None
-    return abs(lefts[left.boundary_argmax] - rights[left.boundary_argmax])
+    return abs(lefts[token] - rights[token])
 
 
-def _served(arm: str, what: str) -> Any:
-    return lambda x: x.row.arms[arm].served[what][0] if arm in x.row.arms else None
+def _cached(arm: str) -> Any:
+    return lambda x: x.row.arms[arm].served.cached_tokens[0]
 
 
 def _equal(arm: str, other: str) -> Any:
+    """Suffixes equal; empty where the arm did not run or followed another P."""
+
     def get(x: Line) -> bool | None:
         arms = x.row.arms
-        return arms[arm].suffix_sha256 == arms[other].suffix_sha256 if arm in arms else None
+        if arm not in arms or arms[arm].served.prefix_reproduced is False:
+            return None
+        return arms[arm].suffix_sha256 == arms[other].suffix_sha256
 
     return get
 
@@ -336,17 +347,17 @@ def served_columns() -> list[Column[Line]]:
 
     return [
         Column("backend", lambda x: x.row.fields["backend"]),
-        Column("live_cached_tokens", _served("left", "cached_tokens")),
-        Column("prefill_cached_tokens", _served("prefill", "cached_tokens")),
+        Column("live_cached_tokens", _cached("left")),
+        Column("prefill_cached_tokens", _cached("prefill")),
         Column("first_token_logprob_diff",
                lambda x: first_token_logprob_diff(x.row.left, x.row.right)),
-        Column("live_margin_at_divergence", lambda x: margin_at(x.row.left, divergence(x))),
-        Column("prefill_margin_at_divergence", lambda x: margin_at(x.row.right, divergence(x))),
+        Column("live_margin_at_divergence", lambda x: x.row.left.margin_at(divergence(x))),
+        Column("prefill_margin_at_divergence", lambda x: x.row.right.margin_at(divergence(x))),
         Column("uninterrupted_suffix_sha256", _sha("uninterrupted")),
         Column("uninterrupted_equal_live", _equal("uninterrupted", "left")),
         Column("uninterrupted_equal_prefill", _equal("uninterrupted", "prefill")),
         Column("batched_suffix_sha256", _sha("batched")),
         Column("batched_equal_live", _equal("batched", "left")),
         Column("batch_companions", lambda x: json.dumps(
-            x.row.arms["batched"].served["companions"]) if "batched" in x.row.arms else None),
+            x.row.arms["batched"].served.companions) if "batched" in x.row.arms else None),
     ]  # fmt: skip

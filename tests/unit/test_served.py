@@ -1,0 +1,67 @@
+"""Served rows without an engine (issue 13): the cache-condition gate, the expected hit,
+the logprob and margin measures, and engine settings that only the vllm backend reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreplay.backends import Backend
+from kvreplay.construct import Prefix
+from kvreplay.decode import Segment, Trajectory
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments.rows import ArmResult, ServedReport
+from kvreplay.experiments.served import _gate, expected_hit, first_token_logprob_diff
+
+
+def arm(cached: int, expected: int | None, first: list[list] | None = None) -> ArmResult:
+    suffix = Trajectory([Segment("trace", [], [5, 6, 7], "cap", [0.5, 0.25, 0.125])])
+    return ArmResult(
+        "cache-hit", None, "f" * 64, 5, suffix, "a" * 64, 10,
+        served=ServedReport([cached], first or [[5, -0.1], [9, -2.0]], expected, True),
+    )  # fmt: skip
+
+
+def test_expected_hit_counts_the_full_blocks_the_rewrite_computed() -> None:
+    prefix = Prefix(list(range(96)), 60)
+    assert expected_hit(prefix, [], 32) == 64  # 95 tokens computed: two full blocks
+    assert expected_hit(Prefix(list(range(97)), 60), [], 32) == 96
+    assert expected_hit(Prefix(list(range(100)), 60), [1, 2, 3, 4], 32) == 64
+
+
+@pytest.mark.parametrize(("cached", "met"), [(64, True), (32, False), (0, False)])
+def test_a_hit_that_did_not_hit_fails_its_gate(cached: int, met: bool) -> None:
+    gate = _gate([arm(cached, 64)], [arm(cached, 64)])
+    assert gate.cached_tokens_equal and gate.suffix_exact and gate.logits_exact
+    assert gate.cache_condition_met is met and gate.passed is met
+
+
+def test_replica_with_other_cached_tokens_fails() -> None:
+    gate = _gate([arm(64, 64)], [arm(32, 64)])
+    assert not gate.cached_tokens_equal and not gate.passed
+
+
+def test_first_token_logprob_diff_needs_the_token_in_both_lists() -> None:
+    left = arm(64, 64, [[5, -0.1], [9, -2.0]])
+    assert first_token_logprob_diff(left, arm(0, 0, [[5, -0.35], [9, -1.0]])) == pytest.approx(0.25)
+    assert first_token_logprob_diff(left, arm(0, 0, [[9, -0.2], [4, -1.0]])) is None
+
+
+def test_margin_at_a_suffix_index() -> None:
+    result = arm(64, 64)
+    assert result.margin_at(1) == 0.25 and result.margin_at(None) is None
+    assert result.margin_at(3) is None
+
+
+def test_served_report_round_trips() -> None:
+    report = ServedReport([64, 96], [[5, -0.1]], 64, True, ["r1"])
+    assert ServedReport.from_dict(report.to_dict()) == report
+    assert "companions" not in ServedReport([0], [], 0).to_dict()
+
+
+def test_engine_settings_are_checked_only_for_vllm() -> None:
+    Backend("hf", block_size=48, companions=9)  # transformers reads none of them
+    with pytest.raises(KvreplayError, match="multiple of 32"):
+        Backend("vllm", block_size=48)
+    with pytest.raises(KvreplayError, match="integers"):
+        Backend("vllm", block_size=32.0)  # type: ignore[arg-type]
+    assert Backend().contract() is None and Backend("vllm").contract()["kv_access"] is False
