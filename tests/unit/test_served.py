@@ -9,8 +9,9 @@ from kvreplay.backends import Backend
 from kvreplay.construct import Prefix
 from kvreplay.decode import Segment, Trajectory
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.matched import first_token_logprob_diff
 from kvreplay.experiments.rows import ArmResult, ServedReport
-from kvreplay.experiments.served import _gate, expected_hit, first_token_logprob_diff
+from kvreplay.experiments.served import _gate, expected_hit
 
 
 def arm(cached: int, expected: int | None, first: list[list] | None = None) -> ArmResult:

@@ -3,17 +3,20 @@ the same prefix, each with a replica (``matched_live_prefill.csv``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
-from kvreplay.experiments.columns import Line
+from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_columns, matrix_panel, run_matrix
+from kvreplay.experiments.rows import ArmResult
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.served import ServedArm, ServedPanel, run_served_panel, served_columns
+from kvreplay.experiments.served import ServedArm, ServedPanel, run_served_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
+from kvreplay.state import first_divergence
 
 MATCHED = "matched"
 
@@ -62,6 +65,63 @@ class Matched(Experiment):
         return [
             Line(self.read_row(r.data), r.row_sha256) for r in rows if r.data["item_id"] in complete
         ]
+
+
+def first_token_logprob_diff(left: ArmResult, right: ArmResult) -> float | None:
+    """|logprob| difference of the left arm's first token between the two arms, where
+    both engines listed it among their top logprobs."""
+    assert left.served is not None and right.served is not None
+    lefts = {t: lp for t, lp in left.served.first_logprobs}
+    rights = {t: lp for t, lp in right.served.first_logprobs}
+    token = left.boundary_argmax
+    if token not in lefts or token not in rights:
+        return None
+    return abs(lefts[token] - rights[token])
+
+
+def _cached(arm: str) -> Any:
+    return lambda x: x.row.arms[arm].served.cached_tokens[0]
+
+
+def _equal(arm: str, other: str) -> Any:
+    """Suffixes equal; empty where the arm did not run or followed another P."""
+
+    def get(x: Line) -> bool | None:
+        arms = x.row.arms
+        if arm not in arms or arms[arm].served.prefix_reproduced is False:
+            return None
+        return arms[arm].suffix_sha256 == arms[other].suffix_sha256
+
+    return get
+
+
+def _sha(arm: str) -> Any:
+    return lambda x: x.row.arms[arm].suffix_sha256 if arm in x.row.arms else None
+
+
+def served_columns() -> list[Column[Line]]:
+    """The columns a served row adds to a matrix ledger in place of the K/V columns it
+    leaves empty: engine-reported cached tokens and logprob-based measures."""
+
+    def divergence(x: Line) -> int | None:
+        return first_divergence(x.row.left.suffix_token_ids, x.row.right.suffix_token_ids)
+
+    return [
+        Column("backend", lambda x: x.row.fields["backend"]),
+        Column("live_cached_tokens", _cached("left")),
+        Column("prefill_cached_tokens", _cached("prefill")),
+        Column("first_token_logprob_diff",
+               lambda x: first_token_logprob_diff(x.row.left, x.row.right)),
+        Column("live_margin_at_divergence", lambda x: x.row.left.margin_at(divergence(x))),
+        Column("prefill_margin_at_divergence", lambda x: x.row.right.margin_at(divergence(x))),
+        Column("uninterrupted_suffix_sha256", _sha("uninterrupted")),
+        Column("uninterrupted_equal_live", _equal("uninterrupted", "left")),
+        Column("uninterrupted_equal_prefill", _equal("uninterrupted", "prefill")),
+        Column("batched_suffix_sha256", _sha("batched")),
+        Column("batched_equal_live", _equal("batched", "left")),
+        Column("batch_companions", lambda x: json.dumps(
+            x.row.arms["batched"].served.companions) if "batched" in x.row.arms else None),
+    ]  # fmt: skip
 
 
 class ServedMatched(Matched):

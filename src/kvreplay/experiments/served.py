@@ -26,15 +26,13 @@ and cached-token counts; a hit must read every full block of the P its rewrite c
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvreplay.config import RunConfig
 from kvreplay.construct import Prefix, generated_prefix
 from kvreplay.decode import Sampler, Segment, Trajectory, opener_ids
-from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.panel import Samples
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport
@@ -42,7 +40,10 @@ from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.items import encode_prompt
 from kvreplay.scoring import score
 from kvreplay.stages import Stage, StagePlan
-from kvreplay.state import first_divergence, sha256_tokens
+from kvreplay.state import sha256_tokens
+
+if TYPE_CHECKING:
+    from kvreplay.backends.vllm import ServedModel
 
 Condition = Literal["hit", "miss", "uninterrupted"]
 
@@ -105,7 +106,7 @@ def straight_through(plan: StagePlan, prefix: Prefix) -> bool:
 
 
 def serve_stages(
-    served: Any,
+    served: ServedModel,
     context: list[int],
     stages: Sequence[Stage],
     sampler: Sampler,
@@ -131,7 +132,9 @@ def serve_stages(
     return run
 
 
-def _generate_prefix(served: Any, ids: list[int], plan: StagePlan, sampler: Sampler) -> Prefix:
+def _generate_prefix(
+    served: ServedModel, ids: list[int], plan: StagePlan, sampler: Sampler
+) -> Prefix:
     run = serve_stages(served, ids, plan.prefix_stages, sampler, first_opener_fed=False)
     next_opener = opener_ids(served.tokenizer, plan.suffix_stages[0])
     return generated_prefix(ids, Trajectory(run.segments), plan, next_opener)
@@ -170,7 +173,7 @@ def expected_hit(prefix: Prefix, next_opener: list[int], block_size: int) -> int
 
 
 def serve_arm(
-    served: Any,
+    served: ServedModel,
     arm: ServedArm,
     ids: list[int],
     prefix: Prefix,
@@ -203,8 +206,15 @@ def serve_arm(
     return run
 
 
-def _arm_result(worker: Workbench, served: Any, unit: Unit, arm: ServedArm, run: ServedArmRun,
-                prefix: Prefix, companions: list[str]) -> ArmResult:  # fmt: skip
+def _arm_result(
+    worker: Workbench,
+    served: ServedModel,
+    unit: Unit,
+    arm: ServedArm,
+    run: ServedArmRun,
+    prefix: Prefix,
+    companions: list[str],
+) -> ArmResult:
     from kvreplay.backends.vllm import logprobs_fingerprint
 
     suffix = Trajectory(run.segments)
@@ -304,60 +314,3 @@ def run_served_panel(
         fields={"backend": config.backend.name},
     )
     return row, record
-
-
-def first_token_logprob_diff(left: ArmResult, right: ArmResult) -> float | None:
-    """|logprob| difference of the left arm's first token between the two arms, where
-    both engines listed it among their top logprobs."""
-    assert left.served is not None and right.served is not None
-    lefts = {t: lp for t, lp in left.served.first_logprobs}
-    rights = {t: lp for t, lp in right.served.first_logprobs}
-    token = left.boundary_argmax
-    if token not in lefts or token not in rights:
-        return None
-    return abs(lefts[token] - rights[token])
-
-
-def _cached(arm: str) -> Any:
-    return lambda x: x.row.arms[arm].served.cached_tokens[0]
-
-
-def _equal(arm: str, other: str) -> Any:
-    """Suffixes equal; empty where the arm did not run or followed another P."""
-
-    def get(x: Line) -> bool | None:
-        arms = x.row.arms
-        if arm not in arms or arms[arm].served.prefix_reproduced is False:
-            return None
-        return arms[arm].suffix_sha256 == arms[other].suffix_sha256
-
-    return get
-
-
-def _sha(arm: str) -> Any:
-    return lambda x: x.row.arms[arm].suffix_sha256 if arm in x.row.arms else None
-
-
-def served_columns() -> list[Column[Line]]:
-    """The columns a served row adds to a matrix ledger in place of the K/V columns it
-    leaves empty: engine-reported cached tokens and logprob-based measures."""
-
-    def divergence(x: Line) -> int | None:
-        return first_divergence(x.row.left.suffix_token_ids, x.row.right.suffix_token_ids)
-
-    return [
-        Column("backend", lambda x: x.row.fields["backend"]),
-        Column("live_cached_tokens", _cached("left")),
-        Column("prefill_cached_tokens", _cached("prefill")),
-        Column("first_token_logprob_diff",
-               lambda x: first_token_logprob_diff(x.row.left, x.row.right)),
-        Column("live_margin_at_divergence", lambda x: x.row.left.margin_at(divergence(x))),
-        Column("prefill_margin_at_divergence", lambda x: x.row.right.margin_at(divergence(x))),
-        Column("uninterrupted_suffix_sha256", _sha("uninterrupted")),
-        Column("uninterrupted_equal_live", _equal("uninterrupted", "left")),
-        Column("uninterrupted_equal_prefill", _equal("uninterrupted", "prefill")),
-        Column("batched_suffix_sha256", _sha("batched")),
-        Column("batched_equal_live", _equal("batched", "left")),
-        Column("batch_companions", lambda x: json.dumps(
-            x.row.arms["batched"].served.companions) if "batched" in x.row.arms else None),
-    ]  # fmt: skip
