@@ -62,3 +62,27 @@ def test_matched_refuses_trajectories_before_model_work(tmp_path: Path, tiny_dir
     assert result.exit_code == 2
     assert "has only a recorded prefix" in result.output
     assert not out.exists()
+
+
+def test_blind_transplant_panel_spreads_trajectories_by_prefix_length(
+    tmp_path: Path, tiny_dirs: dict
+) -> None:
+    """Without --from, a blind panel orders trajectory items by their recorded prefix
+    (they have no prompt to measure)."""
+    path = tmp_path / "traces.jsonl"
+    rows = [
+        {"id": f"t{k}", "prefix_token_ids": PREFIX[: 6 + 2 * k], "prompt_token_count": 4,
+         "answer": "3"}
+        for k in range(4)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    code, output = run(
+        "run", "transplant", "--model", str(tiny_dirs["drift_qwen2"]), "--plan", "short",
+        "--items", str(path), "--panel", "blind", "--n", "2", "--dtypes", "bf16",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, output
+    config = json.loads((out / "manifest.json").read_text())["experiments"]["transplant"]["config"]
+    chosen = [row["item_id"] for row in config["selection"]["rows"]]
+    assert chosen == ["t0", "t3"]  # the shortest and the longest prefix

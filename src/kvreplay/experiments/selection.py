@@ -63,10 +63,16 @@ def spread_selection(lengths: list[tuple[int, str]], n: int) -> list[str]:
 
 
 def prompt_lengths(scope: Scope, items: list[Item]) -> dict[str, int]:
-    """Token count of each item's prompt under the run's tokenizer and chat setting."""
+    """Token count of each item's prompt under the run's tokenizer and chat setting; a
+    trajectory item (no prompt) counts its recorded prefix."""
     config = scope.config
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    return {i.id: len(encode_prompt(tokenizer, i.prompt, config.chat)) for i in items}
+    return {
+        i.id: len(i.prefix_token_ids)
+        if i.prefix_token_ids is not None
+        else len(encode_prompt(tokenizer, i.prompt, config.chat))
+        for i in items
+    }
 
 
 def _tiebreak(seed: int, item_id: str) -> str:
