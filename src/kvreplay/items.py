@@ -247,7 +247,10 @@ def _parse_item(data: Any, path: Path, line: int) -> Item:
             raise _fail(path, line, "'prefix_token_ids' must be a non-empty list of token ids")
         if not (isinstance(count, int) and 0 < count <= len(ids)):
             raise _fail(path, line, "'prompt_token_count' must be an integer in [1, len(prefix)]")
-        prompt = _parse_prompt(data["prompt"], path, line) if "prompt" in data else None
+        # optional here; a run's frozen items.jsonl writes an absent prompt as null
+        prompt = (
+            _parse_prompt(data["prompt"], path, line) if data.get("prompt") is not None else None
+        )
         return Item(data["id"], prompt, str(data["answer"]), meta, tuple(ids), count)
     if "prompt" not in data:
         raise _fail(path, line, "missing field 'prompt'")

@@ -50,6 +50,9 @@ def test_fixed_prefix_uses_the_recorded_prefixes(tmp_path: Path, tiny_dirs: dict
         "items.jsonl:t0",
         "items.jsonl:t1",
     ]
+    # the run's frozen items.jsonl (prompt: null) reads back, so the run can be audited
+    code, output = run("audit", str(out))
+    assert code == 0, output
 
 
 def test_matched_refuses_trajectories_before_model_work(tmp_path: Path, tiny_dirs: dict) -> None:
