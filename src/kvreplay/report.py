@@ -23,7 +23,6 @@ from matplotlib.ticker import MaxNLocator
 from kvreplay.analysis.claims import (
     MATRIX_DESIGNS,
     SCHEMA,
-    SERVED_CONTROL_LABELS,
     build_claims,
     matrix_blocks,
     write_claims,
@@ -39,6 +38,7 @@ from kvreplay.analysis.flip import (
 from kvreplay.analysis.ledgers import (
     LAYER_DRIFT_COLUMN,
     RESAMPLE_FILE,
+    SERVED_CONTROLS,
     Ledger,
     LedgerError,
     load_ledger_dir,
@@ -707,7 +707,8 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
             [
                 (
                     "backend",
-                    f"vllm {env.get('vllm', '?')}, " + json.dumps(run["backend"], sort_keys=True),
+                    f"{run['backend']['name']} {env.get(run['backend']['name'], '?')}, "
+                    + json.dumps(run["backend"], sort_keys=True),
                 )
             ]
             if "backend" in run
@@ -875,7 +876,7 @@ def _served_blocks(claims: Json) -> list[Block]:
             f"{b['prefill_cached_tokens_median']:g}",
             *(
                 _rate_text(b[key]) if b[key]["n"] else "—"
-                for key in (c.replace("_equal_", "_differs_from_") for c in SERVED_CONTROL_LABELS)
+                for key in (c.replace("_equal_", "_differs_from_") for c in SERVED_CONTROLS)
             ),
         )
         for precision, b in section.items()
@@ -888,7 +889,7 @@ def _served_blocks(claims: Json) -> list[Block]:
                 "precision",
                 "hit cached tokens / P (median)",
                 "miss cached tokens (median)",
-                *(f"{label}: suffixes differ" for label in SERVED_CONTROL_LABELS.values()),
+                *(f"{label}: suffixes differ" for label in SERVED_CONTROLS.values()),
             ),
             rows,
         ),

@@ -18,7 +18,6 @@ from typing import Any
 from tqdm import tqdm
 
 from kvreplay import __version__
-from kvreplay.backends import MAX_MODEL_LEN
 from kvreplay.config import RunConfig, RunSettings
 from kvreplay.decode import opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
@@ -107,9 +106,7 @@ def _check_prompts(
             if item.prefix_token_ids is not None
             else len(encode_prompt(tokenizer, item.prompt, request.chat)) + budget
         )
-        window = info["context_length"]
-        if not request.backend.kv_access:
-            window = min(window or MAX_MODEL_LEN, MAX_MODEL_LEN)
+        window = request.backend.context_window(info["context_length"])
         if window and length > window:
             raise KvreplayError(
                 f"Item {item.id} needs {length} tokens, over the model's context window of "

@@ -22,11 +22,16 @@ def arm(cached: int, expected: int | None, first: list[list] | None = None) -> A
     )  # fmt: skip
 
 
+def generated(prompt: int, stage: int, opener: int = 0) -> Prefix:
+    """A prefix of ``prompt`` tokens, one stage of ``stage`` tokens and the next opener."""
+    segment = Segment("think", [], list(range(stage)), "cap")
+    return Prefix(list(range(prompt + stage + opener)), prompt, [segment])
+
+
 def test_expected_hit_counts_the_full_blocks_the_rewrite_computed() -> None:
-    prefix = Prefix(list(range(96)), 60)
-    assert expected_hit(prefix, [], 32) == 64  # 95 tokens computed: two full blocks
-    assert expected_hit(Prefix(list(range(97)), 60), [], 32) == 96
-    assert expected_hit(Prefix(list(range(100)), 60), [1, 2, 3, 4], 32) == 64
+    assert expected_hit(generated(60, 36), 32) == 64  # 95 tokens computed: two full blocks
+    assert expected_hit(generated(60, 37), 32) == 96
+    assert expected_hit(generated(60, 36, opener=4), 32) == 64  # the opener is not computed
 
 
 @pytest.mark.parametrize(("cached", "met"), [(64, True), (32, False), (0, False)])

@@ -25,6 +25,7 @@ from kvreplay.analysis.ledgers import (
     HISTORICAL_LEAF_COLUMNS,
     MATCHED_FILE,
     RESAMPLE_FILE,
+    SERVED_CONTROLS,
     STOCK_FILE,
     TRANSPLANT_FILE,
     TRANSPLANT_RECOVERY,
@@ -152,11 +153,8 @@ def _precision_block(rows: Ledger, left: str, stream: int) -> tuple[Json, Json]:
         },
         # a served ledger (no K/V access) has no cache, state or storage columns
         **{
-            f"{name}_rows": _count(rows[column])
-            for name, column in (
-                ("functional_state_equal", "functional_state_equal"),
-                ("all_storage_disjoint", "all_storage_disjoint"),
-            )
+            f"{column}_rows": _count(rows[column])
+            for column in ("functional_state_equal", "all_storage_disjoint")
             if column in rows
         },
         "integrity_pass_rows": _count(rows["integrity_pass"]),
@@ -366,13 +364,6 @@ def resample_section(ledger: Ledger) -> Json:
     return section
 
 
-SERVED_CONTROL_LABELS = {
-    "uninterrupted_equal_live": "uninterrupted request vs cache hit",
-    "uninterrupted_equal_prefill": "uninterrupted request vs cache miss",
-    "batched_equal_live": "hit with companions vs hit alone",
-}
-
-
 def served_section(ledger: Ledger) -> Json:
     """A served matched ledger's own measures, per precision: how much of P the hit
     really reused, and how often each control continued differently."""
@@ -386,7 +377,7 @@ def served_section(ledger: Ledger) -> Json:
             "prefill_cached_tokens_median": _median(rows["prefill_cached_tokens"]),
             "prefix_token_count_median": _median(rows["prefix_token_count"]),
         }
-        for column, label in SERVED_CONTROL_LABELS.items():
+        for column, label in SERVED_CONTROLS.items():
             known = [v for v in rows[column] if v is not None]
             differ = sum(1 for v in known if not v)
             block[column.replace("_equal_", "_differs_from_")] = {

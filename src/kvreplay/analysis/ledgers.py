@@ -320,8 +320,13 @@ def _matrix_spec(left: str, *, drift_norms: bool, served: bool = False) -> Ledge
     )
 
 
-# A served row's controls: empty where the plan or the item set leaves the arm out.
-SERVED_CONTROLS = ("uninterrupted_equal_live", "uninterrupted_equal_prefill", "batched_equal_live")
+# A served row's controls and what each compares: empty where the plan or the item set
+# leaves the arm out.
+SERVED_CONTROLS = {
+    "uninterrupted_equal_live": "uninterrupted request vs cache hit",
+    "uninterrupted_equal_prefill": "uninterrupted request vs cache miss",
+    "batched_equal_live": "hit with companions vs hit alone",
+}
 
 
 def _kv_columns(left: str) -> frozenset[str]:

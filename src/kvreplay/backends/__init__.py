@@ -63,6 +63,13 @@ class Backend:
     def kv_access(self) -> bool:
         return self.name == "hf"
 
+    def context_window(self, model_context: int) -> int:
+        """The tokens a request may span: the model's context, capped for an engine at
+        the ``MAX_MODEL_LEN`` its KV pool is sized for (0: the model does not say)."""
+        if self.kv_access:
+            return model_context
+        return min(model_context or MAX_MODEL_LEN, MAX_MODEL_LEN)
+
     def contract(self) -> dict[str, Any] | None:
         """The contract's ``backend`` entry; None for hf (see the module doc)."""
         if self.name == "hf":

@@ -175,7 +175,7 @@ def start_engine(
             block_size=backend.block_size,
             enable_prefix_caching=True,
             max_num_seqs=backend.max_num_seqs,
-            max_model_len=min(context_length or MAX_MODEL_LEN, MAX_MODEL_LEN),
+            max_model_len=backend.context_window(context_length),
             max_num_batched_tokens=MAX_MODEL_LEN,
             enforce_eager=True,
             seed=backend.seed,

@@ -145,8 +145,9 @@ class ServedMatched(Matched):
     ) -> list[Unit]:
         """Each unit names its companions: the next items of the selection, in turn."""
         items, k = selection.items, min(scope.config.backend.companions, len(selection.items) - 1)
+        position = {item.id: index for index, item in enumerate(items)}
         return [
-            replace(unit, inputs={"companions": companions(items, items.index(unit.item), k)})
+            replace(unit, inputs={"companions": companions(items, position[unit.item.id], k)})
             for unit in super().units(phase, scope, selection, rows)
         ]
 

@@ -141,7 +141,7 @@ def _generate_prefix(
 
 
 def _uninterrupted(
-    served: Any, ids: list[int], prefix: Prefix, plan: StagePlan, sampler: Sampler
+    served: ServedModel, ids: list[int], prefix: Prefix, plan: StagePlan, sampler: Sampler
 ) -> ServedArmRun:
     """One request from the prompt through the boundary and the first suffix stage,
     then the remaining suffix stages from what it wrote."""
@@ -164,11 +164,11 @@ def _uninterrupted(
     )
 
 
-def expected_hit(prefix: Prefix, next_opener: list[int], block_size: int) -> int:
+def expected_hit(prefix: Prefix, block_size: int) -> int:
     """The cached tokens a hit must read: every full block of the tokens the prefix
-    rewrite computed (P less the next stage's opener and the last generated token,
-    which was sampled but never fed)."""
-    computed = len(prefix.token_ids) - len(next_opener) - 1
+    rewrite computed (the prompt and each prefix stage's stream, less the last generated
+    token, which was sampled but never fed; the next stage's opener is not among them)."""
+    computed = prefix.prompt_len + len(Trajectory(prefix.segments).token_ids) - 1
     return computed // block_size * block_size
 
 
@@ -192,8 +192,7 @@ def serve_arm(
         reproduced = _generate_prefix(served, ids, plan, config.sampler).token_ids == (
             prefix.token_ids
         )
-        next_opener = opener_ids(served.tokenizer, plan.suffix_stages[0])
-        expected = expected_hit(prefix, next_opener, config.backend.block_size)
+        expected = expected_hit(prefix, config.backend.block_size)
     run = serve_stages(
         served,
         prefix.token_ids,
