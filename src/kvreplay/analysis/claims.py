@@ -430,8 +430,16 @@ def write_claims(claims: Json, path: Path) -> None:
     path.write_text(json.dumps(claims, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _fraction(payload: Json) -> str:
+def rate_text(payload: Json) -> str:
+    """A rate payload as count/n: the exact numbers behind a percentage."""
     return f"{payload['count']}/{payload['n']}"
+
+
+def transplant_panels(claims: Json) -> Iterator[tuple[str, Json]]:
+    """Each transplant panel in the claims (section `transplant_<panel>`), by panel name."""
+    for section, block in claims.items():
+        if section.startswith("transplant_"):
+            yield section.removeprefix("transplant_"), block
 
 
 def matrix_blocks(claims: Json) -> Iterator[tuple[MatrixDesign, str, Json]]:
@@ -449,9 +457,9 @@ def summary_lines(claims: Json) -> list[str]:
         low, high = block["accuracy_paired_bootstrap_95_ci_pp"]
         lines.append(
             f"{design.section} {precision}: suffixes differ"
-            f" {_fraction(block['suffix_disagreement'])}, answers"
-            f" {_fraction(block['answer_disagreement'])}, correctness labels"
-            f" {_fraction(block['correctness_label_disagreement'])}; accuracy"
+            f" {rate_text(block['suffix_disagreement'])}, answers"
+            f" {rate_text(block['answer_disagreement'])}, correctness labels"
+            f" {rate_text(block['correctness_label_disagreement'])}; accuracy"
             f" {block[design.left + '_correct']} vs {block['prefill_correct']}"
             f" ({block['accuracy_delta_prefill_minus_left_pp']:+.1f} pp,"
             f" 95% CI [{low:+.1f}, {high:+.1f}])"
@@ -466,13 +474,12 @@ def summary_lines(claims: Json) -> list[str]:
         lines.append(
             f"historical_bridge: {historical['audit_pass_rows']}/{historical['rows']} audits pass"
         )
-    for section, block in claims.items():
-        if section.startswith("transplant_"):
-            lines.append(
-                f"{section}: donor recovered both ways on"
-                f" {_fraction(block['bidirectional_donor_recovery'])} divergent rows;"
-                f" exact controls changed {_fraction(block['exact_control_novel_trajectory'])}"
-            )
+    for panel, block in transplant_panels(claims):
+        lines.append(
+            f"transplant_{panel}: donor recovered both ways on"
+            f" {rate_text(block['bidirectional_donor_recovery'])} divergent rows;"
+            f" exact controls changed {rate_text(block['exact_control_novel_trajectory'])}"
+        )
     if stock := claims.get("stock_qwen_diagnostic"):
         lines.append(
             f"stock_qwen_diagnostic: singleton vs pair tokens exact"
