@@ -3,6 +3,10 @@ error rates of its equivalence tests checked by simulation (not by a model)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -57,6 +61,28 @@ def test_tv_distance() -> None:
     assert tv_distance(["a", "a"], ["a", "a"]) == 0
     assert tv_distance(["a", "a"], ["b", "b"]) == 1
     assert tv_distance(["a", "b", None, None], ["a", "a", None, "b"]) == pytest.approx(0.25)
+
+
+def test_tv_distance_is_the_same_bits_under_every_hash_seed() -> None:
+    """Outcomes are summed in set order, which follows PYTHONHASHSEED: the claims of one
+    ledger must not change from one process to the next (ten answers whose plain float
+    sum depends on their order)."""
+    code = (
+        "from kvreplay.analysis.certificate import tv_distance;"
+        "print(repr(tv_distance([f'a{i}' for i in range(7)] + ['b'] * 3,"
+        " [f'c{i}' for i in range(3)] + ['a0'] * 8)))"
+    )
+    printed = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(8)
+    }
+    assert printed == {"0.9\n"}
 
 
 def test_identical_sample_sets_are_certified_faithful() -> None:

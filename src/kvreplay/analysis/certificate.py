@@ -35,6 +35,7 @@ generators, so a claims file regenerates bit for bit. alpha = 0.05 throughout.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,9 +62,12 @@ Z_POWER = _Z(POWER)
 
 
 def tv_distance(left: Sequence[Any], right: Sequence[Any]) -> float:
-    """Total variation distance between two empirical distributions of outcomes."""
+    """Total variation distance between two empirical distributions of outcomes.
+
+    fsum, because the outcomes come in set order (which follows the hash seed) and a
+    plain float sum would then differ in its last bits from one process to the next."""
     a, b = Counter(left), Counter(right)
-    return sum(abs(a[x] / len(left) - b[x] / len(right)) for x in a.keys() | b.keys()) / 2
+    return math.fsum(abs(a[x] / len(left) - b[x] / len(right)) for x in a.keys() | b.keys()) / 2
 
 
 @dataclass(frozen=True)
