@@ -29,6 +29,17 @@ from kvreplay.stages import Stage, StopDetector
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TOP_LOGPROBS = 2
 
+# vLLM reads its settings when first imported, and this module is its only importer. Each
+# is a default the user's environment overrides: the engine core in this process, 1 GiB
+# of CPU KV cache (plenty for one-item panels), and warnings only (a panel resets the
+# prefix cache before every arm, and vLLM logs each reset at INFO).
+for _name, _value in (
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    ("VLLM_LOGGING_LEVEL", "WARNING"),
+):
+    os.environ.setdefault(_name, _value)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -163,8 +174,6 @@ def start_engine(
     folder: str, precision: str, backend: Backend, trust_remote_code: bool, context_length: int
 ) -> Any:
     """An in-process engine over a model folder, with the run's recorded settings."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     try:
