@@ -430,9 +430,13 @@ def write_claims(claims: Json, path: Path) -> None:
     path.write_text(json.dumps(claims, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def fraction(count: int, n: int) -> str:
+    return f"{count}/{n}"
+
+
 def rate_text(payload: Json) -> str:
     """A rate payload as count/n: the exact numbers behind a percentage."""
-    return f"{payload['count']}/{payload['n']}"
+    return fraction(payload["count"], payload["n"])
 
 
 def transplant_panels(claims: Json) -> Iterator[tuple[str, Json]]:

@@ -17,11 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreplay.analysis.claims import SCHEMA, build_claims, write_claims
+from kvreplay.analysis.claims import SCHEMA, Json, build_claims, write_claims
 from kvreplay.analysis.ledgers import Ledger, LedgerError, load_ledger_dir
 from kvreplay.report.document import Image, to_html, to_markdown
 from kvreplay.report.sections import report_blocks
-from kvreplay.report.vocabulary import Json
 
 
 @dataclass(frozen=True)

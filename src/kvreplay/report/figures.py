@@ -10,14 +10,16 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from kvreplay.analysis.claims import MATRIX_DESIGNS, matrix_blocks, rate_text, transplant_panels
+from kvreplay.analysis.claims import (
+    MATRIX_DESIGNS,
+    Json,
+    matrix_blocks,
+    rate_text,
+    transplant_panels,
+)
 from kvreplay.analysis.flip import FlipAnalysis, roc_points
 from kvreplay.analysis.ledgers import LAYER_DRIFT_COLUMN, Ledger
-from kvreplay.report.vocabulary import (
-    ENDPOINTS,
-    TRANSPLANT_RATES,
-    Json,
-)
+from kvreplay.report.vocabulary import ENDPOINTS, TRANSPLANT_RATES
 
 PRECISION_COLOURS = {"bf16": "#c0392b", "fp32": "#2471a3"}
 SCORE_COLOURS = ("#8e44ad", "#d35400", "#27ae60")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvreplay.analysis.claims import matrix_blocks, rate_text, transplant_panels
+from kvreplay.analysis.claims import Json, fraction, matrix_blocks, rate_text, transplant_panels
 from kvreplay.analysis.flip import (
     AUDIT_SHARE,
     PRIMARY_SCORE,
@@ -27,12 +27,7 @@ from kvreplay.report.figures import (
     figure_roc,
     figure_transplant,
 )
-from kvreplay.report.vocabulary import (
-    ENDPOINTS,
-    TRANSPLANT_RATES,
-    Json,
-    fraction,
-)
+from kvreplay.report.vocabulary import ENDPOINTS, TRANSPLANT_RATES
 
 # The paper's published headline figures (METHOD.md, last section), as reference numbers.
 PAPER_BF16_RATES = {

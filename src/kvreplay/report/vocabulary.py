@@ -1,11 +1,7 @@
 """What the report's tables and figures both show of the claims: which rates, under
-which labels, and how a rate reads (count/n)."""
+which labels."""
 
 from __future__ import annotations
-
-from typing import Any
-
-Json = dict[str, Any]
 
 ENDPOINTS = (
     ("suffix_disagreement", "suffix"),
@@ -21,7 +17,3 @@ TRANSPLANT_RATES = (
     ("bidirectional_donor_recovery", "both ways"),
     ("exact_control_novel_trajectory", "exact control changed"),
 )
-
-
-def fraction(count: int, n: int) -> str:
-    return f"{count}/{n}"
