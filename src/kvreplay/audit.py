@@ -30,6 +30,7 @@ from kvreplay.ledger import (
     parse_rows,
     render_csv,
 )
+from kvreplay.lock import check_libraries
 from kvreplay.models import DTYPES, describe_source, file_digests
 from kvreplay.state import read_state_metadata
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
@@ -260,6 +261,7 @@ def audit(
     results, so a mismatch that follows is then no surprise).
     """
     ledger = RunLedger.open_existing(run_dir)
+    check_libraries(ledger.manifest["contract"], run_dir)
     check_recorded(ledger.manifest["contract"], threads, run_dir, "audit")
     placement = (engine, workers, gpus_per_worker, ray_address)
     with intra_op_threads(threads):

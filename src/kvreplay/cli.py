@@ -325,6 +325,27 @@ def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) 
     sys.exit(0 if result.passed else 1)
 
 
+@main.command("env")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--venv",
+    default=None,
+    help="Build this virtual environment with the run's environment (else print it).",
+)
+@plain_errors
+def env_command(run_dir: Path, venv: str | None) -> None:
+    """Print the environment a run was made in as a requirements file, or rebuild it."""
+    from kvreplay.ledger import RunLedger
+    from kvreplay.lock import rebuild, run_environment
+
+    manifest = RunLedger.open_existing(run_dir).manifest
+    if venv is None:
+        click.echo(run_environment(manifest).requirements(), nl=False)
+        return
+    rebuild(manifest, venv, lambda line: click.echo(line, err=True))
+    click.echo(f"rebuilt {venv}; re-execute the run with: {venv}/bin/kvreplay audit {run_dir}")
+
+
 def _add_analysis_commands() -> None:
     from kvreplay.analysis.cli_commands import analyze, report
 

@@ -4,7 +4,9 @@ bf16 result goes into the run's contract, the rest into the manifest's header.
 Contract scheme 1 (runs made before scheme 2) recorded ``platform``, whose kernel build
 string changes between otherwise identical machines; scheme 2 records instead what
 chooses the kernels (machine, OS, libc, torch's CPU capability). A difference in a field
-listed in ``INFORMATIONAL`` is reported, never refused.
+listed in ``INFORMATIONAL`` is reported, never refused. Scheme 3 records the environment
+as scheme 2 does and the model under identity scheme 3 (see ``models.ModelIdentity``):
+a contract's scheme is also its model identity's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-CONTRACT_SCHEME = 2
+CONTRACT_SCHEME = 3
 INFORMATIONAL = ("environment.platform",)
 
 

@@ -21,6 +21,7 @@ from kvreplay.canonical import canonical, sha256_json
 from kvreplay.environment import INFORMATIONAL
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
+from kvreplay.lock import check_libraries
 from kvreplay.runlock import RunLock
 
 RUN_FORMAT = "kvreplay-run-v1"
@@ -261,6 +262,7 @@ class RunLedger:
             )
         if self.manifest_path.exists() and self.has_rows():
             existing = RunLedger.open_existing(self.run_dir).manifest
+            check_libraries(existing["contract"], self.run_dir)
             changed = diff_fields(existing["contract"], contract)
             noted = [path for path in changed if path in INFORMATIONAL]
             if noted:

