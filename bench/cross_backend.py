@@ -8,7 +8,8 @@ Usage: .venv/bin/python bench/cross_backend.py SERVED_RUN HF_RUN [--out FILE.jso
 Rows are paired by item and precision; suffixes are compared only where both stacks
 reached the same P (token for token), since a different P makes any later comparison
 moot. Prints a Markdown table and writes the counts as JSON (default:
-SERVED_RUN/cross_backend.json).
+results/comparisons/<served run's name>.json; never inside a run folder, whose audit names
+every file a run did not write).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     result = compare(rows(args.served), rows(args.hf))
-    path = args.out or args.served / "cross_backend.json"
+    path = args.out or Path("results/comparisons") / f"{args.served.name}.json"
     path.write_text(json.dumps({"served": str(args.served), "hf": str(args.hf), **result},
                                indent=2, sort_keys=True) + "\n")  # fmt: skip
     print("| precision | same P as transformers | " + " | ".join(n for n, _, _ in PAIRS) + " |")

@@ -9,6 +9,8 @@ import csv
 import io
 import json
 import random
+import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +22,14 @@ from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import recorded_experiment
+from kvreplay.experiments.prefixes import PREFIX_FIELDS, trajectory_inputs
 from kvreplay.experiments.units import Unit, UnitKey
-from kvreplay.items import Item, load_jsonl
+from kvreplay.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
 from kvreplay.ledger import (
     ITEMS,
+    MANIFEST,
+    MANIFEST_TYPES,
+    ROWS,
     Record,
     RunLedger,
     diff_fields,
@@ -32,7 +38,7 @@ from kvreplay.ledger import (
 )
 from kvreplay.lock import check_libraries
 from kvreplay.models import DTYPES, describe_source, file_digests
-from kvreplay.state import read_state_metadata
+from kvreplay.state import read_state_metadata, snapshot_fingerprints
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
 # Keys that legitimately differ between a run and its re-execution.
@@ -46,6 +52,7 @@ class AuditResult:
     rows_total: int = 0
     rows_reexecuted: int = 0
     problems: list[str] = field(default_factory=list)
+    foreign_inputs: int = 0  # rows whose prefix was copied from another run's row
 
     @property
     def passed(self) -> bool:
@@ -119,22 +126,40 @@ def _snapshots(data: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
+    """Every snapshot a row names: inside the run's snapshots/ folder, its bytes' sha256,
+    and the fingerprints of the tensors it holds (computed, not read from its metadata)
+    against the row's."""
     problems = []
+    folder = (run_dir / "snapshots").resolve()
     for record in records:
         for arm, entry in _snapshots(record.data):
-            path = run_dir / entry["file"]
-            where = f"row {record.key} snapshot {entry['file']}"
+            name = entry.get("file")
+            where = f"row {record.key} snapshot {name}"
+            path = run_dir / str(name)
+            if not isinstance(name, str) or path.resolve().parent != folder:
+                problems.append(f"{where}: field file does not name a file in snapshots/")
+                continue
             if not path.is_file():
                 problems.append(f"{where}: missing")
                 continue
-            if file_digests(path.parent, [path])[path.name] != entry["sha256"]:
+            if file_digests(path.parent, [path])[path.name] != entry.get("sha256"):
                 problems.append(f"{where}: field sha256 does not match the file")
                 continue
-            meta = read_state_metadata(path)
-            for key in ("cache_fingerprint", "logits_fingerprint"):
-                if getattr(meta, key) != arm[key]:
-                    problems.append(f"{where}: field {key} differs from the row")
+            try:
+                meta = read_state_metadata(path)
+                held = dict(zip(FINGERPRINTS, snapshot_fingerprints(path), strict=True))
+            except KvreplayError as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            for key in FINGERPRINTS:
+                if held[key] != arm.get(key):
+                    problems.append(f"{where}: its tensors' {key} differs from the row's")
+                elif getattr(meta, key) != arm.get(key):
+                    problems.append(f"{where}: field {key} of its metadata differs from the row's")
     return problems
+
+
+FINGERPRINTS = ("cache_fingerprint", "logits_fingerprint")
 
 
 # Environment fields that describe the machine rather than the software stack: an audit
@@ -172,10 +197,8 @@ def check_contract(
     """
     from kvreplay.runner import build_contract
 
-    manifest, problems = ledger.manifest, []
-    contract = manifest["contract"]
-    if manifest["contract_sha256"] != ledger.contract_hash:
-        problems.append("manifest.json: field contract_sha256 does not match the contract")
+    problems: list[str] = []
+    contract = ledger.manifest["contract"]
     recorded_items = contract.get("items")
     source = recorded_items.get("source", "") if isinstance(recorded_items, dict) else ""
     scheme = contract_scheme(contract)
@@ -252,17 +275,26 @@ def audit(
     ray_address: str | None = None,
     announce: Callable[[str], None] | None = None,
     threads: int = DEFAULT_THREADS,
+    trust_remote_code: bool = False,
 ) -> AuditResult:
     """Verify a run; see the module docstring. Bad input raises KvreplayError, and so
-    does a ``threads`` count other than the one the run recorded.
+    do a ``threads`` count other than the one the run recorded, library versions other
+    than the run's, and a run whose model ships code unless ``trust_remote_code``.
 
     ``announce`` hears, before any re-execution starts, which recorded environment
     fields differ from this machine's (a different torch or CPU may change bf16
     results, so a mismatch that follows is then no surprise).
     """
     ledger = RunLedger.open_existing(run_dir)
-    check_libraries(ledger.manifest["contract"], run_dir)
-    check_recorded(ledger.manifest["contract"], threads, run_dir, "audit")
+    contract = ledger.manifest["contract"]
+    run = contract.get("run")
+    if isinstance(run, dict) and run.get("trust_remote_code") and not trust_remote_code:
+        raise KvreplayError(
+            f"{run_dir} was made with --trust-remote-code, so re-executing it runs the "
+            "model's own Python code; pass --trust-remote-code to audit only if you trust it."
+        )
+    check_libraries(contract, run_dir)
+    check_recorded(contract, threads, run_dir, "audit")
     placement = (engine, workers, gpus_per_worker, ray_address)
     with intra_op_threads(threads):
         return _audit(ledger, sample, seed, placement, announce)
@@ -278,16 +310,11 @@ def _audit(
     run_dir = ledger.run_dir
     result = AuditResult(run_dir)
     config = RunConfig.from_contract(ledger.manifest["contract"].get("run"), str(run_dir))
-    try:
-        item_list: list[Item] | None = load_jsonl(run_dir / ITEMS)
-    except KvreplayError as exc:
-        result.problems.append(f"items.jsonl: missing or unreadable ({exc})")
-        item_list = None
-    problems, result.environment_diff = check_contract(ledger, config, item_list)
-    result.problems += problems
-    if result.environment_diff and announce is not None:
-        announce(environment_note(result.environment_diff))
-    raw = ledger.rows_path.read_bytes() if ledger.rows_path.exists() else b""
+    item_list, result.problems = load_audited_items(ledger)
+    # Everything that needs no model first: hashes, chain, plan, inputs, derived files.
+    if ledger.manifest["contract_sha256"] != ledger.contract_hash:
+        result.problems.append("manifest.json: field contract_sha256 does not match the contract")
+    raw = ledger.rows_path.read_bytes() if ledger.rows_path.is_file() else b""
     if raw and not raw.endswith(b"\n"):
         result.problems.append("rows.jsonl: the last line is torn (an interrupted append)")
     records, chain = parse_rows(ledger.rows_path, ledger.contract_hash)
@@ -296,20 +323,32 @@ def _audit(
     keys = [r.key for r in records]
     for key in sorted({k for k in keys if keys.count(k) > 1}):
         result.problems.append(f"row {key}: appears more than once")
+    result.problems += check_header(ledger, records)
     result.problems += check_plan(ledger, records, [i.id for i in item_list or []])
     malformed = {r.key: name for r in records if (name := malformed_field(r))}
     result.problems += [
         f"row {k}: field {name} is missing or malformed" for k, name in malformed.items()
     ]
     records = [r for r in records if r.key not in malformed]
+    items = {i.id: i for i in item_list or []}
+    input_problems, depends, foreign = check_inputs(ledger, config, records, items)
+    result.problems += input_problems
+    result.foreign_inputs = foreign
     result.problems += check_csvs(ledger, records)
     result.problems += check_snapshots(run_dir, records)
+    result.problems += check_files(ledger, records)
+    if result.problems and any(p.startswith(HASH_PROBLEMS) for p in result.problems):
+        return result  # a forged contract, items or chain names no model worth loading
+    problems, result.environment_diff = check_contract(ledger, config, item_list)
+    result.problems += problems
+    if result.environment_diff and announce is not None:
+        announce(environment_note(result.environment_diff))
     if item_list is None:
         return result
-    items = {i.id: i for i in item_list}
     chosen = records
     if sample is not None and sample < len(records):
-        chosen = sorted(random.Random(seed).sample(records, sample), key=lambda r: r.seq)
+        chosen = random.Random(seed).sample(records, sample)
+    chosen = with_dependencies(chosen, records, depends)
     units = []
     for record in chosen:
         data = record.data
@@ -321,7 +360,8 @@ def _audit(
         if str(key) != record.key:
             result.problems.append(f"row {record.key}: field item_id or precision is not its key's")
             continue
-        units.append(Unit(key, item, data["precision"], data.get("inputs", {})))
+        inputs = {k: v for k, v in data.get("inputs", {}).items() if k != "reuse"}
+        units.append(Unit(key, item, data["precision"], inputs))
     runner = make_engine(config, *placement)
     by_key = {r.key: r for r in chosen}
     try:
@@ -336,6 +376,226 @@ def _audit(
     return result
 
 
+# The manifest's header: recorded, never compared by a resume, so checked here for shape.
+HEADER: dict[str, Callable[[Any], bool]] = {
+    "platform": lambda v: isinstance(v, str),
+    "kvreplay_version": lambda v: isinstance(v, str) and re.fullmatch(r"\d+(\.\d+)*\S*", v),
+    "git_commit": lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{40}", v)),
+    "created": lambda v: isinstance(v, str) and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", v),
+    "command": lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+    "snapshots": lambda v: v in ("saved", "fingerprints only"),
+    "environment": lambda v: (
+        isinstance(v, dict)
+        and isinstance(v.get("python"), str)
+        and isinstance(v.get("distributions"), dict)
+        and all(isinstance(x, str) for x in (*v["distributions"], *v["distributions"].values()))
+    ),
+}
+
+
+def check_header(ledger: RunLedger, records: list[Record]) -> list[str]:
+    """Header fields of the right shape, none unknown, and a snapshot setting the rows
+    bear out. A header is not hashed: its content beyond that is the run's word."""
+    manifest = ledger.manifest
+    problems = [
+        f"manifest.json: field {name} is not one a kvreplay run writes"
+        for name in manifest
+        if name not in HEADER and name not in MANIFEST_TYPES
+    ]
+    problems += [
+        f"manifest.json: field {name} is malformed"
+        for name, valid in HEADER.items()
+        if name in manifest and not valid(manifest[name])
+    ]
+    if manifest.get("snapshots") == "fingerprints only":
+        holding = next((r.key for r in records if _snapshots(r.data)), None)
+        if holding is not None:
+            problems.append(
+                f"manifest.json: field snapshots says fingerprints only, but row {holding} "
+                "holds a snapshot"
+            )
+    return problems
+
+
+# What a run folder holds besides its experiments' CSVs and what the audit re-derives.
+RUN_FILES = (MANIFEST, ITEMS, ROWS, ".kvreplay.lock", "claims.json", "report.md", "report.html")
+TORN = re.compile(r"rows\.torn-\d+\.jsonl")  # a torn last line a resume set aside
+
+
+def check_files(ledger: RunLedger, records: list[Record]) -> list[str]:
+    """Every file in the run folder is one a run writes, and each derived file (claims,
+    report, figures) is byte-identical to its re-derivation from the checked ledgers."""
+    run_dir, experiments = ledger.run_dir, ledger.manifest["experiments"]
+    expected = set(RUN_FILES) | {"figures", "snapshots"}
+    for name, entry in experiments.items():
+        experiment = recorded_experiment(name, ledger.manifest)
+        if experiment is not None:
+            expected.add(experiment.csv_name(entry["config"]))
+    problems = [
+        f"{path.name}: not a file this run wrote"
+        for path in sorted(run_dir.iterdir())
+        if path.name not in expected and not TORN.fullmatch(path.name)
+    ]
+    snapshots = {entry["file"] for r in records for _, entry in _snapshots(r.data)}
+    if (run_dir / "snapshots").is_dir():
+        problems += [
+            f"snapshots/{path.name}: not a snapshot any row names"
+            for path in sorted((run_dir / "snapshots").iterdir())
+            if f"snapshots/{path.name}" not in snapshots
+        ]
+    with tempfile.TemporaryDirectory(prefix="kvreplay-audit-") as scratch:
+        problems += _check_derived(ledger, records, Path(scratch))
+    return problems
+
+
+def _check_derived(ledger: RunLedger, records: list[Record], scratch: Path) -> list[str]:
+    """Re-derive claims.json, the report and figures/ into ``scratch`` and compare bytes."""
+    from kvreplay.analysis.claims import analyze_dir, write_claims
+    from kvreplay.analysis.ledgers import LedgerError
+
+    run_dir, problems = ledger.run_dir, []
+    for name in ledger.manifest["experiments"]:
+        experiment = recorded_experiment(name, ledger.manifest)
+        if experiment is not None:
+            experiment.figures(scratch, [r for r in records if r.experiment == name])
+    try:
+        if (run_dir / "claims.json").exists():
+            write_claims(analyze_dir(run_dir), scratch / "claims.json")
+        if (run_dir / "report.md").exists() or (run_dir / "report.html").exists():
+            from kvreplay.report import build_report
+
+            build_report(run_dir, scratch)
+    except (LedgerError, KvreplayError, ValueError, KeyError, TypeError) as exc:
+        return [f"claims.json or the report cannot be re-derived from the ledgers ({exc})"]
+    derived = [p for p in ("claims.json", "report.md", "report.html") if (run_dir / p).exists()]
+    if (run_dir / "figures").is_dir():
+        derived += [f"figures/{p.name}" for p in sorted((run_dir / "figures").iterdir())]
+    for name in derived:
+        mine, theirs = scratch / name, run_dir / name
+        if not mine.is_file():
+            problems.append(f"{name}: not a file this run's ledgers derive")
+        elif not theirs.is_file() or mine.read_bytes() != theirs.read_bytes():
+            problems.append(f"{name}: differs from its re-derivation from the ledgers")
+    return problems
+
+
+# Problems after which loading the model would be pointless or unsafe: the contract, the
+# items or the chain no longer say what was run.
+HASH_PROBLEMS = ("manifest.json: field contract_sha256", "items.jsonl", "rows.jsonl", "line ")
+
+
+def load_audited_items(ledger: RunLedger) -> tuple[list[Item] | None, list[str]]:
+    """The run's items: a built-in set as this kvreplay builds it (items.jsonl must be
+    exactly that), a user's set from items.jsonl (checked against the contract's digest
+    by :func:`check_contract`)."""
+    recorded = ledger.manifest["contract"].get("items")
+    source = recorded.get("source") if isinstance(recorded, dict) else None
+    try:
+        frozen: list[Item] | None = load_jsonl(ledger.run_dir / ITEMS)
+    except KvreplayError as exc:
+        return None, [f"items.jsonl: missing or unreadable ({exc})"]
+    if source not in BUILTIN_ITEMS:
+        return frozen, []
+    built = BUILTIN_ITEMS[source]()
+    if frozen is not None and items_digest(frozen) != items_digest(built):
+        return built, [
+            f"items.jsonl: is not the built-in item set {source!r} that the contract names, "
+            "as this kvreplay builds it (an item was replaced, added or removed)"
+        ]
+    return built, []
+
+
+# Inputs that link a row to the row (or trajectory item) its prefix was copied from.
+LINKS = ("source", "historical")
+
+
+def check_inputs(
+    ledger: RunLedger, config: RunConfig, records: list[Record], items: dict[str, Item]
+) -> tuple[list[str], dict[str, set[str]], int]:
+    """What a row's recorded inputs may hold, checked before they are re-executed.
+
+    Re-execution takes no result from the row it re-executes: a ``reuse`` entry (a
+    recorded suffix standing in for a computed one) is never recorded by a run, so it
+    is named. A prefix copied from another row of this run must be that row's (which
+    is then re-executed too), and a later phase's prefix its own prefix row's; a
+    trajectory item's must be the item's; inputs an
+    experiment derives from its config and items must be what it derives. Returns the
+    problems, each row's in-run dependencies, and how many rows copy from another run
+    (which this audit cannot re-execute).
+    """
+    problems: list[str] = []
+    depends: dict[str, set[str]] = {}
+    foreign = 0
+    by_key = {r.key: r for r in records}
+    derived: dict[str, dict[str, Any]] = {}
+    for name, entry in ledger.manifest["experiments"].items():
+        experiment = recorded_experiment(name, ledger.manifest)
+        if experiment is not None:
+            try:
+                derived |= experiment.derived_inputs(entry["config"], config, items)
+            except (KeyError, TypeError, IndexError):
+                problems.append(f"manifest.json: field experiments.{name}.config is malformed")
+    for record in records:
+        inputs = record.data.get("inputs", {})
+        where = f"row {record.key}: field inputs"
+        if "reuse" in inputs:
+            problems.append(f"{where}.reuse stands in for a computed result; no run records it")
+        for field_name, value in derived.get(record.key, {}).items():
+            if canonical(inputs.get(field_name)) != canonical(value):
+                problems.append(f"{where}.{field_name} is not what the run's config derives")
+        prefix_row = str(UnitKey.prefix(record.experiment, record.data["item_id"]))
+        if prefix_row in by_key and prefix_row != record.key and "prefix_sha256" in inputs:
+            depends.setdefault(record.key, set()).add(prefix_row)
+            problems += _copied_from(where, "prefix", {}, inputs, by_key[prefix_row])
+            continue  # the prefix row carries the link to where the prefix came from
+        for link in LINKS:
+            target = inputs.get(link)
+            if not isinstance(target, dict) or not isinstance(target.get("key"), str):
+                continue
+            key = target["key"]
+            if key.startswith("items.jsonl:"):
+                item = items.get(key.removeprefix("items.jsonl:"))
+                expected = trajectory_inputs(item) if item and item.prefix_token_ids else None
+                if expected is None or any(inputs.get(f) != expected[f] for f in PREFIX_FIELDS):
+                    problems.append(f"{where}.{link} names a trajectory item it does not copy")
+            elif key in by_key:
+                depends.setdefault(record.key, set()).add(key)
+                problems += _copied_from(where, link, target, inputs, by_key[key])
+            else:
+                foreign += 1
+    return problems, depends, foreign
+
+
+def _copied_from(
+    where: str, link: str, target: dict[str, Any], inputs: dict[str, Any], source: Record
+) -> list[str]:
+    """A row's inputs copied from ``source``: the link's hashes and every prefix field."""
+    problems = []
+    if "row_sha256" in target and target["row_sha256"] != source.row_sha256:
+        problems.append(f"{where}.{link}.row_sha256 is not row {source.key}'s")
+    if "prefix_sha256" in target and target["prefix_sha256"] != source.data.get("prefix_sha256"):
+        problems.append(f"{where}.{link}.prefix_sha256 is not row {source.key}'s")
+    for name in PREFIX_FIELDS:
+        if name in inputs and inputs[name] != source.data.get(name):
+            problems.append(f"{where}.{name} is not row {source.key}'s {name}")
+    return problems
+
+
+def with_dependencies(
+    chosen: list[Record], records: list[Record], depends: dict[str, set[str]]
+) -> list[Record]:
+    """The chosen rows and every row of this run their inputs were copied from, in
+    ledger order: a copied input is vouched for by re-executing the row it came from."""
+    wanted = {r.key for r in chosen}
+    stack = list(wanted)
+    while stack:
+        for key in depends.get(stack.pop(), ()):
+            if key not in wanted:
+                wanted.add(key)
+                stack.append(key)
+    return [r for r in records if r.key in wanted]
+
+
 def environment_note(fields: list[str]) -> str:
     return "environment differs from the run's in: " + ", ".join(fields)
 
@@ -345,6 +605,11 @@ def format_audit(result: AuditResult) -> str:
     if result.environment_diff:
         lines.append(environment_note(result.environment_diff))
     lines.append(f"rows in ledger: {result.rows_total}; re-executed: {result.rows_reexecuted}")
+    if result.foreign_inputs:
+        lines.append(
+            f"{result.foreign_inputs} row(s) copy their prefix from another run's row, which "
+            "this audit re-executes from the copy but cannot trace further"
+        )
     if result.passed:
         lines.append("PASS: every re-executed row, hash, fingerprint and derived CSV matches")
     else:

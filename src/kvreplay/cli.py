@@ -312,6 +312,11 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--ray-address", default=None)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Allow re-executing a run whose model ships its own Python code.",
+)
 @threads_option
 @plain_errors
 def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) -> None:

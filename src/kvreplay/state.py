@@ -402,6 +402,20 @@ def read_state_metadata(path: Path) -> SavedState:
     )
 
 
+def snapshot_fingerprints(path: Path) -> tuple[str, str]:
+    """The cache and logits fingerprints of the tensors a snapshot holds, computed from
+    its bytes (its metadata only says what they were when it was written)."""
+    layers = len(read_state_metadata(path).layer_lengths)
+    with safe_open(str(path), framework="pt") as handle:
+        names = [f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values")]
+        try:
+            cache = fingerprint_tensors((name, handle.get_tensor(name)) for name in names)
+            logits = fingerprint_tensors([("logits", handle.get_tensor("logits"))])
+        except Exception as exc:  # noqa: BLE001 - a missing tensor is the same user problem
+            raise KvreplayError(f"The snapshot {path} lacks a tensor its metadata names.") from exc
+    return cache, logits
+
+
 def layer_kinds(cache: DynamicCache) -> list[str]:
     """Each layer's cache class and window: what a snapshot must match to load."""
     return [

@@ -112,9 +112,10 @@ def contract_layers_edited_and_rechained(folder: Path) -> str:
     return "manifest.json: field contract.model_info.num_layers differs from what this machine"
 
 
-def contract_torch_edited_and_rechained(folder: Path) -> str:
-    _edit_contract(folder, "environment", "torch", "0.0.1")
-    return "manifest.json: field contract.environment.torch differs from what this machine"
+def contract_dtype_flags_edited_and_rechained(folder: Path) -> str:
+    flags = {**manifest(folder)["contract"]["environment"]["dtype_contract"]}
+    _edit_contract(folder, "environment", "dtype_contract", flags | {"cudnn_allow_tf32": False})
+    return "field contract.environment.dtype_contract.cudnn_allow_tf32 differs from what this"
 
 
 def _edit_item(folder: Path, key: str, value: object) -> None:
@@ -152,7 +153,7 @@ TAMPERS: dict[str, Callable[[Path], str]] = {
         delete_last_row_and_its_csv_line, delete_middle_row_rechained, delete_middle_row,
         config_item_ids_edited, config_dtypes_edited, config_edited_without_its_hash,
         contract_sha256_zeroed, contract_layers_edited_and_rechained,
-        contract_torch_edited_and_rechained, item_answer_edited, item_meta_edited,
+        contract_dtype_flags_edited_and_rechained, item_answer_edited, item_meta_edited,
         item_prompt_edited, row_without_precision_rechained,
     )
 }  # fmt: skip
@@ -166,6 +167,16 @@ def test_audit_names_each_forgery(kind: str, run: Path) -> None:  # noqa: F811
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert any(expected in p for p in problems(result)), (expected, problems(result))
+
+
+def test_another_library_version_is_refused_with_the_rebuild_command(run: Path) -> None:  # noqa: F811
+    """A run made with other library versions cannot be vouched for here: the audit names
+    the packages and the one command that rebuilds the run's environment, exit 2."""
+    _edit_contract(run, "environment", "transformers", "0.0.1")
+    result = audit(run, "--sample", 0)
+    assert result.exit_code == 2, result.output
+    assert "was made with transformers 0.0.1 (here " in result.output
+    assert f"kvreplay env {run} --venv .venv-{run.name}" in result.output
 
 
 def test_a_deleted_middle_row_is_named_itself(run: Path) -> None:  # noqa: F811

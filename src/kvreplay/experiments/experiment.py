@@ -92,6 +92,14 @@ class Experiment(ABC):
         """A completed row of this experiment, typed."""
         return PanelRow.from_dict(data, self.panel.compared)
 
+    def derived_inputs(
+        self, config: dict[str, Any], run: Any, items: dict[str, Item]
+    ) -> dict[str, dict[str, Any]]:
+        """Inputs each row's unit takes from the recorded config and items alone, by row
+        key; the audit checks a row's recorded inputs against them. Inputs copied from
+        another row are checked by the audit itself (their ``source``)."""
+        return {}
+
     def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
         """Figures drawn from the rows after each run; most experiments draw none."""
         return []

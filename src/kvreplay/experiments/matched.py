@@ -151,6 +151,17 @@ class ServedMatched(Matched):
             for unit in super().units(phase, scope, selection, rows)
         ]
 
+    def derived_inputs(
+        self, config: dict[str, Any], run: Any, items: dict[str, Item]
+    ) -> dict[str, dict[str, Any]]:
+        selected = [items[i] for i in config["item_ids"]]
+        k = min(run.backend.companions, len(selected) - 1)
+        return {
+            str(UnitKey(self.name, item.id, dtype)): {"companions": companions(selected, i, k)}
+            for dtype in config["dtypes"]
+            for i, item in enumerate(selected)
+        }
+
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
         row, prefix = run_served_panel(worker, unit, clock, self.panel)
         if row is None:
