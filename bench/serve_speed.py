@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     args = parser.parse_args()
 
-    from kvreplay.backends import Backend
+    from kvreplay.backends import make_backend
+    from kvreplay.backends.served import Request
     from kvreplay.config import RunConfig
     from kvreplay.decode import Sampler
     from kvreplay.items import encode_prompt, load_items
@@ -45,14 +46,12 @@ def main() -> None:
         model=args.model,
         model_digest=info["model_digest"],
         plan=plan,
-        backend=Backend(args.backend),
+        backend=make_backend(args.backend),
     )
     items = load_items("arith")[: args.prompts]
     began = time.perf_counter()
     if args.backend == "vllm":
-        from kvreplay.backends.vllm import Request, load_served
-
-        served = load_served(config, args.dtype)
+        served = config.backend.open_served(config, args.dtype)
         start_s = time.perf_counter() - began
         prompts = [encode_prompt(served.tokenizer, i.prompt) for i in items]
 

@@ -59,6 +59,24 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(func)  # fmt: skip
 
 
+def backend_options() -> list[Callable[..., Any]]:
+    """``--backend`` and every registered backend's settings, generated from the backend
+    classes (a setting given for a backend that does not take it is refused)."""
+    from kvreplay.backends import backend_class, registry, setting_options
+
+    summaries = "; ".join(f"{name}: {backend_class(name).summary}" for name in registry())
+    options = [
+        click.option("--backend", type=click.Choice(list(registry())), default="hf",
+                     show_default=True, help=f"{summaries}. See kvreplay backends."),
+    ]  # fmt: skip
+    for key, meta in setting_options().items():
+        options.append(click.option(
+            meta["option"], key, type=click.IntRange(min=0, max=2**20), default=None,
+            help=f"{', '.join(meta['backends'])}: {meta['help']} [default: {meta['default']}]",
+        ))  # fmt: skip
+    return options
+
+
 def run_options(func: Callable[..., Any], temperature: float = 0.0) -> Callable[..., Any]:
     """Options shared by every ``run`` experiment (and the demo); ``temperature`` is the
     experiment's default (greedy, except for ``resample``)."""
@@ -97,17 +115,7 @@ def run_options(func: Callable[..., Any], temperature: float = 0.0) -> Callable[
                      show_default=True),
         click.option("--ray-address", default=None, help="Join this Ray cluster."),
         threads_option,
-        click.option("--backend", type=click.Choice(["hf", "vllm"]), default="hf",
-                     show_default=True,
-                     help="hf: transformers, full K/V access; vllm: a vLLM engine with prefix "
-                          "caching (matched only; see the README)."),
-        click.option("--block-size", type=int, default=32, show_default=True,
-                     help="vllm: KV block size (a multiple of 32 on CPU)."),
-        click.option("--max-num-seqs", type=int, default=8, show_default=True,
-                     help="vllm: most requests the engine batches together."),
-        click.option("--companions", type=int, default=3, show_default=True,
-                     help="vllm: other items' requests sharing the batch-composition arm's "
-                          "batch (0 leaves the arm out)."),
+        *backend_options(),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -196,7 +204,7 @@ DEFAULT_TEMPERATURE = {"resample": 0.7}
 def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
     option of the experiment's own as its ``extra``."""
-    from kvreplay.backends import Backend
+    from kvreplay.backends import make_backend, setting_options
     from kvreplay.decode import Sampler
     from kvreplay.runner import RunRequest
 
@@ -223,9 +231,10 @@ def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
         gpus_per_worker=take("gpus_per_worker"),
         ray_address=take("ray_address"),
         threads=take("threads"),
-        backend=Backend(
-            take("backend"), take("block_size"), take("max_num_seqs"), take("companions")
-        ),  # fmt: skip
+        backend=make_backend(
+            take("backend"),
+            **{k: v for k in setting_options() if (v := take(k)) is not None},
+        ),
         extra={k: v for k, v in options.items() if v is not None and v is not False},
     )
 
@@ -328,6 +337,23 @@ def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) 
     )
     click.echo(format_audit(result))
     sys.exit(0 if result.passed else 1)
+
+
+@main.command("backends")
+@plain_errors
+def backends_command() -> None:
+    """List every backend, whether this environment can run it, and its capabilities."""
+    from kvreplay.backends import backend_class, registry
+
+    for name in registry():
+        cls = backend_class(name)
+        backend = cls()
+        state = "installed" if backend.installed() else "not installed here"
+        click.echo(f"{name} ({state}): {cls.summary}")
+        click.echo(f"  capabilities: {', '.join(cls.capabilities.describe())}")
+        settings = [m["option"] for m in cls.settings().values() if "option" in m]
+        if settings:
+            click.echo(f"  settings: {', '.join(settings)}")
 
 
 @main.command("env")

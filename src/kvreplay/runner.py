@@ -169,11 +169,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     _check_resume_threads(request)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     info = describe_source(request.model, request.trust_remote_code, scheme, tokenizer)
-    if not request.backend.kv_access:
-        from kvreplay.backends.vllm import check_device, check_servable
-
-        check_servable(request.model, request.trust_remote_code)
-        check_device(request.device)
+    request.backend.check_model(request.model, request.trust_remote_code, request.device)
     _check_prompts(request, plan, items, info, tokenizer)
     config = RunConfig(
         model=request.model,

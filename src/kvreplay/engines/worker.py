@@ -47,15 +47,13 @@ class Worker:
         return self._models[dtype]
 
     def served(self, dtype: str) -> Any:
-        """The vllm backend's engine for a precision (see :mod:`kvreplay.backends.vllm`).
-        One engine at a time: a second would not fit beside the first on a GPU, and rows
-        come precision by precision, so each starts once in a run."""
+        """A served backend's model for a precision (``Backend.open_served``). One at a
+        time: a second engine would not fit beside the first on a GPU, and rows come
+        precision by precision, so each starts once in a run."""
         if dtype not in self._served:
-            from kvreplay.backends.vllm import load_served
-
             self._served.clear()
             gc.collect()
-            self._served[dtype] = load_served(self.config, dtype)
+            self._served[dtype] = self.config.backend.open_served(self.config, dtype)
         return self._served[dtype]
 
     def device_info(self) -> dict[str, str]:

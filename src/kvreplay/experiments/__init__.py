@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.backends import Backend, check_backend
+from kvreplay.backends import Backend, backend_class, backend_from_contract, registry
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.bridge import Bridge
 from kvreplay.experiments.experiment import Experiment
@@ -32,7 +32,15 @@ def get_experiment(
         raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
     if backend is None or backend.kv_access:
         return EXPERIMENTS[name]
-    check_backend(backend, name, frozenset(SERVED), require_engine)
+    if name not in SERVED:
+        with_kv = [b for b in registry() if backend_class(b).capabilities.kv_access]
+        raise KvreplayError(
+            f"{name} reads or writes K/V tensors, which the {backend.name} backend does "
+            f"not expose; run it with --backend {with_kv[0]} (the {backend.name} backend runs "
+            f"{', '.join(sorted(SERVED))})."
+        )
+    if require_engine:
+        backend.check_ready()
     return SERVED[name]
 
 
@@ -41,7 +49,7 @@ def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | Non
     kvreplay cannot derive it (an unknown name or backend)."""
     run = manifest.get("contract", {}).get("run")
     try:
-        backend = Backend.from_contract(run.get("backend") if isinstance(run, dict) else None)
+        backend = backend_from_contract(run.get("backend") if isinstance(run, dict) else None)
         return get_experiment(name, backend, require_engine=False)
     except (KvreplayError, KeyError, TypeError):
         return None

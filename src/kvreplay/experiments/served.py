@@ -43,7 +43,7 @@ from kvreplay.stages import Stage, StagePlan
 from kvreplay.state import sha256_tokens
 
 if TYPE_CHECKING:
-    from kvreplay.backends.vllm import ServedModel
+    from kvreplay.backends.served import ServedModel
 
 Condition = Literal["hit", "miss", "uninterrupted"]
 
@@ -115,7 +115,7 @@ def serve_stages(
 ) -> ServedArmRun:
     """Serve ``stages`` in order from ``context``, one request per stage, each sharing
     its batch with a request per companion prompt."""
-    from kvreplay.backends.vllm import Request
+    from kvreplay.backends.served import Request
 
     run = ServedArmRun([], [], [])
     for index, stage in enumerate(stages):
@@ -164,12 +164,12 @@ def _uninterrupted(
     )
 
 
-def expected_hit(prefix: Prefix, block_size: int) -> int:
-    """The cached tokens a hit must read: every full block of the tokens the prefix
-    rewrite computed (the prompt and each prefix stage's stream, less the last generated
-    token, which was sampled but never fed; the next stage's opener is not among them)."""
-    computed = prefix.prompt_len + len(Trajectory(prefix.segments).token_ids) - 1
-    return computed // block_size * block_size
+def computed_tokens(prefix: Prefix) -> int:
+    """The tokens the prefix rewrite computed, which a hit must read back (as much of them
+    as the backend caches, ``Backend.expected_hit``): the prompt and each prefix stage's
+    stream, less the last generated token, which was sampled but never fed; the next
+    stage's opener is not among them."""
+    return prefix.prompt_len + len(Trajectory(prefix.segments).token_ids) - 1
 
 
 def serve_arm(
@@ -192,7 +192,7 @@ def serve_arm(
         reproduced = _generate_prefix(served, ids, plan, config.sampler).token_ids == (
             prefix.token_ids
         )
-        expected = expected_hit(prefix, config.backend.block_size)
+        expected = config.backend.expected_hit(computed_tokens(prefix))
     run = serve_stages(
         served,
         prefix.token_ids,
@@ -214,7 +214,7 @@ def _arm_result(
     prefix: Prefix,
     companions: list[str],
 ) -> ArmResult:
-    from kvreplay.backends.vllm import logprobs_fingerprint
+    from kvreplay.backends.served import logprobs_fingerprint
 
     suffix = Trajectory(run.segments)
     first = run.segments[0].token_ids

@@ -1,0 +1,105 @@
+"""The backend protocol: what every inference stack declares (DESIGN: backend protocol).
+
+A backend is one class: its settings are its dataclass fields (each field's metadata
+gives the CLI option and its help, so options, validation and ``--help`` come from the
+class), its capabilities say which experiments and arms it can run, and its methods say
+what the run's contract and environment record, how a model is checked before a run
+writes anything, and how a served model is opened. Experiments ask for capabilities,
+never for a backend by name; the registry (:mod:`kvreplay.backends`) names them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvreplay.errors import KvreplayError
+
+if TYPE_CHECKING:
+    from kvreplay.backends.served import ServedModel
+    from kvreplay.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; each experiment and arm asks for what it needs."""
+
+    kv_access: bool  # K/V tensors: fingerprints, comparisons, transplants, snapshots
+    cache_control: bool = False  # can force a prefix-cache miss
+    cached_token_report: bool = False  # reports the prompt tokens served from cache
+    top_logprobs: bool = False  # top-k logprobs of every step
+    seeded_sampling: bool = False  # a per-request seed
+    batch_control: bool = False  # can put requests in one batch
+
+    def describe(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+def option(flag: str, help: str) -> dict[str, str]:
+    """A settings field's metadata: the CLI flag that sets it and its help."""
+    return {"option": flag, "help": help}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Base of every backend: its settings are the subclass's fields."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    # Libraries this backend adds to the contract's environment, each with the
+    # distributions that may provide it (a resume or audit refuses other versions).
+    libraries: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise KvreplayError(f"{f.metadata.get('option', f.name)} must be an integer.")
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse settings this backend cannot run with (one sentence)."""
+
+    @property
+    def kv_access(self) -> bool:
+        return self.capabilities.kv_access
+
+    @classmethod
+    def settings(cls) -> dict[str, Any]:
+        """Each setting's field name and its metadata (option, help) and default."""
+        return {f.name: {**f.metadata, "default": f.default} for f in fields(cls)}
+
+    def context_window(self, model_context: int) -> int:
+        """The tokens one request may span (0: the model does not say)."""
+        return model_context
+
+    def contract(self) -> dict[str, Any] | None:
+        """The contract's ``backend`` entry: every setting that can change numerics."""
+        return {"name": self.name, **asdict(self)}
+
+    @classmethod
+    def from_contract(cls, data: dict[str, Any]) -> Backend:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+    def environment(self) -> dict[str, str]:
+        """Library versions this backend adds to the contract's environment."""
+        return {}
+
+    def installed(self) -> bool:
+        """Whether this environment can run the backend."""
+        return True
+
+    def check_ready(self) -> None:
+        """Refuse (one sentence) when this environment cannot run the backend."""
+
+    def check_model(self, spec: str, trust_remote_code: bool, device: str) -> None:
+        """Refuse, before the manifest, a model or device this backend cannot serve."""
+
+    def expected_hit(self, computed: int) -> int:
+        """How many of ``computed`` prompt tokens a prefix-cache hit must report."""
+        return computed
+
+    def open_served(self, config: RunConfig, precision: str) -> ServedModel:
+        """A served model for one precision (backends without K/V access)."""
+        raise KvreplayError(f"The {self.name} backend serves no model over requests.")
