@@ -77,17 +77,22 @@ def backend_options() -> list[Callable[..., Any]]:
     return options
 
 
-def run_options(func: Callable[..., Any], temperature: float = 0.0) -> Callable[..., Any]:
-    """Options shared by every ``run`` experiment (and the demo); ``temperature`` is the
-    experiment's default (greedy, except for ``resample``)."""
+def run_options(
+    func: Callable[..., Any],
+    temperature: float = 0.0,
+    n: int | None = None,
+    dtypes: str = "bf16,fp32",
+) -> Callable[..., Any]:
+    """Options shared by every ``run`` experiment and ``check``; the defaults given are
+    the command's own (resample samples at 0.7; a check runs a few items in bf16)."""
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Embedded model name, local folder, GGUF file, or cached hub id."),
         click.option("--items", "items_source", default="arith", show_default=True,
                      help="Built-in item set or a JSONL file."),
-        click.option("--n", type=int, default=None,
-                     help="How many items (default: all; bridge 12)."),
-        click.option("--dtypes", default="bf16,fp32", show_default=True, callback=_parsed(_dtypes),
+        click.option("--n", type=int, default=n, show_default=n is not None,
+                     help="How many items" + ("." if n else " (default: all; bridge 12).")),
+        click.option("--dtypes", default=dtypes, show_default=True, callback=_parsed(_dtypes),
                      help="Comma-separated precisions: fp32, bf16, fp16."),
         click.option("--plan", default="instruct", show_default=True,
                      help="Built-in stage plan (instruct, reasoning, short) or a plan .json."),
@@ -286,6 +291,50 @@ def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -
 
 for _name, (_summary, _own) in EXPERIMENTS.items():
     _run_command(_name, _summary, _own)
+
+
+CHECK_OPTIONS = [
+    click.option("--out", type=click.Path(path_type=Path), default=None,
+                 help="Run folder of the check (default: kvreplay-check/<model>-<backend>-"
+                      "<dtypes>-t<temperature>); rerunning resumes it, and kvreplay audit "
+                      "re-executes it."),
+    click.option("--expect", type=click.Choice(["exact", "max-divergent", "faithful"]),
+                 default=None,
+                 help="What must hold: exact (every suffix equal; the default when greedy), "
+                      "max-divergent (at most --max-divergent items differ), or faithful "
+                      "(the resample certificate within --margin; the default at "
+                      "--temperature > 0)."),
+    click.option("--max-divergent", type=click.IntRange(min=0), default=None,
+                 help="Items allowed to diverge under --expect max-divergent."),
+    click.option("--margin", type=float, default=None,
+                 help="Equivalence margin of --expect faithful, in (0, 1) (default 0.05)."),
+    click.option("--samples", type=click.IntRange(min=2, max=4096), default=None,
+                 help="Seeded samples per item at --temperature > 0 (default 8)."),
+    click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False),
+                 default=None, help="Write the verdict as JSON (schema kvreplay-check-v1)."),
+    click.option("--junit", "junit_path", type=click.Path(path_type=Path, dir_okay=False),
+                 default=None, help="Write JUnit XML: one test case per item."),
+    click.option("--repro", type=click.Path(path_type=Path, file_okay=False), default=None,
+                 help="Repro pack of the first divergent item (default: <out>.repro)."),
+]  # fmt: skip
+
+
+def _check_command() -> None:
+    def check(**options: Any) -> None:
+        """Is replay faithful on this stack? Live vs prefill (a prefix-cache hit vs a miss
+        on a served backend) on a few items, with replicas. Exit 0 when the expectation
+        holds, 1 when it does not, 2 on error."""
+        from kvreplay.check import run_check
+
+        sys.exit(run_check(options, _request, click.echo))
+
+    func: Callable[..., Any] = plain_errors(check)
+    for option in reversed(CHECK_OPTIONS):
+        func = option(func)
+    main.command("check")(run_options(func, n=4, dtypes="bf16"))
+
+
+_check_command()
 
 
 @main.command("demo")

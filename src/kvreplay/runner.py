@@ -18,6 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvreplay import __version__
+from kvreplay.check import verdict_sentence
 from kvreplay.config import RunConfig, RunSettings
 from kvreplay.decode import opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
@@ -264,7 +265,9 @@ def _run_prepared(
     experiment.figures(request.out, rows)
     summary = summarize(experiment, rows)
     if not quiet:
+        margin = ledger.manifest["experiments"][experiment.name]["config"].get("margin")
         print(format_summary(experiment, summary))
+        print(verdict_sentence(experiment, rows, margin))
     return summary
 
 

@@ -1,0 +1,483 @@
+"""``kvreplay check``: a verdict on a stack (DESIGN: check, verdict, expectation).
+
+A check is a small ``matched`` run (or ``resample`` at temperature > 0): live vs prefill
+on the hf backend, a prefix-cache hit vs a miss on a served one, each with its replica.
+Its outcome is a :class:`Verdict` against an :class:`Expectation`: every suffix equal
+(``exact``, for deterministic modes), at most K items divergent (``max-divergent``), or
+the resample certificate's ``faithful`` within a margin. The check is itself a run folder,
+so ``kvreplay audit`` re-executes it. Every ``kvreplay run`` ends with the same verdict
+sentence (:func:`verdict_sentence`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
+
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments.experiment import Experiment
+from kvreplay.items import load_jsonl
+from kvreplay.ledger import ITEMS, Record
+from kvreplay.state import first_divergence
+
+SCHEMA = "kvreplay-check-v1"
+EXPECTATIONS = ("exact", "max-divergent", "faithful")
+DEFAULT_MARGIN = 0.05
+HOLDS, FAILS = 0, 1  # exit codes; a refusal is 2
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the stack should do: ``exact`` (every suffix equal), ``max-divergent`` (at
+    most ``max_divergent`` items differ), or ``faithful`` (the resample certificate at
+    ``margin``, temperature > 0 only)."""
+
+    kind: str
+    max_divergent: int = 0
+    margin: float = DEFAULT_MARGIN
+
+    def describe(self) -> str:
+        if self.kind == "exact":
+            return "every suffix equal"
+        if self.kind == "max-divergent":
+            return f"at most {self.max_divergent} item(s) divergent"
+        return f"faithful within the margin {self.margin:g}"
+
+
+def parse_expectation(
+    kind: str | None, max_divergent: int | None, margin: float | None, temperature: float
+) -> Expectation:
+    """The expectation a check runs against; the default is ``exact`` when greedy and
+    ``faithful`` at temperature > 0. Bad combinations are refused in one sentence."""
+    if kind is None:
+        kind = "max-divergent" if max_divergent is not None else None
+        kind = kind or ("faithful" if temperature > 0 else "exact")
+    if kind not in EXPECTATIONS:
+        raise KvreplayError(f"Unknown expectation {kind!r}; choose {', '.join(EXPECTATIONS)}.")
+    if kind == "faithful" and temperature <= 0:
+        raise KvreplayError(
+            "--expect faithful compares sampled outcomes; give --temperature above 0."
+        )
+    if kind != "faithful" and temperature > 0:
+        raise KvreplayError(
+            f"--expect {kind} compares greedy continuations; at --temperature above 0 use "
+            "--expect faithful."
+        )
+    if margin is not None and not 0 < margin < 1:
+        raise KvreplayError(f"--margin must lie in (0, 1); got {margin:g}.")
+    if margin is not None and kind != "faithful":
+        raise KvreplayError("--margin applies to --expect faithful only.")
+    if max_divergent is not None and kind != "max-divergent":
+        raise KvreplayError("--max-divergent applies to --expect max-divergent only.")
+    return Expectation(kind, max_divergent or 0, DEFAULT_MARGIN if margin is None else margin)
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """One item at one precision: do the compared continuations agree, and where and how
+    narrowly do they part (the top-1/top-2 margins at the first divergence; a flip on a
+    near-tie has a margin near 0)."""
+
+    item_id: str
+    precision: str
+    reached: bool
+    replicas_ok: bool
+    suffix_differs: bool = False
+    answer_differs: bool = False
+    label_flips: bool = False
+    first_divergence: int | None = None
+    left_margin: float | None = None
+    right_margin: float | None = None
+    seeds_changed: int | None = None  # resample: seeds whose sampled tokens changed
+    seeds: int | None = None
+
+    @property
+    def diverges(self) -> bool:
+        return self.suffix_differs or bool(self.seeds_changed)
+
+
+def outcomes(experiment: Experiment, rows: list[Record]) -> list[ItemOutcome]:
+    """Each compared row's outcome, in ledger order."""
+    found = []
+    for record in rows:
+        data = record.data
+        if data.get("kind") == "prefix":
+            continue
+        if data["status"] != "ok":
+            found.append(ItemOutcome(data["item_id"], data["precision"], False, True))
+            continue
+        row = experiment.read_row(data)
+        pairs = row.pairs
+        changed = [a.suffix_sha256 != b.suffix_sha256 for a, b in pairs]
+        left, right = pairs[0]
+        index = first_divergence(left.suffix_token_ids, right.suffix_token_ids)
+        found.append(
+            ItemOutcome(
+                item_id=data["item_id"],
+                precision=data["precision"],
+                reached=True,
+                replicas_ok=row.replicas_exact,
+                suffix_differs=len(pairs) == 1 and changed[0],
+                answer_differs=any(a.answer != b.answer for a, b in pairs),
+                label_flips=any(a.correct != b.correct for a, b in pairs),
+                first_divergence=index,
+                left_margin=left.margin_at(index),
+                right_margin=right.margin_at(index),
+                seeds_changed=sum(changed) if len(pairs) > 1 else None,
+                seeds=len(pairs) if len(pairs) > 1 else None,
+            )
+        )
+    return found
+
+
+@dataclass
+class Verdict:
+    """A check's outcome against its expectation, with everything a CI system or a person
+    needs: the sentence, the counts, each item, and the certificate when sampled."""
+
+    expectation: Expectation
+    compared: tuple[str, str]
+    items: list[ItemOutcome]
+    certificate: dict[str, Any] | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def divergent(self) -> list[ItemOutcome]:
+        return [o for o in self.items if o.diverges]
+
+    @property
+    def broken(self) -> list[ItemOutcome]:
+        """Items whose replicas disagreed: the stack is not deterministic there."""
+        return [o for o in self.items if o.reached and not o.replicas_ok]
+
+    @property
+    def holds(self) -> bool:
+        if self.broken or not any(o.reached for o in self.items):
+            return False
+        if self.expectation.kind == "faithful":
+            return self.certificate is not None and self.certificate["verdict"] == "faithful"
+        limit = self.expectation.max_divergent if self.expectation.kind == "max-divergent" else 0
+        return len(self.divergent) <= limit
+
+    @property
+    def exit_code(self) -> int:
+        return HOLDS if self.holds else FAILS
+
+    def sentence(self) -> str:
+        left, right = self.compared
+        reached = [o for o in self.items if o.reached]
+        verdict = "HOLDS" if self.holds else "FAILS"
+        head = f"{verdict} ({self.expectation.describe()}): "
+        if not reached:
+            return head + "no item reached its boundary, so nothing was compared."
+        if self.broken:
+            return head + (
+                f"replicas disagreed on {len(self.broken)} of {len(reached)} item(s), so this "
+                "stack is not deterministic even under the same state."
+            )
+        if self.certificate is not None:
+            return head + self.certificate["sentence"]
+        parts = []
+        for precision in dict.fromkeys(o.precision for o in reached):
+            these = [o for o in reached if o.precision == precision]
+            parts.append(f"{sum(o.diverges for o in these)} of {len(these)} item(s) in {precision}")
+        near = [o for o in self.divergent if o.left_margin is not None and o.left_margin < 0.5]
+        tie = (
+            f"; {len(near)} of those part at a near-tie (top-1/top-2 margin under 0.5)"
+            if self.divergent
+            else ""
+        )
+        return head + (f"{left} and {right} continuations differ on {' and '.join(parts)}{tie}.")
+
+    def counts(self) -> dict[str, int]:
+        reached = [o for o in self.items if o.reached]
+        return {
+            "items": len(self.items),
+            "reached": len(reached),
+            "suffixes_differ": len(self.divergent),
+            "answers_differ": sum(o.answer_differs for o in reached),
+            "labels_flip": sum(o.label_flips for o in reached),
+            "replicas_disagree": len(self.broken),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "verdict": "holds" if self.holds else "fails",
+            "exit_code": self.exit_code,
+            "sentence": self.sentence(),
+            "expectation": asdict(self.expectation),
+            "compared": list(self.compared),
+            "counts": self.counts(),
+            "items": [asdict(o) for o in self.items],
+            "certificate": self.certificate,
+            "environment": self.environment,
+        }
+
+    def junit(self) -> str:
+        """JUnit XML: one test case per item and precision, failed where it diverges."""
+        suite = ElementTree.Element(
+            "testsuite",
+            name="kvreplay check",
+            tests=str(len(self.items)),
+            failures=str(sum(not _passes(o) for o in self.items)),
+        )
+        for outcome in self.items:
+            case = ElementTree.SubElement(
+                suite,
+                "testcase",
+                classname=f"kvreplay.check.{outcome.precision}",
+                name=outcome.item_id,
+            )
+            if not _passes(outcome):
+                failure = ElementTree.SubElement(case, "failure", message=_why(outcome))
+                failure.text = json.dumps(asdict(outcome), sort_keys=True)
+        return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+    def screen(self) -> str:
+        """The one-screen report: the sentence first, then the counts and the items."""
+        lines = [self.sentence(), ""]
+        lines += [f"  {name.replace('_', ' ')}: {value}" for name, value in self.counts().items()]
+        for o in self.divergent[:10]:
+            lines.append(f"  {o.item_id} ({o.precision}): {_why(o)}")
+        return "\n".join(lines)
+
+
+def _passes(outcome: ItemOutcome) -> bool:
+    return outcome.reached and outcome.replicas_ok and not outcome.diverges
+
+
+def _why(outcome: ItemOutcome) -> str:
+    if not outcome.reached:
+        return "the prefix did not reach its boundary"
+    if not outcome.replicas_ok:
+        return "its replicas disagreed"
+    if outcome.seeds_changed:
+        return f"{outcome.seeds_changed} of {outcome.seeds} seeds changed"
+    if not outcome.diverges:
+        return "equal"
+    margins = (
+        f"margins {outcome.left_margin:.3g} / {outcome.right_margin:.3g}"
+        if (outcome.left_margin is not None and outcome.right_margin is not None)
+        else "margins not recorded"
+    )
+    return f"suffixes part at token {outcome.first_divergence} ({margins})"
+
+
+def judge(
+    experiment: Experiment,
+    rows: list[Record],
+    expectation: Expectation,
+    environment: dict[str, Any] | None = None,
+) -> Verdict:
+    """The verdict of a run's rows; a sampled run is judged by its certificate."""
+    items = outcomes(experiment, rows)
+    certificate = None
+    if any(o.seeds for o in items):
+        certificate = _certificate(experiment, rows, expectation.margin)
+    arms = experiment.panel.arms
+    compared = (arms[0].construction, arms[1].construction)
+    return Verdict(expectation, compared, items, certificate, environment or {})
+
+
+def _certificate(experiment: Experiment, rows: list[Record], margin: float) -> dict[str, Any]:
+    from kvreplay.analysis.certificate import PairedSamples, certify
+
+    samples = []
+    for record in rows:
+        if record.data.get("kind") == "prefix" or record.data["status"] != "ok":
+            continue
+        pairs = experiment.read_row(record.data).pairs
+        samples.append(
+            PairedSamples(
+                item=record.data["item_id"],
+                live=tuple(a.answer for a, _ in pairs),
+                prefill=tuple(b.answer for _, b in pairs),
+                live_correct=tuple(a.correct for a, _ in pairs),
+                prefill_correct=tuple(b.correct for _, b in pairs),
+                changed=tuple(a.suffix_sha256 != b.suffix_sha256 for a, b in pairs),
+            )
+        )
+    return certify(samples, margin).to_json()
+
+
+def verdict_sentence(experiment: Experiment, rows: list[Record], margin: float | None) -> str:
+    """The sentence a ``kvreplay run`` ends with: its rows judged against the default
+    expectation (every suffix equal; the certificate when sampled)."""
+    sampled = any(r.data.get("samples") for r in rows)
+    kind = "faithful" if sampled else "exact"
+    expectation = Expectation(kind, 0, margin or DEFAULT_MARGIN)
+    if not sampled:
+        return judge(experiment, rows, expectation).sentence()
+    precisions = dict.fromkeys(r.data["precision"] for r in rows)
+    return " ".join(
+        f"{p}: "
+        + judge(experiment, [r for r in rows if r.data["precision"] == p], expectation).sentence()
+        for p in precisions
+    )
+
+
+def repro_pack(
+    folder: Path,
+    verdict: Verdict,
+    run_dir: Path,
+    rows: list[Record],
+    experiment: Experiment,
+    command: list[str],
+) -> Path | None:
+    """For the first divergent item: its item line, P, both suffixes, the margins and
+    first-step logprobs at the divergence, the environment, and the one command that
+    reproduces it (this check on that item alone)."""
+    first = next((o for o in verdict.items if o.diverges), None)
+    if first is None:
+        return None
+    record = next(
+        r for r in rows if r.data.get("item_id") == first.item_id
+        and r.data.get("precision") == first.precision and r.data.get("kind") != "prefix"
+    )  # fmt: skip
+    row = experiment.read_row(record.data)
+    left, right = row.pairs[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    item_line = folder / "item.jsonl"
+    item = next(i for i in load_jsonl(run_dir / ITEMS) if i.id == first.item_id)
+    item_line.write_text(json.dumps(item.to_dict(), sort_keys=True) + "\n")
+    rerun = _rerun_command(command, item_line, folder / "rerun", first.precision)
+    prefix = row.prefix
+    pack = {
+        "schema": SCHEMA + "-repro",
+        "item_id": first.item_id,
+        "precision": first.precision,
+        "prompt_token_ids": prefix["prefix_token_ids"][: prefix["prompt_token_count"]],
+        "prefix_token_ids": prefix["prefix_token_ids"],
+        "compared": list(verdict.compared),
+        "suffixes": {
+            verdict.compared[0]: left.suffix_token_ids,
+            verdict.compared[1]: right.suffix_token_ids,
+        },  # fmt: skip
+        "first_divergence": first.first_divergence,
+        "margins_at_divergence": {
+            verdict.compared[0]: first.left_margin,
+            verdict.compared[1]: first.right_margin,
+        },  # fmt: skip
+        "first_step_logprobs": {
+            name: arm.served.first_logprobs
+            for name, arm in zip(verdict.compared, (left, right), strict=True)
+            if arm.served is not None
+        },
+        "environment": verdict.environment,
+        "command": shlex.join(rerun),
+    }
+    (folder / "repro.json").write_text(json.dumps(pack, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def _rerun_command(command: list[str], items: Path, out: Path, precision: str) -> list[str]:
+    """The check's own command line, narrowed to one item and precision and a new folder."""
+    drop = {"--items", "--n", "--dtypes", "--out", "--json", "--junit", "--repro"}
+    kept, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return [*kept, "--items", str(items), "--n", "1", "--dtypes", precision, "--out", str(out)]
+
+
+def write_outputs(verdict: Verdict, json_path: Path | None, junit_path: Path | None) -> None:
+    for path, text in (
+        (json_path, json.dumps(verdict.to_json(), indent=2, sort_keys=True) + "\n"),
+        (junit_path, verdict.junit()),
+    ):
+        if path is None:
+            continue
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise KvreplayError(f"Cannot write {path} ({exc.strerror or exc}).") from exc
+
+
+def current_command() -> list[str]:
+    return ["kvreplay", *sys.argv[1:]]
+
+
+def default_out(options: dict[str, Any]) -> Path:
+    """One folder per model, backend, precisions and temperature, so a rerun resumes."""
+    model = Path(str(options["model"])).name or "model"
+    dtypes = "-".join(options["dtypes"])
+    name = f"{model}-{options['backend']}-{dtypes}-t{options['temperature']:g}"
+    return Path("kvreplay-check") / re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
+def _check_writable(path: Path | None) -> None:
+    if path is not None and not path.parent.is_dir():
+        raise KvreplayError(f"Cannot write {path}: the folder {path.parent} does not exist.")
+
+
+def _environment(manifest: dict[str, Any]) -> dict[str, Any]:
+    contract = manifest["contract"]
+    model = contract["model_info"]
+    return {
+        "kvreplay_version": manifest.get("kvreplay_version"),
+        "model": {"spec": model["spec"], "model_digest": model["model_digest"]},
+        "backend": contract["run"].get("backend") or {"name": "hf"},
+        **contract["environment"],
+    }
+
+
+def run_check(
+    options: dict[str, Any],
+    make_request: Callable[[str, Path, dict[str, Any]], Any],
+    echo: Callable[[str], None],
+) -> int:
+    """Run (or resume) the check the CLI options ask for, print its verdict, write its
+    outputs, and return its exit code. Every refusal comes before the run writes."""
+    from kvreplay.experiments import get_experiment
+    from kvreplay.ledger import RunLedger, parse_rows
+    from kvreplay.runner import run
+
+    options = dict(options)
+    take = options.pop
+    out, json_path, junit_path, repro = (
+        take(k) for k in ("out", "json_path", "junit_path", "repro")
+    )
+    expectation = parse_expectation(
+        take("expect"), take("max_divergent"), take("margin"), options["temperature"]
+    )
+    samples = take("samples")
+    name = "resample" if expectation.kind == "faithful" else "matched"
+    if samples is not None and name != "resample":
+        raise KvreplayError("--samples applies at --temperature above 0 only.")
+    if name == "resample":
+        options |= {"samples": samples or 8, "margin": expectation.margin}
+    for path in (json_path, junit_path):
+        _check_writable(path)
+    out = out or default_out(options)
+    request = make_request(name, out, options)
+    run(request, quiet=True)
+    ledger = RunLedger.open_existing(out)
+    records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
+    experiment = get_experiment(name, request.backend, require_engine=False)
+    rows = [r for r in records if r.experiment == name]
+    verdict = judge(experiment, rows, expectation, _environment(ledger.manifest))
+    echo(verdict.screen())
+    write_outputs(verdict, json_path, junit_path)
+    pack = repro_pack(
+        repro or out.with_name(out.name + ".repro"), verdict, out, rows, experiment,
+        current_command(),
+    )  # fmt: skip
+    if pack is not None:
+        command = json.loads((pack / "repro.json").read_text())["command"]
+        echo(f"repro pack: {pack}; reproduce the first divergence with: {command}")
+    echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
+    return verdict.exit_code
