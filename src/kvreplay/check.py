@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -379,7 +378,8 @@ def repro_pack(
 
 
 def _rerun_command(command: list[str], items: Path, out: Path, precision: str) -> list[str]:
-    """The check's own command line, narrowed to one item and precision and a new folder."""
+    """The check's own command line (as :func:`kvreplay.cli.command_line` gives it),
+    narrowed to one item and precision and a new folder."""
     drop = {"--items", "--n", "--dtypes", "--out", "--json", "--junit", "--repro"}
     kept, skip = [], False
     for arg in command:
@@ -405,10 +405,6 @@ def write_outputs(verdict: Verdict, json_path: Path | None, junit_path: Path | N
             path.write_text(text, encoding="utf-8")
         except OSError as exc:
             raise KvreplayError(f"Cannot write {path} ({exc.strerror or exc}).") from exc
-
-
-def current_command() -> list[str]:
-    return ["kvreplay", *sys.argv[1:]]
 
 
 def default_out(options: dict[str, Any]) -> Path:
@@ -439,9 +435,10 @@ def run_check(
     options: dict[str, Any],
     make_request: Callable[[str, Path, dict[str, Any]], Any],
     echo: Callable[[str], None],
-) -> int:
+    command: list[str],
+) -> Verdict:
     """Run (or resume) the check the CLI options ask for, print its verdict, write its
-    outputs, and return its exit code. Every refusal comes before the run writes."""
+    outputs, and return the verdict. Every refusal comes before the run writes."""
     from kvreplay.experiments import get_experiment
     from kvreplay.ledger import RunLedger, parse_rows
     from kvreplay.runner import run
@@ -473,11 +470,10 @@ def run_check(
     echo(verdict.screen())
     write_outputs(verdict, json_path, junit_path)
     pack = repro_pack(
-        repro or out.with_name(out.name + ".repro"), verdict, out, rows, experiment,
-        current_command(),
-    )  # fmt: skip
+        repro or out.with_name(out.name + ".repro"), verdict, out, rows, experiment, command
+    )
     if pack is not None:
         command = json.loads((pack / "repro.json").read_text())["command"]
         echo(f"repro pack: {pack}; reproduce the first divergence with: {command}")
     echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
-    return verdict.exit_code
+    return verdict

@@ -206,7 +206,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Callable[..., Any]]]] = {
 DEFAULT_TEMPERATURE = {"resample": 0.7}
 
 
-def _request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
+def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
     option of the experiment's own as its ``extra``."""
     from kvreplay.backends import make_backend, setting_options
@@ -275,7 +275,7 @@ def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -
     def command(out: Path, **kwargs: Any) -> None:
         from kvreplay.runner import run
 
-        run(_request(experiment, out, kwargs))
+        run(build_request(experiment, out, kwargs))
         click.echo(f"Ledger: {out}")
 
     command.__doc__ = summary
@@ -291,6 +291,26 @@ def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -
 
 for _name, (_summary, _own) in EXPERIMENTS.items():
     _run_command(_name, _summary, _own)
+
+
+def command_line(ctx: click.Context) -> list[str]:
+    """The command a context ran, as the arguments that differ from its defaults (what a
+    repro pack gives back as the command that reproduces it)."""
+    words = ["kvreplay", *ctx.command_path.split()[1:]]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if not isinstance(param, click.Option) or value is None or value == param.default:
+            continue
+        if param.is_flag and param.secondary_opts:
+            words.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.is_flag:
+            words += [param.opts[0]] if value else []
+        elif isinstance(value, tuple):
+            if ",".join(value) != param.default:
+                words += [param.opts[0], ",".join(value)]
+        else:
+            words += [param.opts[0], str(value)]
+    return words
 
 
 CHECK_OPTIONS = [
@@ -326,7 +346,8 @@ def _check_command() -> None:
         holds, 1 when it does not, 2 on error."""
         from kvreplay.check import run_check
 
-        sys.exit(run_check(options, _request, click.echo))
+        command = command_line(click.get_current_context())
+        sys.exit(run_check(options, build_request, click.echo, command).exit_code)
 
     func: Callable[..., Any] = plain_errors(check)
     for option in reversed(CHECK_OPTIONS):

@@ -1,0 +1,39 @@
+"""A pytest helper for other projects' suites: run ``kvreplay check`` in the test's own
+process and fail the test with the verdict sentence when the expectation does not hold.
+
+    from kvreplay.testing import assert_check_holds
+
+    def test_prefix_cache_hit_is_exact(tmp_path):
+        assert_check_holds("--dtypes", "fp32", out=tmp_path / "check")
+
+The arguments are ``kvreplay check``'s own (see ``kvreplay check --help``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvreplay.check import Verdict, run_check
+
+
+def check(*args: str, out: Path | str | None = None, quiet: bool = True) -> Verdict:
+    """Run ``kvreplay check ARGS`` here and return its verdict (a refusal raises
+    :class:`~kvreplay.errors.KvreplayError` or click's usage error)."""
+    from kvreplay.cli import build_request, command_line, main
+
+    command = main.get_command(None, "check")  # type: ignore[arg-type]
+    arguments = [str(a) for a in args] + (["--out", str(out)] if out is not None else [])
+    with main.make_context("kvreplay", ["check"]) as parent:
+        context = command.make_context("check", arguments, parent=parent)
+    echo = (lambda _: None) if quiet else print
+    return run_check(context.params, build_request, echo, command_line(context))
+
+
+def assert_check_holds(*args: str, out: Path | str | None = None) -> Verdict:
+    """Run the check; fail the calling test with its verdict sentence unless it holds."""
+    import pytest
+
+    verdict = check(*args, out=out)
+    if not verdict.holds:
+        pytest.fail(verdict.sentence(), pytrace=False)
+    return verdict
