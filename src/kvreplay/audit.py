@@ -276,12 +276,15 @@ def audit(
     announce: Callable[[str], None] | None = None,
     threads: int = DEFAULT_THREADS,
     trust_remote_code: bool = False,
+    connection: dict[str, Any] | None = None,
 ) -> AuditResult:
     """Verify a run; see the module docstring. Bad input raises KvreplayError, and so
     do a ``threads`` count other than the one the run recorded, library versions other
     than the run's, and a run whose model ships code unless ``trust_remote_code``.
 
-    ``announce`` hears, before any re-execution starts, which recorded environment
+    ``connection`` reaches the run's backend (a server's address, which a run does not
+    record, so it may differ from the run's). ``announce`` hears, before any re-execution
+    starts, which recorded environment
     fields differ from this machine's (a different torch or CPU may change bf16
     results, so a mismatch that follows is then no surprise).
     """
@@ -297,7 +300,7 @@ def audit(
     check_recorded(contract, threads, run_dir, "audit")
     placement = (engine, workers, gpus_per_worker, ray_address)
     with intra_op_threads(threads):
-        return _audit(ledger, sample, seed, placement, announce)
+        return _audit(ledger, sample, seed, placement, announce, connection or {})
 
 
 def _audit(
@@ -306,10 +309,12 @@ def _audit(
     seed: int,
     placement: tuple[str, int, float, str | None],
     announce: Callable[[str], None] | None,
+    connection: dict[str, Any],
 ) -> AuditResult:
     run_dir = ledger.run_dir
     result = AuditResult(run_dir)
-    config = RunConfig.from_contract(ledger.manifest["contract"].get("run"), str(run_dir))
+    run = ledger.manifest["contract"].get("run")
+    config = RunConfig.from_contract(run, str(run_dir), connection)
     item_list, result.problems = load_audited_items(ledger)
     # Everything that needs no model first: hashes, chain, plan, inputs, derived files.
     if ledger.manifest["contract_sha256"] != ledger.contract_hash:

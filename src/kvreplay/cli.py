@@ -69,12 +69,19 @@ def backend_options() -> list[Callable[..., Any]]:
         click.option("--backend", type=click.Choice(list(registry())), default="hf",
                      show_default=True, help=f"{summaries}. See kvreplay backends."),
     ]  # fmt: skip
-    for key, meta in setting_options().items():
-        options.append(click.option(
-            meta["option"], key, type=click.IntRange(min=0, max=2**20), default=None,
-            help=f"{', '.join(meta['backends'])}: {meta['help']} [default: {meta['default']}]",
-        ))  # fmt: skip
-    return options
+    return options + [_setting_option(key, meta) for key, meta in setting_options().items()]
+
+
+# A backend setting's CLI type, by its annotation; bounds are each backend's to check.
+OPTION_TYPES = {"int": click.IntRange(min=0, max=2**20), "str": str, "float": float}
+
+
+def _setting_option(key: str, meta: dict[str, Any]) -> Callable[..., Any]:
+    default = f" [default: {meta['default']}]" if meta["default"] not in ("", None) else ""
+    return click.option(
+        meta["option"], key, type=OPTION_TYPES[meta["type"]], default=None,
+        help=f"{', '.join(meta['backends'])}: {meta['help']}{default}",
+    )  # fmt: skip
 
 
 def run_options(
@@ -401,12 +408,57 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) -> None:
     """Re-execute a run's rows and verify every fingerprint, hash and derived CSV."""
     from kvreplay.audit import audit, format_audit
+    from kvreplay.backends import setting_options
 
+    connection = {key: options.pop(key) for key in setting_options(connection_only=True)}
     result = audit(
-        run_dir, sample=sample, seed=seed, announce=lambda s: click.echo(s, err=True), **options
-    )
+        run_dir, sample=sample, seed=seed, announce=lambda s: click.echo(s, err=True),
+        connection=connection, **options,
+    )  # fmt: skip
     click.echo(format_audit(result))
     sys.exit(0 if result.passed else 1)
+
+
+def _with_connection_options(command: click.Command) -> None:
+    """A backend's connection settings (e.g. a server's --url), which a run does not
+    record: given again to audit it."""
+    from kvreplay.backends import setting_options
+
+    for key, meta in setting_options(connection_only=True).items():
+        command.params.append(
+            click.Option(
+                [meta["option"], key],
+                type=OPTION_TYPES[meta["type"]],
+                default=None,
+                help=f"{meta['help']} (a server run)",
+            )
+        )
+
+
+_with_connection_options(audit_command)
+
+
+@main.command("probe")
+@click.option("--url", required=True, help="The server's base address.")
+@click.option("--server", default="auto", show_default=True, help="auto, or which server.")
+@click.option("--api-key-env", default="", help="Environment variable holding its API key.")
+@click.option("--timeout", type=click.FloatRange(min=0.1, max=86400), default=60.0,
+              show_default=True)  # fmt: skip
+@plain_errors
+def probe_command(url: str, server: str, api_key_env: str, timeout: float) -> None:
+    """Ask a running server what it is and whether kvreplay can audit it (exit 0), or
+    why not (one sentence, exit 2)."""
+    from kvreplay.backends import make_backend
+
+    backend = make_backend("http", url=url, server=server, api_key_env=api_key_env,
+                           timeout=timeout)  # fmt: skip
+    probe = backend.probe  # type: ignore[attr-defined]
+    for name, value in probe.table():
+        click.echo(f"{name:<30} {value}")
+    refusal = probe.missing(url)
+    if refusal is not None:
+        raise KvreplayError(refusal)
+    click.echo("kvreplay can audit this server: --backend http --url " + url)
 
 
 @main.command("backends")

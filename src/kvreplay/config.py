@@ -43,8 +43,11 @@ class RunConfig(RunSettings):
     save_snapshots: bool = False
 
     @classmethod
-    def from_contract(cls, data: dict[str, Any], run_dir: str = "") -> RunConfig:
-        """Rebuild the configuration a run recorded (for audit and resume)."""
+    def from_contract(
+        cls, data: dict[str, Any], run_dir: str = "", connection: dict[str, Any] | None = None
+    ) -> RunConfig:
+        """Rebuild the configuration a run recorded (for audit and resume), its backend
+        reached through ``connection`` (e.g. a server's address, which is not recorded)."""
         try:
             return cls(
                 model=data["model"],
@@ -56,7 +59,7 @@ class RunConfig(RunSettings):
                 chat=data["chat"],
                 attn_implementation=data["attn_implementation"],
                 trust_remote_code=data["trust_remote_code"],
-                backend=backend_from_contract(data.get("backend")),
+                backend=backend_from_contract(data.get("backend"), connection),
                 run_dir=run_dir,
             )
         except (KeyError, TypeError, KvreplayError) as exc:  # a hand-edited manifest

@@ -493,6 +493,16 @@ def text_config(spec: str, trust_remote_code: bool = False) -> Any:
         raise KvreplayError(f"Could not read the config of model {spec!r}.") from exc
 
 
+def generation_config(folder: Path) -> Any:
+    """A model folder's generation config (its EOS ids), or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except OSError:
+        return None
+
+
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
     """Just the tokenizer (for selections that must not wait for a model load)."""
     return _tokenizer(spec, *_pretrained(spec, trust_remote_code))

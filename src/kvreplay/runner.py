@@ -170,7 +170,11 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     _check_resume_threads(request)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     info = describe_source(request.model, request.trust_remote_code, scheme, tokenizer)
-    request.backend.check_model(request.model, request.trust_remote_code, request.device)
+    request.backend.check_model(
+        request.model, request.trust_remote_code, request.device, tuple(request.dtypes)
+    )
+    prompts = [i.prompt for i in items[: experiment.count(request.n, items)] if i.prompt]
+    request.backend.check_tokenization(tokenizer, prompts, request.chat)
     _check_prompts(request, plan, items, info, tokenizer)
     config = RunConfig(
         model=request.model,

@@ -19,6 +19,7 @@ from kvreplay.errors import KvreplayError
 BUILTIN: dict[str, str] = {
     "hf": "kvreplay.backends.hf:HfBackend",
     "vllm": "kvreplay.backends.vllm:VllmBackend",
+    "http": "kvreplay.backends.http:HttpBackend",
 }
 
 
@@ -49,21 +50,27 @@ def make_backend(name: str = "hf", **settings: Any) -> Backend:
     return cls(**settings)
 
 
-def backend_from_contract(data: dict[str, Any] | None) -> Backend:
-    """The backend a contract recorded (an hf contract records none)."""
-    if data is None:
-        return make_backend("hf")
-    return backend_class(data["name"]).from_contract(data)
+def backend_from_contract(
+    data: dict[str, Any] | None, connection: dict[str, Any] | None = None
+) -> Backend:
+    """The backend a contract recorded (an hf contract records none), reached through the
+    connection settings given (those the backend takes; the rest are ignored)."""
+    cls = backend_class("hf" if data is None else data["name"])
+    given = {k: v for k, v in (connection or {}).items() if k in cls.connection and v is not None}
+    return cls() if data is None else cls.from_contract(data, given)
 
 
-def setting_options() -> dict[str, dict[str, Any]]:
-    """Every registered backend's CLI settings: field name -> option, help, backends."""
+def setting_options(connection_only: bool = False) -> dict[str, dict[str, Any]]:
+    """Every registered backend's CLI settings (or only its connection settings): field
+    name -> option, help, type, default, and the backends that take it."""
     options: dict[str, dict[str, Any]] = {}
     for name in registry():
-        for key, meta in backend_class(name).settings().items():
-            if "option" in meta:
-                entry = options.setdefault(key, {**meta, "backends": []})
-                entry["backends"].append(name)
+        cls = backend_class(name)
+        for key, meta in cls.settings().items():
+            if connection_only and key not in cls.connection:
+                continue
+            entry = options.setdefault(key, {**meta, "backends": []})
+            entry["backends"].append(name)
     return options
 
 

@@ -35,6 +35,11 @@ class Capabilities:
         return [f.name for f in fields(self) if getattr(self, f.name)]
 
 
+# The types a setting may have, by annotation, and how a refusal names them.
+SETTING_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "float": (int, float)}
+KIND_NAMES = {"int": "an integer", "str": "a string", "float": "a number"}
+
+
 def option(flag: str, help: str) -> dict[str, str]:
     """A settings field's metadata: the CLI flag that sets it and its help."""
     return {"option": flag, "help": help}
@@ -50,12 +55,17 @@ class Backend:
     # Libraries this backend adds to the contract's environment, each with the
     # distributions that may provide it (a resume or audit refuses other versions).
     libraries: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # Settings that say where the backend is, not what it computes: left out of the
+    # contract, and given again to resume or audit a run (e.g. a server's address).
+    connection: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise KvreplayError(f"{f.metadata.get('option', f.name)} must be an integer.")
+            if "option" not in f.metadata:
+                continue
+            value, kind = getattr(self, f.name), SETTING_TYPES[str(f.type)]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise KvreplayError(f"{f.metadata['option']} must be {KIND_NAMES[str(f.type)]}.")
         self.validate()
 
     def validate(self) -> None:
@@ -67,8 +77,12 @@ class Backend:
 
     @classmethod
     def settings(cls) -> dict[str, Any]:
-        """Each setting's field name and its metadata (option, help) and default."""
-        return {f.name: {**f.metadata, "default": f.default} for f in fields(cls)}
+        """Each CLI setting's field name, its metadata (option, help), type and default."""
+        return {
+            f.name: {**f.metadata, "type": str(f.type), "default": f.default}
+            for f in fields(cls)
+            if "option" in f.metadata
+        }
 
     def context_window(self, model_context: int) -> int:
         """The tokens one request may span (0: the model does not say)."""
@@ -79,8 +93,11 @@ class Backend:
         return {"name": self.name, **asdict(self)}
 
     @classmethod
-    def from_contract(cls, data: dict[str, Any]) -> Backend:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+    def from_contract(cls, data: dict[str, Any], connection: dict[str, Any]) -> Backend:
+        """The backend a contract recorded, reached through ``connection`` (its
+        connection settings, given again to resume or audit)."""
+        recorded = {f.name: data[f.name] for f in fields(cls) if f.name not in cls.connection}
+        return cls(**recorded, **connection)
 
     def environment(self) -> dict[str, str]:
         """Library versions this backend adds to the contract's environment."""
@@ -93,8 +110,14 @@ class Backend:
     def check_ready(self) -> None:
         """Refuse (one sentence) when this environment cannot run the backend."""
 
-    def check_model(self, spec: str, trust_remote_code: bool, device: str) -> None:
-        """Refuse, before the manifest, a model or device this backend cannot serve."""
+    def check_model(
+        self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
+    ) -> None:
+        """Refuse, before the manifest, a model, device or precision this backend cannot
+        serve."""
+
+    def check_tokenization(self, tokenizer: Any, prompts: list[Any], chat: bool | None) -> None:
+        """Refuse, before the manifest, prompts the backend would tokenize otherwise."""
 
     def expected_hit(self, computed: int) -> int:
         """How many of ``computed`` prompt tokens a prefix-cache hit must report."""

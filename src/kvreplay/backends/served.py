@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kvreplay.errors import KvreplayError
 from kvreplay.stages import Stage
 
 if TYPE_CHECKING:  # decode imports torch; a backend's settings must not
     from kvreplay.decode import Sampler, Segment
+    from kvreplay.stages import StopDetector
 
 TOP_LOGPROBS = 2
 
@@ -51,6 +53,48 @@ class ServedModel(Protocol):
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Serve requests together, so that they may share batches."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Why a server says it stopped: ``finish_reason`` ("stop", "length") and the stop
+    string or token it saw (None for EOS)."""
+
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+def served_stage(
+    request: Request,
+    tokens: list[int],
+    steps: list[list[tuple[int, float]]],
+    completion: Completion,
+    cached_tokens: int,
+    detector: StopDetector,
+    server: str,
+) -> Served:
+    """A served stage as the hf backend would record it: cut where the plan's stop rule
+    (:class:`~kvreplay.stages.StopDetector`) first fires, the reason named, and each
+    step's top-1/top-2 logprob difference as its margin."""
+    from kvreplay.decode import Segment
+
+    reason = "cap"
+    for end in range(1, len(tokens) + 1):
+        hit = detector.hit(tokens[:end])
+        if hit is not None:
+            tokens, steps, reason = tokens[:end], steps[:end], hit
+            break
+    if reason == "cap" and completion.finish_reason == "stop":  # the server saw a stop
+        stop = completion.stop_reason
+        reason = f"stop:{stop}" if isinstance(stop, str) else "eos"
+    if len(steps) != len(tokens) or any(len(step) < TOP_LOGPROBS for step in steps):
+        raise KvreplayError(f"{server} returned fewer than two logprobs for a step.")
+    margins = [step[0][1] - step[1][1] for step in steps]
+    return Served(
+        Segment(request.stage.name, list(request.opener), tokens, reason, margins),
+        cached_tokens,
+        steps,
+    )
 
 
 def logprobs_fingerprint(first_logprobs: list[tuple[int, float]]) -> str:

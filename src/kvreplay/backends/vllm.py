@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import Backend, Capabilities, option
-from kvreplay.backends.served import TOP_LOGPROBS, Request, Served
+from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request, Served, served_stage
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import StopDetector
 
@@ -117,7 +117,9 @@ class VllmBackend(Backend):
             raise KvreplayError(VLLM_SETUP)
         vllm_version()
 
-    def check_model(self, spec: str, trust_remote_code: bool, device: str) -> None:
+    def check_model(
+        self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
+    ) -> None:
         check_servable(spec, trust_remote_code)
         check_device(device)
 
@@ -183,31 +185,19 @@ class VllmServed:
         return [self._served(r, out) for r, out in zip(requests, outputs, strict=True)]
 
     def _served(self, request: Request, output: Any) -> Served:
-        from kvreplay.decode import Segment
-
         completion = output.outputs[0]
-        tokens = [int(t) for t in completion.token_ids]
         steps = [
             sorted(((int(t), float(lp.logprob)) for t, lp in step.items()), key=lambda x: -x[1])
             for step in completion.logprobs or []
         ]
-        detector = StopDetector(self.tokenizer, request.stage.stop, self.eos_token_ids)
-        reason = "cap"
-        for end in range(1, len(tokens) + 1):
-            hit = detector.hit(tokens[:end])
-            if hit is not None:
-                tokens, steps, reason = tokens[:end], steps[:end], hit
-                break
-        if reason == "cap" and completion.finish_reason == "stop":  # the engine saw a stop
-            stop = completion.stop_reason
-            reason = f"stop:{stop}" if isinstance(stop, str) else "eos"
-        if any(len(step) < TOP_LOGPROBS for step in steps):
-            raise KvreplayError("vLLM returned fewer than two logprobs for a step.")
-        margins = [step[0][1] - step[1][1] for step in steps]
-        return Served(
-            Segment(request.stage.name, list(request.opener), tokens, reason, margins),
-            int(output.num_cached_tokens or 0),
+        return served_stage(
+            request,
+            [int(t) for t in completion.token_ids],
             steps,
+            Completion(completion.finish_reason, completion.stop_reason),
+            int(output.num_cached_tokens or 0),
+            StopDetector(self.tokenizer, request.stage.stop, self.eos_token_ids),
+            "vLLM",
         )
 
 
@@ -215,7 +205,13 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
     """Start the engine for one precision over the run's model folder, after checking the
     folder is the one the run recorded (the same digest as the hf backend's)."""
     from kvreplay.decode import eos_ids
-    from kvreplay.models import load_tokenizer, resolve_source, source_identity, text_config
+    from kvreplay.models import (
+        generation_config,
+        load_tokenizer,
+        resolve_source,
+        source_identity,
+        text_config,
+    )
 
     check_servable(config.model, config.trust_remote_code)
     check_device(config.device)
@@ -231,18 +227,9 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
     return VllmServed(
         engine,
         tokenizer,
-        eos_ids(tokenizer, _generation_config(folder)),
+        eos_ids(tokenizer, generation_config(folder)),
         engine.llm_engine.model_config.max_model_len,
     )
-
-
-def _generation_config(folder: Any) -> Any:
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(folder)
-    except OSError:  # the folder has none
-        return None
 
 
 def start_engine(
