@@ -1,0 +1,289 @@
+"""The http backend (issue 26) against a real ``vllm serve`` on a tiny Qwen2 that vLLM's
+CPU attention serves: probe, matched and resample rows with hit and miss arms, cached
+tokens, integrity gates, analyze, report, audit against the server (and a forged row
+caught), ``kvreplay check``. Error paths go through a small proxy in front of the real
+server (a 500 mid-run, another model on resume, a slow answer) or a server that is not
+OpenAI-compatible; no fake stands in for the server in an end-to-end test.
+
+One server per test session (start-up takes minutes on a loaded 2-core box), on
+loopback and a free port, stopped at the end. It runs in the vLLM environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from helpers import invoke
+from tiny import save_tiny
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_up(url: str, process: subprocess.Popen, limit: float = 900) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError("vllm serve did not come up")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(url, model folder) of a real vLLM server in dev mode, reporting cached tokens."""
+    model = save_tiny(tmp_path_factory.mktemp("served") / "model", "served_qwen2")
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    log = (tmp_path_factory.mktemp("server-log") / "vllm.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+         "--enable-prompt-tokens-details", "--max-model-len", "1024", "--block-size", "32"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(url, process)
+        yield url, model
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+class Proxy:
+    """A loopback proxy to the real server that can fail the Nth completion with a 500,
+    rename the served model, or answer slowly: the error paths a server can take."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream, self.fail_at, self.model, self.delay = upstream, None, None, 0.0
+        self.completions = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.forward(None)
+
+            def do_POST(self) -> None:
+                self.forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def forward(self, body: bytes | None) -> None:
+                time.sleep(proxy.delay)
+                if self.path.startswith("/v1/completions"):
+                    proxy.completions += 1
+                    if proxy.fail_at is not None and proxy.completions >= proxy.fail_at:
+                        return self.answer(500, b'{"error": "injected"}')
+                request = urllib.request.Request(
+                    proxy.upstream + self.path, data=body, method=self.command,
+                    headers={"Content-Type": "application/json"},
+                )  # fmt: skip
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as response:
+                        status, data = response.status, response.read()
+                except urllib.error.HTTPError as exc:
+                    status, data = exc.code, exc.read()
+                if proxy.model and self.path.startswith("/v1/models"):
+                    payload = json.loads(data)
+                    payload["data"][0]["id"] = proxy.model
+                    data = json.dumps(payload).encode()
+                self.answer(status, data)
+
+            def answer(self, status: int, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def proxy(server: tuple[str, Path]) -> Iterator[Proxy]:
+    front = Proxy(server[0])
+    yield front
+    front.close()
+
+
+def run(url: str, model: Path, out: Path, experiment: str = "matched", *extra: object):
+    return invoke("run", experiment, "--backend", "http", "--url", url, "--model", model,
+                  "--n", 3, "--plan", "short", "--dtypes", "bf16", "--out", out,
+                  *extra)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def http_run(server: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    url, model = server
+    out = tmp_path_factory.mktemp("http") / "run"
+    result = run(url, model, out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line)["data"] for line in (folder / "rows.jsonl").read_text().splitlines()]
+
+
+def test_probe_says_the_server_can_be_audited(server: tuple[str, Path]) -> None:
+    result = invoke("probe", "--url", server[0])
+    assert result.exit_code == 0, result.output
+    assert "resets its prefix cache        yes" in result.output
+    assert "reports cached prompt tokens   yes" in result.output
+    assert "kvreplay can audit this server" in result.output
+
+
+def test_matched_rows_hold_a_verified_hit_and_a_miss(http_run: Path) -> None:
+    data = rows(http_run)
+    assert len(data) == 3
+    for row in data:
+        arms = row["arms"]
+        hit, miss = arms["left"]["served"], arms["prefill"]["served"]
+        assert hit["cached_tokens"][0] == (row["prefix_token_count"] - 1) // 32 * 32 > 0
+        assert hit["expected_cached_tokens"] == hit["cached_tokens"][0]
+        assert miss["cached_tokens"][0] == 0
+        assert all(all(gate.values()) for gate in row["replicas"].values())
+    contract = json.loads((http_run / "manifest.json").read_text())["contract"]
+    backend = contract["run"]["backend"]
+    assert backend["name"] == "http" and backend["identity"]["settings"]["block_size"] == 32
+    assert "url" not in json.dumps(backend)  # the address is not part of the contract
+
+
+def test_analyze_report_and_audit_against_the_server(http_run: Path, server, tmp_path) -> None:
+    assert invoke("analyze", http_run).exit_code == 0
+    assert invoke("report", http_run).exit_code == 0
+    audited = invoke("audit", http_run, "--url", server[0], "--sample", 1)
+    assert audited.exit_code == 0, audited.output
+    refused = invoke("audit", http_run, "--sample", 1)
+    assert refused.exit_code == 2 and "give --url URL" in refused.output
+
+
+def test_a_forged_row_is_caught(http_run: Path, server, tmp_path: Path) -> None:
+    import shutil
+
+    from integration.test_audit_tamper_matrix import read_rows, rechain
+
+    forged = tmp_path / "forged"
+    shutil.copytree(http_run, forged)
+    for name in ("claims.json", "report.md", "report.html"):
+        (forged / name).unlink(missing_ok=True)
+    shutil.rmtree(forged / "figures", ignore_errors=True)
+    data = read_rows(forged)
+    data[0]["data"]["arms"]["left"]["served"]["cached_tokens"][0] += 32
+    rechain(forged, data)
+    result = invoke("audit", forged, "--url", server[0], "--sample", 3)
+    assert result.exit_code == 1
+    assert "cached_tokens" in result.output
+
+
+def test_resample_and_check_over_http(server: tuple[str, Path], tmp_path: Path) -> None:
+    url, model = server
+    sampled = run(url, model, tmp_path / "resample", "resample", "--samples", 2)
+    assert sampled.exit_code == 0, sampled.output
+    assert "bf16:" in sampled.output  # the run ends with its verdict sentence
+    checked = invoke("check", "--backend", "http", "--url", url, "--model", model, "--n", 2,
+                     "--plan", "short", "--out", tmp_path / "check",
+                     "--json", tmp_path / "v.json")  # fmt: skip
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    assert verdict["compared"] == ["cache-hit", "cache-miss"]
+    assert checked.exit_code == verdict["exit_code"], checked.output
+
+
+def test_a_500_mid_run_loses_no_row_and_a_rerun_resumes(server, proxy: Proxy, tmp_path) -> None:
+    url, model = server
+    one = invoke(
+        "run",
+        "matched",
+        "--backend",
+        "http",
+        "--url",
+        proxy.url,
+        "--model",
+        model,
+        "--n",
+        1,
+        "--plan",
+        "short",
+        "--dtypes",
+        "bf16",
+        "--out",
+        tmp_path / "one",
+    )
+    assert one.exit_code == 0, one.output
+    per_row, proxy.completions = proxy.completions, 0  # (probing sends one more)
+    out = tmp_path / "run"
+    proxy.fail_at = per_row + 3  # inside the second row
+    failed = run(proxy.url, model, out)
+    assert failed.exit_code == 2, failed.output
+    assert "HTTP 500" in failed.output and "Traceback" not in failed.output
+    kept = rows(out)
+    assert len(kept) == 1
+    resumed = run(url, model, out)
+    assert resumed.exit_code == 0, resumed.output
+    assert rows(out)[0] == kept[0] and len(rows(out)) == 3
+
+
+def test_another_model_on_resume_is_refused(server, proxy: Proxy, http_run: Path) -> None:
+    proxy.model = "someone-else/model"
+    result = run(proxy.url, server[1], http_run)
+    assert result.exit_code == 2, result.output
+    assert "different contract" in result.output and "backend.identity.model" in result.output
+
+
+def test_a_slow_server_times_out_in_one_sentence(server, proxy: Proxy, tmp_path) -> None:
+    proxy.delay = 3.0
+    result = run(proxy.url, server[1], tmp_path / "run", "matched", "--timeout", 1)
+    assert result.exit_code == 2, result.output
+    assert "did not answer" in result.output and not (tmp_path / "run").exists()
+
+
+def test_unreachable_and_foreign_servers_are_refused(tmp_path: Path, server) -> None:
+    result = run(f"http://127.0.0.1:{free_port()}", server[1], tmp_path / "a")
+    assert result.exit_code == 2 and "did not answer" in result.output
+    assert not (tmp_path / "a").exists()
+    foreign = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{foreign.server_address[1]}"
+        result = run(url, server[1], tmp_path / "b")
+        assert result.exit_code == 2 and "is not one kvreplay knows" in result.output
+        probe = invoke("probe", "--url", url)
+        assert probe.exit_code == 2 and "Traceback" not in probe.output
+    finally:
+        foreign.shutdown()
+        foreign.server_close()
