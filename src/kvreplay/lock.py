@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata
@@ -37,11 +38,13 @@ def normalize(name: str) -> str:
 
 
 def installed() -> dict[str, str]:
-    """Every distribution installed in this interpreter, by normalized name; kvreplay
-    itself (the code being run, installed from its own source) and the installer's own
-    distributions are left out."""
+    """Every distribution installed in this environment's site-packages, by normalized
+    name; kvreplay itself (the code being run, installed from its own source) and the
+    installer's own distributions are left out. Only site-packages is read: a library may
+    put vendored copies on ``sys.path`` (setuptools' ``_vendor``) that pip never installed."""
+    paths = sysconfig.get_paths()
     found = {}
-    for dist in metadata.distributions():
+    for dist in metadata.distributions(path=sorted({paths["purelib"], paths["platlib"]})):
         name = dist.metadata["Name"]
         if name and normalize(name) not in INSTALLER:
             found[normalize(name)] = dist.version
