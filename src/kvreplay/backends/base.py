@@ -10,7 +10,7 @@ never for a backend by name; the registry (:mod:`kvreplay.backends`) names them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvreplay.errors import KvreplayError
@@ -40,9 +40,31 @@ SETTING_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "fl
 KIND_NAMES = {"int": "an integer", "str": "a string", "float": "a number"}
 
 
+# What a serving engine offers: no K/V, but cache control, cached-token reports, top-k
+# logprobs and seeded sampling.
+SERVED = Capabilities(
+    kv_access=False,
+    cache_control=True,
+    cached_token_report=True,
+    top_logprobs=True,
+    seeded_sampling=True,
+)
+
+
 def option(flag: str, help: str) -> dict[str, str]:
     """A settings field's metadata: the CLI flag that sets it and its help."""
     return {"option": flag, "help": help}
+
+
+def companions_setting() -> Any:
+    """The batch-composition arm's companions: a setting every served backend takes."""
+    return field(
+        default=3,
+        metadata=option(
+            "--companions",
+            "Other items' requests sharing the batch-composition arm's batches (0: no such arm).",
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvreplay.backends.base import Backend, Capabilities, option
+from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request, Served, served_stage
 from kvreplay.errors import KvreplayError
 
@@ -251,14 +251,7 @@ class HttpBackend(Backend):
 
     name = "http"
     summary = "a running OpenAI-compatible server (vllm serve): hit vs miss over HTTP"
-    capabilities = Capabilities(
-        kv_access=False,
-        cache_control=True,
-        cached_token_report=True,
-        top_logprobs=True,
-        seeded_sampling=True,
-        batch_control=False,  # concurrent requests: batch composition attempted, not set
-    )
+    capabilities = SERVED  # companions go concurrently: batch composition attempted, not set
     connection = ("url", "api_key_env", "timeout")
     url: str = field(default="", metadata=option("--url", "The server's base address."))
     api_key_env: str = field(
@@ -271,12 +264,7 @@ class HttpBackend(Backend):
     timeout: float = field(
         default=600.0, metadata=option("--timeout", "Seconds to wait for one response.")
     )
-    companions: int = field(
-        default=3,
-        metadata=option(
-            "--companions", "Other items' requests sharing the batch-composition arm's batches."
-        ),
-    )
+    companions: int = companions_setting()
     recorded: dict[str, Any] | None = None  # the identity a resumed or audited run recorded
 
     def validate(self) -> None:

