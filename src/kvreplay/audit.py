@@ -5,8 +5,6 @@ derived CSV and every snapshot. Read-only: an audit never changes the run.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import random
 import re
@@ -18,6 +16,7 @@ from typing import Any
 
 from kvreplay.canonical import canonical, sha256_json
 from kvreplay.config import RunConfig
+from kvreplay.derived import check_csvs
 from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
@@ -34,7 +33,6 @@ from kvreplay.ledger import (
     RunLedger,
     diff_fields,
     parse_rows,
-    render_csv,
 )
 from kvreplay.lock import check_libraries
 from kvreplay.models import DTYPES, describe_source, file_digests
@@ -65,50 +63,6 @@ def _strip(data: Any) -> Any:
     if isinstance(data, list):
         return [_strip(v) for v in data]
     return data
-
-
-def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = False) -> list[str]:
-    """Each experiment's CSV must equal the one derived from rows.jsonl, cell for cell;
-    ``present_only`` skips experiments whose CSV is not written yet (a run in progress)."""
-    problems = []
-    for name in ledger.manifest.get("experiments", {}):
-        experiment = recorded_experiment(name, ledger.manifest)
-        if experiment is None:
-            problems.append(f"experiment {name}: unknown to this kvreplay version")
-            continue
-        path = ledger.run_dir / experiment.csv_name(ledger.manifest["experiments"][name]["config"])
-        if present_only and not path.exists():
-            continue
-        rows = [r for r in records if r.experiment == name]
-        try:
-            expected = render_csv(experiment.columns, experiment.csv_rows(rows))
-        except (KeyError, TypeError, IndexError, ValueError) as exc:  # hand-edited row data
-            problems.append(f"{path.name}: cannot be derived from rows.jsonl ({exc!r})")
-            continue
-        if not path.exists():
-            problems.append(f"{path.name}: missing although {name} has rows")
-            continue
-        try:
-            actual = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            problems.append(f"{path.name}: not UTF-8 text")
-            continue
-        if actual == expected:
-            continue
-        want = list(csv.DictReader(io.StringIO(expected)))
-        have = list(csv.DictReader(io.StringIO(actual)))
-        if len(want) != len(have):
-            problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
-        for a, b in zip(want, have, strict=False):
-            for column in experiment.columns:
-                if a.get(column) != b.get(column):
-                    problems.append(
-                        f"{path.name} row {a.get('row_id')} ({a.get('precision', '')})"
-                        f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
-                    )
-        if not problems or not problems[-1].startswith(path.name):
-            problems.append(f"{path.name}: differs from the CSV derived from rows.jsonl")
-    return problems
 
 
 def _snapshots(data: Any) -> list[tuple[str, dict[str, Any]]]:

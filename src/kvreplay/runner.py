@@ -18,7 +18,6 @@ from typing import Any
 from tqdm import tqdm
 
 from kvreplay import __version__
-from kvreplay.check import verdict_sentence
 from kvreplay.config import RunConfig, RunSettings
 from kvreplay.decode import opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
@@ -50,6 +49,7 @@ from kvreplay.scoring import get_extractor
 from kvreplay.stages import StagePlan, get_plan
 from kvreplay.summary import format_summary, summarize
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+from kvreplay.verdict import verdict_sentence
 
 
 @dataclass(frozen=True)

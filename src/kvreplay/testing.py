@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvreplay.check import Verdict, run_check
+from kvreplay.check import run_check
+from kvreplay.verdict import Verdict
 
 
 def check(*args: str, out: Path | str | None = None, quiet: bool = True) -> Verdict:

@@ -657,7 +657,7 @@ def _check_against_run(folder: Path) -> None:
     """A kvreplay run's CSVs are derived from its rows.jsonl, the source of truth: one
     cut at a row boundary (or edited) would otherwise be analysed as a smaller (or
     different) run."""
-    from kvreplay.audit import check_csvs
+    from kvreplay.derived import check_csvs
     from kvreplay.ledger import RunLedger, parse_rows
 
     ledger = RunLedger.open_existing(folder)

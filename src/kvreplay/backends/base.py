@@ -17,7 +17,6 @@ from kvreplay.errors import KvreplayError
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
-    from kvreplay.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -145,6 +144,7 @@ class Backend:
         """How many of ``computed`` prompt tokens a prefix-cache hit must report."""
         return computed
 
-    def open_served(self, config: RunConfig, precision: str) -> ServedModel:
-        """A served model for one precision (backends without K/V access)."""
+    def open_served(self, config: Any, precision: str) -> ServedModel:
+        """A served model for one precision (backends without K/V access); ``config`` is
+        the run's :class:`~kvreplay.config.RunConfig` (not imported: it holds a backend)."""
         raise KvreplayError(f"The {self.name} backend serves no model over requests.")

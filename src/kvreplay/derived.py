@@ -1,0 +1,55 @@
+"""The CSVs a run derives from its ``rows.jsonl`` (the source of truth), and the check that
+they still do: ``kvreplay audit`` runs it, and so does ``kvreplay analyze`` on a run
+folder, so that a CSV cut or edited by hand is never analysed as the run's."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from kvreplay.experiments import recorded_experiment
+from kvreplay.ledger import Record, RunLedger, render_csv
+
+
+def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = False) -> list[str]:
+    """Each experiment's CSV must equal the one derived from rows.jsonl, cell for cell;
+    ``present_only`` skips experiments whose CSV is not written yet (a run in progress)."""
+    problems = []
+    for name in ledger.manifest.get("experiments", {}):
+        experiment = recorded_experiment(name, ledger.manifest)
+        if experiment is None:
+            problems.append(f"experiment {name}: unknown to this kvreplay version")
+            continue
+        path = ledger.run_dir / experiment.csv_name(ledger.manifest["experiments"][name]["config"])
+        if present_only and not path.exists():
+            continue
+        rows = [r for r in records if r.experiment == name]
+        try:
+            expected = render_csv(experiment.columns, experiment.csv_rows(rows))
+        except (KeyError, TypeError, IndexError, ValueError) as exc:  # hand-edited row data
+            problems.append(f"{path.name}: cannot be derived from rows.jsonl ({exc!r})")
+            continue
+        if not path.exists():
+            problems.append(f"{path.name}: missing although {name} has rows")
+            continue
+        try:
+            actual = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            problems.append(f"{path.name}: not UTF-8 text")
+            continue
+        if actual == expected:
+            continue
+        want = list(csv.DictReader(io.StringIO(expected)))
+        have = list(csv.DictReader(io.StringIO(actual)))
+        if len(want) != len(have):
+            problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
+        for a, b in zip(want, have, strict=False):
+            for column in experiment.columns:
+                if a.get(column) != b.get(column):
+                    problems.append(
+                        f"{path.name} row {a.get('row_id')} ({a.get('precision', '')})"
+                        f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
+                    )
+        if not problems or not problems[-1].startswith(path.name):
+            problems.append(f"{path.name}: differs from the CSV derived from rows.jsonl")
+    return problems
