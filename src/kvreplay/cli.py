@@ -9,7 +9,9 @@ from typing import Any
 
 import click
 
+from kvreplay.engines import MAX_WORKERS
 from kvreplay.errors import KvreplayError, exit_plainly, plain_errors
+from kvreplay.paths import UserPath
 
 
 class PlainGroup(click.Group):
@@ -48,13 +50,17 @@ def _device(value: str) -> str:
     return parse_device(value)
 
 
+WORKERS = click.IntRange(1, MAX_WORKERS)
+
+
 def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     """``--threads``: torch intra-op threads per worker process (default one; see
     :mod:`kvreplay.threads`)."""
-    from kvreplay.threads import DEFAULT_THREADS
+    from kvreplay.threads import DEFAULT_THREADS, MAX_THREADS
 
     return click.option(
-        "--threads", type=click.IntRange(min=1), default=DEFAULT_THREADS, show_default=True,
+        "--threads", type=click.IntRange(1, MAX_THREADS), default=DEFAULT_THREADS,
+        show_default=True,
         help="torch threads per worker process; a resume or audit needs the run's count.",
     )(func)  # fmt: skip
 
@@ -121,7 +127,7 @@ def run_options(
                      help="Also save boundary states as safetensors (large for big models)."),
         click.option("--engine", type=click.Choice(["local", "ray"]), default="local",
                      show_default=True),
-        click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+        click.option("--workers", type=WORKERS, default=1, show_default=True,
                      help="Worker processes (local: spawned on this machine; ray: actors)."),
         click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0,
                      show_default=True),
@@ -136,7 +142,7 @@ def run_options(
 
 def _source_option(help_text: str) -> Callable[..., Any]:
     return click.option(
-        "--prefix-from", "--from", "prefix_from", type=click.Path(path_type=Path), default=None,
+        "--prefix-from", "--from", "prefix_from", type=UserPath(path_type=Path), default=None,
         help=help_text,
     )  # fmt: skip
 
@@ -291,7 +297,7 @@ def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -
         func = option(func)
     func = run_options(func, DEFAULT_TEMPERATURE.get(experiment, 0.0))
     func = click.option(
-        "--out", type=click.Path(path_type=Path), required=True, help="Run directory."
+        "--out", type=UserPath(path_type=Path), required=True, help="Run directory."
     )(func)
     run_group.command(experiment)(func)
 
@@ -366,14 +372,12 @@ _check_command()
 
 
 @main.command("demo")
-@click.option(
-    "--out", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True
-)
+@click.option("--out", type=UserPath(path_type=Path), default=Path("runs/demo"), show_default=True)
 @click.option(
     "--n", type=click.IntRange(min=1), default=3, show_default=True, help="Items per experiment."
 )
 @click.option(
-    "--workers", type=click.IntRange(min=1), default=None,
+    "--workers", type=WORKERS, default=None,
     help="Local worker processes (default: one per core, at most one per row).",
 )  # fmt: skip
 @threads_option
@@ -386,7 +390,7 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 
 
 @main.command("audit")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=UserPath(path_type=Path))
 @click.option(
     "--sample",
     type=click.IntRange(min=0),
@@ -395,7 +399,7 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True)
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--workers", type=WORKERS, default=1, show_default=True)
 @click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--ray-address", default=None)
 @click.option(
@@ -479,7 +483,7 @@ def backends_command() -> None:
 
 
 @main.command("env")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=UserPath(path_type=Path))
 @click.option(
     "--venv",
     default=None,

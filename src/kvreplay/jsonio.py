@@ -1,18 +1,21 @@
 """Strict JSON: the one reader for every JSON file and line kvreplay reads.
 
-Standard JSON only. NaN and Infinity, lone surrogates (not UTF-8: they could never be
-written back), integers too long to be an id or a count, and nesting deeper than any
-item, plan or ledger needs are refused with a reason, so that whatever kvreplay accepts
-it can also write back, hash and re-read exactly.
+Standard JSON only. NaN and Infinity (spelled out, or a number such as ``1e400`` too
+large for a float), lone surrogates (not UTF-8: they could never be written back),
+integers too long to be an id or a count, and nesting deeper than any item, plan or
+ledger needs are refused with a reason, so that whatever kvreplay accepts it can also
+write back, hash and re-read exactly.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.paths import read_regular
 
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 64
@@ -33,7 +36,7 @@ def _integer(text: str) -> int:
 
 
 def _check(value: Any) -> None:
-    """Depth and string checks, iteratively (no recursion limit to hit)."""
+    """Depth, number and string checks, iteratively (no recursion limit to hit)."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
@@ -43,6 +46,8 @@ def _check(value: Any) -> None:
             except UnicodeEncodeError:
                 raise JsonError("a string holds a lone surrogate (not valid Unicode)") from None
             continue
+        if isinstance(node, float) and not math.isfinite(node):
+            raise JsonError("a number is too large for a float (it would be written as Infinity)")
         if not isinstance(node, dict | list):
             continue
         if depth > MAX_DEPTH:
@@ -52,8 +57,11 @@ def _check(value: Any) -> None:
 
 
 def parse_json(text: str | bytes) -> Any:
-    """Parse strict JSON; raise :class:`JsonError` with the reason."""
+    """Parse strict JSON; raise :class:`JsonError` with the reason. Bytes must be UTF-8,
+    with or without a BOM (json.loads would also take UTF-16 and UTF-32)."""
     try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8-sig")
         value = json.loads(text, parse_constant=_constant, parse_int=_integer)
     except JsonError:
         raise
@@ -72,7 +80,7 @@ def parse_json(text: str | bytes) -> Any:
 def read_json(path: Path, what: str) -> Any:
     """A whole JSON file; bad input names ``what`` (e.g. "the stage plan file p.json")."""
     try:
-        return parse_json(path.read_bytes())
+        return parse_json(read_regular(path))
     except OSError as exc:
         raise KvreplayError(f"Cannot read {what} ({exc.strerror or exc}).") from exc
     except JsonError as exc:

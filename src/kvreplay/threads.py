@@ -18,12 +18,16 @@ from typing import Any
 from kvreplay.errors import KvreplayError
 
 DEFAULT_THREADS = 1
+# torch refuses counts past a C int; far fewer would already swamp any machine.
+MAX_THREADS = 1024
 
 
 def parse_threads(value: Any) -> int:
-    """A thread count: an integer of at least 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise KvreplayError(f"--threads is {value!r}; it must be an integer of at least 1.")
+    """A thread count: an integer from 1 to MAX_THREADS."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise KvreplayError(
+            f"--threads is {value!r}; it must be an integer from 1 to {MAX_THREADS}."
+        )
     return value
 
 

@@ -13,17 +13,16 @@ import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.errors import KvreplayError, plain_errors
+from kvreplay.paths import UserPath
 
 
 def output_option(name: str, help: str, **kind: bool) -> Callable[[Any], Any]:
     """``-o``: where a command writes; by default, inside the folder it reads."""
-    return click.option(
-        "-o", name, type=click.Path(path_type=Path, **kind), default=None, help=help
-    )
+    return click.option("-o", name, type=UserPath(path_type=Path, **kind), default=None, help=help)
 
 
 @click.command()
-@click.argument("ledger_dir", type=click.Path(path_type=Path))
+@click.argument("ledger_dir", type=UserPath(path_type=Path))
 @output_option(
     "--output", "Where to write the claims JSON (default: LEDGER_DIR/claims.json).", dir_okay=False
 )
@@ -42,7 +41,7 @@ def analyze(ledger_dir: Path, output: Path | None) -> None:
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=UserPath(path_type=Path))
 @output_option(
     "--out-dir",
     "Folder for report.md, report.html and figures/ (default: RUN_DIR).",
