@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import unicodedata
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 from kvreplay.canonical import canonical
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
+from kvreplay.paths import check_name
 
 Prompt = str | list[dict[str, str]]
 
@@ -228,11 +230,35 @@ def _parse_prompt(value: Any, path: Path, line: int) -> Prompt:
     raise _fail(path, line, "'prompt' must be a non-empty string or a list of chat messages")
 
 
+# The longest item id: ids become row keys, CSV cells and snapshot names, and analyze
+# reads no CSV cell longer than csv's field limit.
+MAX_ID_LENGTH = 200
+# The word that marks a prefix row's key (``{experiment}/prefix/{item}``, see UnitKey):
+# an item of that id would share keys with other items' prefix rows.
+PREFIX_KEY = "prefix"
+
+
+def _id_problem(item_id: str) -> str | None:
+    """Why an id cannot be a part of a row key ``{experiment}/{item}/{precision}``, or None."""
+    if len(item_id) > MAX_ID_LENGTH:
+        return f"is {len(item_id)} characters long (at most {MAX_ID_LENGTH})"
+    if "/" in item_id:
+        return "holds '/', which separates the parts of a row key"
+    if item_id == PREFIX_KEY:
+        return "is the word that marks a prefix row in the ledger's row keys"
+    if any(unicodedata.category(c) == "Cc" for c in item_id):
+        return "holds a control character"
+    return None
+
+
 def _parse_item(data: Any, path: Path, line: int) -> Item:
     if not isinstance(data, dict):
         raise _fail(path, line, "each line must be a JSON object")
     if not isinstance(data.get("id"), str) or not data["id"]:
         raise _fail(path, line, "missing field 'id' (a non-empty string)")
+    problem = _id_problem(data["id"])
+    if problem:
+        raise _fail(path, line, f"the id {data['id'][:40]!r} {problem}")
     answer = data.get("answer")
     if not isinstance(answer, str | int) or isinstance(answer, bool):
         raise _fail(path, line, "missing field 'answer' (a string or integer)")
@@ -286,7 +312,7 @@ def load_items(source: str) -> list[Item]:
     """A built-in set name or a JSONL path."""
     if source in BUILTIN_ITEMS:
         return BUILTIN_ITEMS[source]()
-    path = Path(source)
+    path = check_name(Path(source), "The item file")
     if not path.is_file():
         raise KvreplayError(
             f"Items {source!r} are neither a built-in set ({', '.join(BUILTIN_ITEMS)}) nor a file."

@@ -129,7 +129,7 @@ def test_u2028_inside_a_string_is_accepted(tmp_path: Path, tiny_dirs: dict[str, 
 def test_ids_that_differ_in_unsafe_characters_keep_their_own_snapshots(
     tmp_path: Path, tiny_dirs: dict[str, Path]
 ) -> None:
-    lines = [json.dumps({"id": i, "prompt": f"{i}?", "answer": "1"}) for i in ("x/y", "x_y")]
+    lines = [json.dumps({"id": i, "prompt": f"{i}?", "answer": "1"}) for i in ("x:y", "x_y")]
     out = tmp_path / "out"
     result = invoke(*["run", "matched", "--model", tiny_dirs["qwen2"], "--items",
                      jsonl(tmp_path / "items.jsonl", lines), "--plan", "short", "--out", out,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvreplay.config import RunConfig
-from kvreplay.items import Item
+from kvreplay.items import PREFIX_KEY, Item
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
 
@@ -18,7 +18,10 @@ from kvreplay.models import LoadedModel
 @dataclass(frozen=True)
 class UnitKey:
     """A row's key in the ledger: ``{experiment}/{item}/{precision}``, or
-    ``{experiment}/prefix/{item}`` for the prefix row of a two-phase experiment."""
+    ``{experiment}/prefix/{item}`` for the prefix row of a two-phase experiment.
+
+    Unambiguous because item ids hold no ``/`` and none is ``prefix`` (items.py refuses
+    them at load)."""
 
     experiment: str
     item_id: str
@@ -41,7 +44,7 @@ class UnitKey:
 
     def __str__(self) -> str:
         if self.precision is None:
-            return f"{self.experiment}/prefix/{self.item_id}"
+            return f"{self.experiment}/{PREFIX_KEY}/{self.item_id}"
         return f"{self.experiment}/{self.item_id}/{self.precision}"
 
 
