@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -18,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.canonical import canonical, sha256_json
-from kvreplay.environment import INFORMATIONAL
+from kvreplay.environment import CONTRACT_SCHEME, INFORMATIONAL
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
 from kvreplay.lock import check_libraries
+from kvreplay.paths import read_regular
 from kvreplay.runlock import RunLock
 
 RUN_FORMAT = "kvreplay-run-v1"
@@ -29,6 +31,7 @@ GENESIS = "0" * 64
 MANIFEST = "manifest.json"
 ROWS = "rows.jsonl"
 ITEMS = "items.jsonl"
+SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot files
 MANIFEST_TYPES: dict[str, type] = {
     "format": str,
     "contract": dict,
@@ -153,7 +156,10 @@ def parse_rows(path: Path, contract_hash: str) -> tuple[list[Record], list[str]]
     problems: list[str] = []
     if not path.exists():
         return records, problems
-    raw = path.read_bytes()
+    try:
+        raw = read_regular(path)
+    except OSError as exc:
+        return records, [f"{path.name} cannot be read ({exc.strerror or exc})"]
     lines = raw.split(b"\n")
     complete = lines[:-1]  # the piece after the last newline is empty or torn
     prev = GENESIS
@@ -208,7 +214,7 @@ class RunLedger:
         """Open a run for reading (audit, report); bad input if it is not a run."""
         ledger = cls(run_dir)
         try:
-            manifest = parse_json(ledger.manifest_path.read_bytes())
+            manifest = parse_json(read_regular(ledger.manifest_path))
         except (OSError, JsonError) as exc:
             raise KvreplayError(
                 f"{run_dir} is not a kvreplay run (no readable manifest.json)."
@@ -220,6 +226,12 @@ class RunLedger:
                 raise KvreplayError(
                     f"{run_dir}/manifest.json: field {name} is missing or not a {kind.__name__}."
                 )
+        scheme = manifest["contract"].get("scheme", 1)
+        if not (_typed(scheme, int) and 1 <= scheme <= CONTRACT_SCHEME):
+            raise KvreplayError(
+                f"{run_dir}/manifest.json: field contract.scheme is {str(scheme)[:20]!r}, not a "
+                f"scheme this kvreplay knows (1 to {CONTRACT_SCHEME})."
+            )
         for name, entry in manifest["experiments"].items():
             if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):
                 raise KvreplayError(
@@ -229,7 +241,15 @@ class RunLedger:
         return ledger
 
     def has_rows(self) -> bool:
-        return self.rows_path.exists() and self.rows_path.stat().st_size > 0
+        """Whether rows.jsonl holds anything; a rows.jsonl that is not a regular file (a
+        folder cannot be appended to, a FIFO blocks) is refused."""
+        if not self.rows_path.exists():
+            return False
+        if not self.rows_path.is_file():
+            raise KvreplayError(
+                f"{self.rows_path} is not a regular file; remove it or use a new --out folder."
+            )
+        return self.rows_path.stat().st_size > 0
 
     def close(self) -> None:
         """End this process's turn as the run's writer."""
@@ -368,6 +388,20 @@ class RunLedger:
         return record
 
 
+# What a spreadsheet runs as a formula when a cell starts with it (OWASP, CSV injection).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def csv_cell(text: str) -> str:
+    """A cell that a spreadsheet shows and never runs: text (an item id, an answer) that
+    starts with a formula character gets OWASP's leading single quote. A number such as
+    -0.5 is left as it is, so numeric columns keep their meaning."""
+    if text.startswith(FORMULA_START) and not _NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
 def render_csv(columns: list[str], rows: list[dict[str, str]]) -> str:
     """A derived ledger CSV, byte-for-byte reproducible from rows.jsonl."""
     import csv
@@ -376,5 +410,5 @@ def render_csv(columns: list[str], rows: list[dict[str, str]]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({name: csv_cell(cell) for name, cell in row.items()} for row in rows)
     return buffer.getvalue()

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +27,7 @@ import torch
 from kvreplay.canonical import sha256_json
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import read_json
+from kvreplay.paths import check_name
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -385,10 +387,11 @@ def resolve_source(spec: str, trust_remote_code: bool = False) -> tuple[Path, st
     (see :func:`check_folder`) before anything reads it."""
     if spec in EMBEDDED:
         return _convert_embedded(EMBEDDED[spec]), None
-    path = Path(spec).expanduser()
+    path = check_name(Path(spec).expanduser(), "The model path")
     if path.suffix == ".gguf":
-        if not path.is_file():
+        if not path.exists():
             raise KvreplayError(f"The GGUF file {spec!r} does not exist.")
+        check_gguf(path, spec)
         return path.parent, path.name
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -399,6 +402,28 @@ def resolve_source(spec: str, trust_remote_code: bool = False) -> tuple[Path, st
     return check_folder(_from_hub_cache(spec), spec, trust_remote_code), None
 
 
+def check_gguf(path: Path, spec: str) -> None:
+    """Refuse a GGUF file whose header does not parse or whose tensors run past its end,
+    from the header alone: transformers would fail on it deep inside a load (a ``struct``
+    error), and a file that is not a regular one (a FIFO) would block the read."""
+    if not path.is_file():
+        raise KvreplayError(f"The GGUF file {spec!r} is not a regular file.")
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    try:
+        header = GgufHeader.from_file(str(path))
+    except (ValueError, KeyError, IndexError, OverflowError, struct.error) as exc:
+        raise KvreplayError(
+            f"The GGUF file {spec!r} is damaged or truncated ({_first_line(exc)})."
+        ) from exc
+    end = header.data_start + max((t.offset + t.nbytes for t in header.tensors), default=0)
+    if end > path.stat().st_size:
+        raise KvreplayError(
+            f"The GGUF file {spec!r} is truncated: its tensors need {end} bytes and it has "
+            f"{path.stat().st_size}."
+        )
+
+
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
@@ -406,7 +431,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def check_folder(folder: Path, spec: str, trust_remote_code: bool) -> Path:
     """Refuse a model folder that would fail later, or load unsafely: weights that are not
     readable safetensors (pickle weights are never loaded: unpickling runs code), and code
-    shipped with the model unless ``trust_remote_code`` was asked for."""
+    shipped with the model unless ``trust_remote_code`` was asked for. Anything in the
+    folder that is neither a file nor a folder (a FIFO, a device) is refused before a read
+    blocks on it."""
+    special = sorted(
+        p.name for p in folder.iterdir() if p.exists() and not (p.is_file() or p.is_dir())
+    )
+    if special:
+        raise KvreplayError(
+            f"Model {spec!r} holds {special[0]}, which is not a regular file; remove it."
+        )
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         pickled = sorted(p.name for pattern in PICKLE_WEIGHTS for p in folder.glob(pattern))
@@ -482,15 +516,20 @@ def describe_source(
     }
 
 
-def text_config(spec: str, trust_remote_code: bool = False) -> Any:
-    """The decoder's config (layers, context window, vocabulary), without the weights."""
+def model_config(spec: str, trust_remote_code: bool = False) -> Any:
+    """The model's config, without the weights."""
     from transformers import AutoConfig
 
     source, _, kwargs = _pretrained(spec, trust_remote_code)
     try:
-        return AutoConfig.from_pretrained(source, **kwargs).get_text_config(decoder=True)
+        return AutoConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise KvreplayError(f"Could not read the config of model {spec!r}.") from exc
+
+
+def text_config(spec: str, trust_remote_code: bool = False) -> Any:
+    """The decoder's config (layers, context window, vocabulary), without the weights."""
+    return model_config(spec, trust_remote_code).get_text_config(decoder=True)
 
 
 def generation_config(folder: Path) -> Any:
@@ -532,6 +571,80 @@ def _pretrained(spec: str, trust_remote_code: bool) -> tuple[Path, str | None, d
     return source, gguf_file, kwargs
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160].rstrip(".") if text else type(exc).__name__
+
+
+def check_loadable(spec: str, attn_implementation: str, trust_remote_code: bool = False) -> None:
+    """Refuse, before a run writes anything, what would otherwise go wrong only when a
+    worker loads the model: an attention implementation transformers cannot use here,
+    and weights that do not fit the config (see :func:`check_loading_info`).
+
+    The model is built on the meta device, so no weight stays in memory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(spec, trust_remote_code)
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+            )
+    except ValueError as exc:
+        if "attn_implementation" not in str(exc):
+            raise KvreplayError(
+                f"Model {spec!r} is not a causal language model transformers can build "
+                f"({_first_line(exc)})."
+            ) from exc
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        known = ", ".join(["eager", *sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())])
+        raise KvreplayError(
+            f"--attn {attn_implementation} is not an attention implementation transformers "
+            f"knows; use one of {known}."
+        ) from exc
+    except ImportError as exc:
+        raise KvreplayError(
+            f"--attn {attn_implementation} cannot be used here: {_first_line(exc)}."
+        ) from exc
+    source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
+    if gguf_file:
+        return  # the GGUF reader checked the file (check_gguf); it has no safetensors
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(
+            source,
+            device_map="meta",
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported in info, and refused below
+            use_safetensors=True,
+            **kwargs,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise KvreplayError(f"Could not load model {spec!r}: {_first_line(exc)}.") from exc
+    check_loading_info(spec, info)
+
+
+def check_loading_info(spec: str, info: dict[str, Any]) -> None:
+    """Refuse weights that do not fit the model's config (a tensor missing, or one the
+    config has no place for, as when ``num_hidden_layers`` was edited): transformers
+    would initialise a missing tensor at random, drop an unexpected one and only warn
+    (the warning is silenced), and the run would measure a model nobody trained. Weights
+    tied to another (``lm_head`` under ``tie_word_embeddings``) are not reported missing."""
+    for kind, what in (
+        ("missing_keys", "lack"),
+        ("unexpected_keys", "hold, beyond what its config describes,"),
+        ("mismatched_keys", "hold with the wrong shape"),
+    ):
+        # a mismatched key comes as (name, shape in the file, shape the config wants)
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
+        if names:
+            raise KvreplayError(
+                f"The weights of model {spec!r} {what} {len(names)} tensor(s) ({names[0]}, ...); "
+                "the weights do not match config.json."
+            )
+
+
 def _quiet_transformers() -> None:
     """Progress bars and load warnings would drown the run's own progress output."""
     from transformers.utils import logging as hf_logging
@@ -563,18 +676,20 @@ def load_model(
     if not gguf_file:
         kwargs["use_safetensors"] = True  # a second belt: never reach torch.load
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=DTYPES[dtype],
             attn_implementation=attn_implementation,
             device_map=device_map,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported in info, and refused below
             **kwargs,
         )
     except KvreplayError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise KvreplayError(f"Could not load model {spec!r}: {detail}") from exc
+        raise KvreplayError(f"Could not load model {spec!r}: {_first_line(exc)}.") from exc
+    check_loading_info(spec, info)
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     if device_map is None:

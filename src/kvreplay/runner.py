@@ -31,6 +31,7 @@ from kvreplay.jsonio import read_json
 from kvreplay.ledger import (
     ITEMS,
     MANIFEST,
+    SNAPSHOTS_SAVED,
     RunLedger,
     parse_rows,
     render_csv,
@@ -39,12 +40,14 @@ from kvreplay.ledger import (
 from kvreplay.lock import installed
 from kvreplay.models import (
     canonical_spec,
+    check_loadable,
     describe_source,
     load_tokenizer,
     parse_device,
     parse_dtypes,
     text_config,
 )
+from kvreplay.paths import check_name
 from kvreplay.scoring import get_extractor
 from kvreplay.stages import StagePlan, get_plan
 from kvreplay.summary import format_summary, summarize
@@ -91,11 +94,17 @@ def _plan(request: RunRequest) -> StagePlan:
 def _check_prompts(
     request: RunRequest, plan: StagePlan, items: list[Item], info: dict[str, Any], tokenizer: Any
 ) -> None:
-    """Prompts over the context window, token ids outside the vocabulary and empty openers
-    are refused before model work."""
+    """Prompts over the context window, token ids outside the vocabulary (a trace's, or
+    any the tokenizer can produce) and empty openers are refused before model work."""
     budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
     config = text_config(request.model, request.trust_remote_code)
     vocabulary = int(getattr(config, "vocab_size", 0) or 0) or len(tokenizer)
+    largest = max(max(tokenizer.get_vocab().values()), *tokenizer.all_special_ids)
+    if largest >= vocabulary:
+        raise KvreplayError(
+            f"The tokenizer of model {request.model!r} has token ids up to {largest}, outside "
+            f"the model's vocabulary of {vocabulary}; the tokenizer is not this model's."
+        )
     for item in items:
         outside = [t for t in item.prefix_token_ids or () if t >= vocabulary]
         if outside:
@@ -134,12 +143,21 @@ def _recorded_scheme(out: Path) -> int:
     return contract_scheme(RunLedger.open_existing(out).manifest["contract"])
 
 
-def _check_resume_threads(request: RunRequest) -> None:
-    """A run with rows resumes only on the thread count it recorded (named in the refusal)."""
-    if (request.out / MANIFEST).exists():
-        existing = RunLedger.open_existing(request.out)
-        if existing.has_rows():
-            check_recorded(existing.manifest["contract"], request.threads, request.out, "resume")
+def _check_resume(request: RunRequest) -> None:
+    """A run with rows resumes only on the thread count it recorded (named in the refusal),
+    and saving snapshots as it started: its manifest says whether rows hold snapshots."""
+    if not (request.out / MANIFEST).exists():
+        return
+    existing = RunLedger.open_existing(request.out)
+    if not existing.has_rows():
+        return
+    check_recorded(existing.manifest["contract"], request.threads, request.out, "resume")
+    saved = existing.manifest.get("snapshots") == SNAPSHOTS_SAVED
+    if saved != request.save_snapshots:
+        flag = "with" if saved else "without"
+        raise KvreplayError(
+            f"{request.out} was started {flag} --save-snapshots; resume it {flag} the flag."
+        )
 
 
 def build_contract(
@@ -158,16 +176,19 @@ def build_contract(
 
 def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     """Validate the request and open (or resume) the run directory."""
+    check_name(request.out, "--out")
     parse_dtypes(request.dtypes)
     parse_device(request.device)
-    check_engine(request.engine, request.workers, request.gpus_per_worker)
+    placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
+    check_engine(*placement, request.device)
     plan = _plan(request)
     get_extractor(request.extractor)
     experiment = get_experiment(request.experiment, request.backend)
     items = load_items(request.items)
     experiment.check_prompts(items, experiment.count(request.n, items))
     scheme = _recorded_scheme(request.out)
-    _check_resume_threads(request)
+    _check_resume(request)
+    check_loadable(request.model, request.attn_implementation, request.trust_remote_code)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     info = describe_source(request.model, request.trust_remote_code, scheme, tokenizer)
     request.backend.check_model(
@@ -195,7 +216,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
         "git_commit": git_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": request.command,
-        "snapshots": "saved" if request.save_snapshots else "fingerprints only",
+        "snapshots": SNAPSHOTS_SAVED if request.save_snapshots else "fingerprints only",
     }
     source = _source_run(request.prefix_from)
     scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)

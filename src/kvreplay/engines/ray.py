@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvreplay.config import RunConfig
+from kvreplay.engines import check_placement
 from kvreplay.engines.worker import Worker
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.units import Unit
@@ -127,7 +128,7 @@ class RayEngine:
         once (see :class:`RayWorker`); it exists for the crash-recovery test.
         """
         global _owned_ray, _live_engines
-        _check_request(config, workers, gpus_per_worker)
+        check_placement(workers, gpus_per_worker, config.device, local=address is None)
         threads = torch.get_num_threads()
         # A CPU worker reserves a core per thread, so Ray never packs more threads than
         # cores on a node (oversubscribed OpenMP threads spin and run many times slower).
@@ -254,22 +255,6 @@ class RayEngine:
         if _owned_ray and _live_engines == 0:
             self._ray.shutdown()
             _owned_ray = False
-
-
-def _check_request(config: RunConfig, workers: int, gpus_per_worker: float) -> None:
-    """Refuse settings Ray would accept but that cannot do what the user meant."""
-    if workers < 1:
-        raise KvreplayError(f"--workers is {workers}; the Ray engine needs at least 1.")
-    if gpus_per_worker < 0 or (gpus_per_worker > 1 and gpus_per_worker != int(gpus_per_worker)):
-        raise KvreplayError(
-            f"--gpus-per-worker is {gpus_per_worker:g}; use a fraction up to 1 or a whole number."
-        )
-    on_gpu = config.device.startswith("cuda")
-    if on_gpu != (gpus_per_worker > 0):
-        raise KvreplayError(
-            f"--device {config.device} with --gpus-per-worker {gpus_per_worker:g} does not fit; "
-            "give Ray workers GPUs exactly when the device is cuda."
-        )
 
 
 def _notice(message: str) -> None:

@@ -34,6 +34,9 @@ from kvreplay.items import Item
 from kvreplay.ledger import Record
 
 RESAMPLE = "resample"
+# The most seeded samples per arm and row: the manifest lists every seed, and each is a
+# decode of the whole suffix.
+MAX_SAMPLES = 10_000
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,10 @@ class ResampleOptions:
             raise KvreplayError(
                 "resample samples at a temperature above 0, but --temperature is 0."
             )
-        if self.samples < 1:
-            raise KvreplayError(f"--samples is {self.samples}; resample needs at least 1.")
+        if not 1 <= self.samples <= MAX_SAMPLES:
+            raise KvreplayError(
+                f"--samples is {self.samples}; resample needs from 1 to {MAX_SAMPLES}."
+            )
         if self.replica_samples < 1:
             raise KvreplayError(f"--replica-samples is {self.replica_samples}; it must be >= 1.")
         if not 0 < self.margin < 1:
