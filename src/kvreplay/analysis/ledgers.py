@@ -117,11 +117,11 @@ def _parse(kind: Kind, text: str) -> object:
     if kind == "json":
         try:
             return json.loads(text)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
             raise ValueError(f"is {text[:40]!r}, not JSON") from None
     try:
         values = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         values = None
     if not isinstance(values, list) or not values:
         raise ValueError(f"is {text[:40]!r}, not a JSON array of numbers")

@@ -17,6 +17,9 @@ from numpy.typing import ArrayLike
 BOOTSTRAP_SEED = 20260728
 BOOTSTRAP_REPLICATES = 20_000
 BOOTSTRAP_BLOCK = 1_000
+# The most row indices one resample matrix holds (64 MiB of int64): a block of 1,000
+# resamples of a million rows would take 7.45 GiB, and a statistic makes copies of it.
+MAX_BLOCK_CELLS = 1 << 23
 MATRIX_WILSON_Z = 1.96
 TRANSPLANT_WILSON_Z = 1.959963984540054
 
@@ -72,11 +75,15 @@ def bootstrap_index_blocks(n: int, stream: int) -> Iterator[np.ndarray]:
     """METHOD.md's resamples of n rows: (block, n) row-index matrices from one seeded stream.
 
     Every row bootstrap in kvreplay draws through here, so a statistic's interval
-    is reproducible draw for draw from its stream number alone.
+    is reproducible draw for draw from its stream number alone. Blocks hold 1,000
+    resamples, or fewer when that many would exceed ``MAX_BLOCK_CELLS`` indices: numpy
+    draws the same stream whatever the size of each call, so the resamples, and every
+    statistic computed one resample at a time, are the same for any block size.
     """
     rng = np.random.default_rng(BOOTSTRAP_SEED + stream)
-    for _ in range(BOOTSTRAP_REPLICATES // BOOTSTRAP_BLOCK):
-        yield rng.integers(0, n, size=(BOOTSTRAP_BLOCK, n))
+    block = max(1, min(BOOTSTRAP_BLOCK, MAX_BLOCK_CELLS // n))
+    for start in range(0, BOOTSTRAP_REPLICATES, block):
+        yield rng.integers(0, n, size=(min(block, BOOTSTRAP_REPLICATES - start), n))
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ callers import it only when a report is asked for.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvreplay.analysis.claims import SCHEMA, Json, build_claims, write_claims
 from kvreplay.analysis.ledgers import Ledger, LedgerError, load_ledger_dir
+from kvreplay.jsonio import JsonError, parse_json
 from kvreplay.report.document import Image, to_html, to_markdown
 from kvreplay.report.sections import report_blocks
 
@@ -40,8 +40,8 @@ def _load_claims(run_dir: Path, ledgers: dict[str, Ledger], out_dir: Path) -> Js
         write_claims(claims, out_dir / "claims.json")
         return claims
     try:
-        claims = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+        claims = parse_json(path.read_bytes())
+    except JsonError as error:
         raise LedgerError("claims.json", f"it is not valid JSON ({error})") from None
     if not isinstance(claims, dict) or claims.get("schema") != SCHEMA:
         raise LedgerError("claims.json", f"its schema is not {SCHEMA}", field="schema")

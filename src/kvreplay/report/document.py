@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +36,21 @@ class Image:
 Block = Heading | Paragraph | Table | Image
 
 
+# Where Markdown would start raw HTML: "<" before a tag name, "/", "!" or "?" (CommonMark).
+# Only these are escaped, so that text such as "margin <= 0.5" reads as written.
+_RAW_HTML = re.compile(r"<(?=[A-Za-z/!?])")
+
+
+def _markdown_text(text: str) -> str:
+    """Text as Markdown that a renderer shows as text: a plan name or path from a run's
+    manifest must never become markup in report.md."""
+    return _RAW_HTML.sub("&lt;", text)
+
+
 def _markdown_table(table: Table) -> str:
     def line(cells: tuple[str, ...]) -> str:
-        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+        escaped = (_markdown_text(c).replace("|", "\\|").replace("\n", " ") for c in cells)
+        return "| " + " | ".join(escaped) + " |"
 
     return "\n".join(
         [line(table.header), line(tuple("---" for _ in table.header)), *map(line, table.rows)]
@@ -49,14 +62,15 @@ def to_markdown(blocks: list[Block], out_dir: Path) -> str:
     parts = []
     for i, block in enumerate(blocks):
         if isinstance(block, Heading):
-            parts.append(("# " if i == 0 else "## ") + block.text)
+            parts.append(("# " if i == 0 else "## ") + _markdown_text(block.text))
         elif isinstance(block, Paragraph):
-            parts.append(block.text)
+            parts.append(_markdown_text(block.text))
         elif isinstance(block, Table):
             parts.append(_markdown_table(block))
         else:
+            caption = _markdown_text(block.caption)
             parts.append(
-                f"![{block.caption}]({block.path.relative_to(out_dir).as_posix()})\n\n*{block.caption}*"
+                f"![{caption}]({block.path.relative_to(out_dir).as_posix()})\n\n*{caption}*"
             )
     return "\n\n".join(parts) + "\n"
 

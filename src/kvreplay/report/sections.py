@@ -17,6 +17,7 @@ from kvreplay.analysis.flip import (
     analyze_flip,
 )
 from kvreplay.analysis.ledgers import RESAMPLE_FILE, SERVED_CONTROLS, Ledger, LedgerError
+from kvreplay.jsonio import parse_json
 from kvreplay.report.document import Block, Heading, Image, Paragraph, Table
 from kvreplay.report.figures import (
     figure_accuracy,
@@ -338,7 +339,7 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
     if not path.is_file():
         return []
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = parse_json(path.read_bytes())
         contract = manifest["contract"]
         model, env, run = contract["model_info"], contract["environment"], contract["run"]
     except (OSError, ValueError, KeyError, TypeError) as error:
