@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvreplay.analysis import stats
 from kvreplay.analysis.stats import (
     BOOTSTRAP_BLOCK,
     BOOTSTRAP_REPLICATES,
     BOOTSTRAP_SEED,
+    MAX_BLOCK_CELLS,
+    bootstrap_index_blocks,
     mcnemar_exact_p,
     newcombe_paired_difference_ci,
     paired_bootstrap_ci_pp,
@@ -120,6 +123,21 @@ def test_bootstrap_draws_follow_method_md_literally() -> None:
     expected = np.quantile(np.array(replicates) * 100, [0.025, 0.975])
     assert paired_bootstrap_ci_pp(values, stream) == (expected[0], expected[1])
     assert paired_bootstrap_ci_pp(values, stream + 1) != (expected[0], expected[1])
+
+
+def test_bootstrap_of_many_rows_draws_in_bounded_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: a million rows would need 7.45 GiB for one block of 1,000 resamples.
+    Blocks are cut to MAX_BLOCK_CELLS indices, and a cut changes no draw: the interval
+    with blocks of 7 resamples (20,000 is no multiple of 7) is the one of blocks of 1,000."""
+    first = next(bootstrap_index_blocks(1_000_000, stream=0))
+    assert first.shape == (MAX_BLOCK_CELLS // 1_000_000, 1_000_000)
+    values = np.random.default_rng(3).normal(size=60)
+    whole = paired_bootstrap_ci_pp(values, stream=4)
+    monkeypatch.setattr(stats, "MAX_BLOCK_CELLS", 7 * values.size)
+    blocks = list(bootstrap_index_blocks(values.size, stream=4))
+    assert max(b.size for b in blocks) == 7 * values.size
+    assert sum(b.shape[0] for b in blocks) == BOOTSTRAP_REPLICATES
+    assert paired_bootstrap_ci_pp(values, stream=4) == whole
 
 
 def test_bootstrap_rejects_empty_vector() -> None:
