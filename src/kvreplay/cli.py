@@ -327,7 +327,7 @@ def command_line(ctx: click.Context) -> list[str]:
 
 
 CHECK_OPTIONS = [
-    click.option("--out", type=click.Path(path_type=Path), default=None,
+    click.option("--out", type=UserPath(path_type=Path), default=None,
                  help="Run folder of the check (default: kvreplay-check/<model>-<backend>-"
                       "<dtypes>-t<temperature>); rerunning resumes it, and kvreplay audit "
                       "re-executes it."),
@@ -343,11 +343,11 @@ CHECK_OPTIONS = [
                  help="Equivalence margin of --expect faithful, in (0, 1) (default 0.05)."),
     click.option("--samples", type=click.IntRange(min=2, max=4096), default=None,
                  help="Seeded samples per item at --temperature > 0 (default 8)."),
-    click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False),
+    click.option("--json", "json_path", type=UserPath(path_type=Path, dir_okay=False),
                  default=None, help="Write the verdict as JSON (schema kvreplay-check-v1)."),
-    click.option("--junit", "junit_path", type=click.Path(path_type=Path, dir_okay=False),
+    click.option("--junit", "junit_path", type=UserPath(path_type=Path, dir_okay=False),
                  default=None, help="Write JUnit XML: one test case per item."),
-    click.option("--repro", type=click.Path(path_type=Path, file_okay=False), default=None,
+    click.option("--repro", type=UserPath(path_type=Path, file_okay=False), default=None,
                  help="Repro pack of the first divergent item (default: <out>.repro)."),
 ]  # fmt: skip
 
