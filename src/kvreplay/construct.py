@@ -1,4 +1,4 @@
-"""Constructions of a boundary state for the same prefix P (see DESIGN.md).
+"""Constructions of a boundary state for the same prefix P (docs/design.md: constructions).
 
 ``live`` is captured from the generation that reached P; the others rebuild a state from
 P's token ids: ``replay`` teacher-forces the live schedule (prompt as one chunk, then one

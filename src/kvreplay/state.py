@@ -221,7 +221,7 @@ class DiffStats:
 
 @dataclass
 class Comparison:
-    """Everything DESIGN.md asks of a comparison of two boundary states."""
+    """Everything docs/design.md asks of a comparison of two boundary states."""
 
     cache: dict[str, float | bool]
     keys: dict[str, float | bool]

@@ -1,4 +1,4 @@
-"""Verdicts (DESIGN: check, verdict, expectation): a run's rows judged against what
+"""Verdicts (design: check, verdict, expectation): a run's rows judged against what
 should hold. A matched row's compared continuations must agree (``exact``), at most K
 items may part (``max-divergent``), or a sampled run's resample certificate must be
 ``faithful`` within a margin. ``kvreplay check`` and every ``kvreplay run`` end with a

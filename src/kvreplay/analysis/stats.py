@@ -1,4 +1,4 @@
-"""Interval estimates and tests behind the stage-replay claims (METHOD.md).
+"""Interval estimates and tests behind the stage-replay claims (the paper's published method; docs/design.md).
 
 Every function here is pure and deterministic so that a claims file can be
 regenerated bit-for-bit from its ledgers.
@@ -56,7 +56,7 @@ def mcnemar_exact_p(b: int, c: int) -> float:
 def paired_bootstrap_ci_pp(values: ArrayLike, stream: int) -> tuple[float, float]:
     """Percentile 95% interval (in points) of the mean of a per-row vector.
 
-    Reproduces METHOD.md draw for draw: default_rng(seed + stream), 20,000
+    Reproduces the paper's method draw for draw: default_rng(seed + stream), 20,000
     replicates in blocks of 1,000, each block one integers(0, n, (block, n))
     call used as row indices, numpy's default quantile at 0.025 and 0.975.
     """
@@ -72,7 +72,7 @@ def paired_bootstrap_ci_pp(values: ArrayLike, stream: int) -> tuple[float, float
 
 
 def bootstrap_index_blocks(n: int, stream: int) -> Iterator[np.ndarray]:
-    """METHOD.md's resamples of n rows: (block, n) row-index matrices from one seeded stream.
+    """the paper's resamples of n rows: (block, n) row-index matrices from one seeded stream.
 
     Every row bootstrap in kvreplay draws through here, so a statistic's interval
     is reproducible draw for draw from its stream number alone. Blocks hold 1,000
@@ -98,7 +98,7 @@ class BootstrapInterval:
 def row_bootstrap_ci(
     statistic: Callable[[np.ndarray], np.ndarray], n: int, stream: int
 ) -> BootstrapInterval | None:
-    """Percentile 95% interval of any row statistic over METHOD.md's resamples.
+    """Percentile 95% interval of any row statistic over the paper's resamples.
 
     ``statistic`` maps a (block, n) index matrix to one value per resample, NaN
     where the resample leaves it undefined (an AUC with no positive row); those

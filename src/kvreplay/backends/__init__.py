@@ -1,4 +1,4 @@
-"""Backends: the registry of inference stacks (DESIGN: backend, backend protocol).
+"""Backends: the registry of inference stacks (design: backend, backend protocol).
 
 Each backend is one module with one class implementing :class:`~kvreplay.backends.base.Backend`
 (its settings, capabilities, contract, model checks, served model), registered here by

@@ -1,4 +1,4 @@
-"""The backend protocol: what every inference stack declares (DESIGN: backend protocol).
+"""The backend protocol: what every inference stack declares (design: backend protocol).
 
 A backend is one class: its settings are its dataclass fields (each field's metadata
 gives the CLI option and its help, so options, validation and ``--help`` come from the

@@ -1,5 +1,5 @@
 """The http backend: a running OpenAI-compatible server, the one its users deploy with
-their own flags (DESIGN: backend protocol, server adapter, probe, hit guard).
+their own flags (design: backend protocol, server adapter, probe, hit guard).
 
 kvreplay sends token ids and reads token ids, top-2 logprobs and the prompt tokens the
 server served from its prefix cache. The server's cache is reset before every arm of a

@@ -54,7 +54,7 @@ class Transplanted:
 
 @dataclass(frozen=True)
 class Samples:
-    """Seeded continuations of every arm (DESIGN: resample): each seed continues its own
+    """Seeded continuations of every arm (design: resample): each seed continues its own
     copy of the arm's state with the run's sampler reseeded, so the same seed drives
     every arm. A replica continues only the first ``replica`` seeds: enough to gate the
     stack's determinism without doubling the cost."""

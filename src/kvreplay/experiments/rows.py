@@ -47,7 +47,7 @@ class ServedReport:
 
 @dataclass
 class ArmResult:
-    """One continued state (DESIGN: an arm): its boundary fingerprints, the suffix it
+    """One continued state (design: an arm): its boundary fingerprints, the suffix it
     decoded, and that suffix's score. ``reused_from`` names the row whose identical
     computation supplied the suffix; ``snapshot`` is the saved boundary state, if any.
     A served arm (a backend without K/V access) has no cache fingerprint; ``served``
@@ -189,7 +189,7 @@ class PairLabels:
 
 @dataclass
 class PanelRow:
-    """A completed row of arms over one prefix (DESIGN: one executor runs any declared
+    """A completed row of arms over one prefix (design: one executor runs any declared
     panel into one of these). ``compared`` names the two arms the row is about; an
     experiment's own fields (its source, panel entry, probes) stay in ``fields``. A
     resampled panel keeps each arm's seeded continuations, in seed order, in ``samples``

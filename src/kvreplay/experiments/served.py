@@ -1,4 +1,4 @@
-"""Served panels (DESIGN: backend): the arms of a row on a backend without K/V access.
+"""Served panels (design: backend): the arms of a row on a backend without K/V access.
 
 A serving engine with automatic prefix caching answers a staged generation's next
 request from the K/V blocks that earlier requests wrote, prompt prefill *and decode

@@ -99,7 +99,7 @@ def _panel(field: str) -> Column[Line]:
     return Column(field, lambda x: x.row.fields["panel"][field])
 
 
-# Every flag follows METHOD.md's transplant gates.
+# Every flag follows the paper's published transplant gates.
 PAPER_TABLE: list[Column[Line]] = [
     Column("row_id", lambda x: x.row.item_id),
     Column("source_row_sha256", lambda x: x.source_row_sha256),

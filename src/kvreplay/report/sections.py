@@ -30,7 +30,7 @@ from kvreplay.report.figures import (
 )
 from kvreplay.report.vocabulary import ENDPOINTS, TRANSPLANT_RATES
 
-# The paper's published headline figures (METHOD.md, last section), as reference numbers.
+# The paper's published headline figures (the paper's method, last section), as reference numbers.
 PAPER_BF16_RATES = {
     "suffix_disagreement": (166, 200),
     "answer_disagreement": (49, 200),
