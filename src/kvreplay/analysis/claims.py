@@ -1,7 +1,7 @@
 """Turn a folder of validated ledgers into a claims JSON in the paper's schema.
 
 Each section carries exactly the keys of the paper's claims skeleton, computed
-as METHOD.md specifies, so a user's run and the paper's published ledgers can
+as the paper's published method specifies, so a user's run and the paper's published ledgers can
 be compared number for number. Anything beyond the paper lives under `extra`.
 """
 

@@ -1,6 +1,6 @@
 """Read the paper-named CSV ledgers into typed columns, failing closed.
 
-A claim is only as good as the rows under it, so every gate in METHOD.md is
+A claim is only as good as the rows under it, so every gate of the paper's method is
 checked before anything is counted: a missing column, a duplicated row id, a
 bad boolean, number or hash, or a flag that disagrees with the hashes it
 summarises stops the analysis with one sentence naming file, row and field.

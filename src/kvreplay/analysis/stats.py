@@ -1,4 +1,4 @@
-"""Interval estimates and tests behind the stage-replay claims (the paper's published method; docs/design.md).
+"""Interval estimates and tests behind the stage-replay claims (the paper's method).
 
 Every function here is pure and deterministic so that a claims file can be
 regenerated bit-for-bit from its ledgers.
