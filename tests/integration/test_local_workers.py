@@ -168,3 +168,55 @@ def test_zero_threads_or_workers_refused_in_one_sentence(args: tuple, tmp_path: 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvreplay: error:"), result.stderr
     assert ("--threads" if "--threads" in args else "--workers") in lines[0]
+
+
+def _children(pid: int) -> set[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return {int(child) for child in text.split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's reaping is left
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_workers_die_with_a_driver_killed_outright(
+    tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGKILL gives the driver no chance to stop its workers; a busy one must not run on
+    to the end of its unit (units here take seconds), so the kernel kills it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    plan = tmp_path / "long.json"
+    plan.write_text(json.dumps({"name": "long", "boundary": 0, "stages": [
+        {"name": "think", "max_new_tokens": 200},
+        {"name": "trace", "max_new_tokens": 700},
+        {"name": "answer", "max_new_tokens": 4},
+    ]}))  # fmt: skip
+    out = tmp_path / "run"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", "from kvreplay.cli import main; main()", "run", "matched",
+         "--model", str(tiny_dirs["qwen2"]), "--items", str(_items(tmp_path)),
+         "--plan", str(plan), "--dtypes", "fp32", "--workers", "2", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "rows.jsonl").is_file() and (out / "rows.jsonl").stat().st_size):
+            assert driver.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        workers = _children(driver.pid)
+        assert len(workers) >= 2
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    time.sleep(2.0)
+    assert not [pid for pid in workers if _alive(pid)]

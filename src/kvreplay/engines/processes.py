@@ -11,8 +11,11 @@ driver that already ran torch can deadlock in OpenMP.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import signal
+import sys
 import traceback
 from collections import deque
 from collections.abc import Iterator
@@ -24,20 +27,32 @@ import torch
 from kvreplay.config import RunConfig
 from kvreplay.engines.worker import Worker
 from kvreplay.errors import KvreplayError
-
-# How long close() waits for a worker to exit before it terminates it.
 from kvreplay.experiments.units import Unit
 
 # How long close() waits for a worker to exit before it terminates it.
 STOP_TIMEOUT_S = 10.0
 
 
-def _serve(conn: Connection, config: RunConfig, name: str, threads: int) -> None:
+def _die_with(driver: int) -> None:
+    """A driver killed outright (SIGKILL) cannot stop its workers, and a busy one would
+    run on for a whole unit: on Linux the kernel kills a worker when its driver dies."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != driver:  # the driver died before the request took hold
+        os._exit(0)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _serve(conn: Connection, config: RunConfig, name: str, threads: int, driver: int) -> None:
     """A worker process: answer ``device_info`` once, then run units until told to stop.
 
     Every reply is ``("ok", value)`` or ``("error", exception or traceback text)``.
     Ctrl-C reaches the driver, which stops the workers; they ignore it themselves.
     """
+    _die_with(driver)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     worker = Worker(config, name)
@@ -72,7 +87,10 @@ class ProcessEngine:
         for name in self.names:
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_serve, args=(theirs, config, name, threads), name=name, daemon=True
+                target=_serve,
+                args=(theirs, config, name, threads, os.getpid()),
+                name=name,
+                daemon=True,
             )
             process.start()
             theirs.close()
