@@ -129,8 +129,9 @@ MACHINE_FIELDS = (
 )
 
 
-def malformed_field(record: Record) -> str | None:
-    """The first row field every check relies on that is missing or of the wrong kind."""
+def malformed_field(record: Record, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with a row every check relies on, or None: a field missing or of the
+    wrong kind, or a completed row that does not read as its experiment's typed row."""
     data = record.data
     checks = {
         "item_id": isinstance(data.get("item_id"), str),
@@ -138,7 +139,17 @@ def malformed_field(record: Record) -> str | None:
         "status": isinstance(data.get("status"), str),
         "inputs": isinstance(data.get("inputs", {}), dict),
     }
-    return next((name for name, ok in checks.items() if not ok), None)
+    wrong = next((name for name, ok in checks.items() if not ok), None)
+    if wrong is not None:
+        return f"field {wrong} is missing or malformed"
+    experiment = recorded_experiment(record.experiment, manifest)
+    if experiment is None or data.get("kind") == "prefix" or data["status"] != "ok":
+        return None
+    try:
+        experiment.read_row(data)
+    except Exception as exc:  # noqa: BLE001 - hand-edited data can fail in any way
+        return f"does not read as a {record.experiment} row ({type(exc).__name__}: {exc})"
+    return None
 
 
 def check_contract(
@@ -284,10 +295,8 @@ def _audit(
         result.problems.append(f"row {key}: appears more than once")
     result.problems += check_header(ledger, records)
     result.problems += check_plan(ledger, records, [i.id for i in item_list or []])
-    malformed = {r.key: name for r in records if (name := malformed_field(r))}
-    result.problems += [
-        f"row {k}: field {name} is missing or malformed" for k, name in malformed.items()
-    ]
+    malformed = {r.key: why for r in records if (why := malformed_field(r, ledger.manifest))}
+    result.problems += [f"row {key}: {why}" for key, why in malformed.items()]
     records = [r for r in records if r.key not in malformed]
     items = {i.id: i for i in item_list or []}
     input_problems, depends, foreign = check_inputs(ledger, config, records, items)

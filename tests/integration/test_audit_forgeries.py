@@ -193,3 +193,35 @@ def test_cherry_picked_rows_are_named(builtin_run: Path, tmp_path: Path) -> None
     write_manifest(folder, data)
     rechain(folder, rows)
     assert_caught(folder, "config.item_ids is not the first items of items.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("arms",), []),
+        (("arms", "left"), "x"),
+        (("arms", "left", "suffix_token_ids"), "abc"),
+        (("arms", "left", "suffix"), None),
+        (("replicas",), 5),
+        (("prefix_token_ids",), {"a": 1}),
+        (("inputs",), []),
+        (("status",), 3),
+    ],
+)
+def test_a_hand_edited_field_of_the_wrong_type_is_named_not_raised(
+    run: Path,  # noqa: F811
+    path: tuple[str, ...],
+    value: object,
+) -> None:
+    rows = read_rows(run)
+    target = rows[0]["data"]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    rechain(run, rows, derive_csv=False)
+    result = audit(run, "--sample", 1)
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit | None), result.exception  # no traceback
+    item, precision = rows[0]["data"].get("item_id"), "bf16"
+    named = (f"row {rows[0]['key']}", f"row {item} ({precision})")
+    assert any(any(n in p for n in named) for p in problems(result)), result.output
