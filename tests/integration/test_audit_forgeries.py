@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from forgery import audit, manifest, problems, read_rows, rechain, write_manifest
 from helpers import invoke
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from integration.test_audit_tamper import audit, built, problems, run  # noqa: F401
-from integration.test_audit_tamper_matrix import manifest, read_rows, rechain, write_manifest
 from kvreplay.canonical import sha256_json
 from kvreplay.items import BUILTIN_ITEMS, items_digest
 from kvreplay.models import file_digests
@@ -30,7 +29,7 @@ def assert_caught(folder: Path, *needles: str, exit_code: int = 1) -> None:
     assert found, (needles, problems(result))
 
 
-def test_a_reuse_entry_planted_in_a_row_is_named_not_reexecuted_into_itself(run: Path) -> None:  # noqa: F811
+def test_a_reuse_entry_planted_in_a_row_is_named_not_reexecuted_into_itself(run: Path) -> None:
     """Class 1: a row's inputs could once hand the audit a recorded suffix to 'reuse'."""
     rows = read_rows(run)
     fabricated = {"suffix_token_ids": [1, 2, 3]}
@@ -42,7 +41,7 @@ def test_a_reuse_entry_planted_in_a_row_is_named_not_reexecuted_into_itself(run:
 
 
 @pytest.fixture
-def fixed_prefix_run(run: Path) -> Path:  # noqa: F811
+def fixed_prefix_run(run: Path) -> Path:
     """The matched run plus fixed-prefix on its bf16 live prefixes (copied from its rows)."""
     contract = manifest(run)["contract"]
     source, model = contract["items"]["source"], contract["run"]["model"]
@@ -74,7 +73,7 @@ def test_a_sampled_row_reexecutes_the_rows_its_inputs_come_from(fixed_prefix_run
     assert "re-executed: 3" in result.output
 
 
-def test_audit_refuses_remote_code_unless_asked(run: Path) -> None:  # noqa: F811
+def test_audit_refuses_remote_code_unless_asked(run: Path) -> None:
     """Class 2: a contract that says trust_remote_code no longer makes audit run code."""
     data = manifest(run)
     data["contract"]["run"]["trust_remote_code"] = True
@@ -87,7 +86,7 @@ def test_audit_refuses_remote_code_unless_asked(run: Path) -> None:  # noqa: F81
 
 
 def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
-    run: Path,  # noqa: F811
+    run: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kvreplay.audit
@@ -103,13 +102,13 @@ def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
     assert_caught(run, "manifest.json: field contract_sha256 does not match")
 
 
-def test_a_planted_csv_is_named(run: Path) -> None:  # noqa: F811
+def test_a_planted_csv_is_named(run: Path) -> None:
     """Class 3: a file the run did not write would be analysed as the run's."""
     shutil.copy(run / "matched_live_prefill.csv", run / "fixed_prefix_2x2.csv")
     assert_caught(run, "fixed_prefix_2x2.csv: not a file this run wrote")
 
 
-def test_edited_claims_report_and_header_are_named(run: Path) -> None:  # noqa: F811
+def test_edited_claims_report_and_header_are_named(run: Path) -> None:
     """Class 3: claims, report and figures are re-derived; header fields checked."""
     assert invoke("analyze", run).exit_code == 0
     assert invoke("report", run).exit_code == 0
@@ -129,7 +128,7 @@ def test_edited_claims_report_and_header_are_named(run: Path) -> None:  # noqa: 
     assert_caught(run, "manifest.json: field signed_by is not one a kvreplay run writes")
 
 
-def test_a_zeroed_snapshot_with_its_hashes_recomputed_is_named(run: Path) -> None:  # noqa: F811
+def test_a_zeroed_snapshot_with_its_hashes_recomputed_is_named(run: Path) -> None:
     """Class 4: the tensors are fingerprinted, not the metadata believed."""
     rows = read_rows(run)
     arm = next(a for a in rows[0]["data"]["arms"].values() if isinstance(a.get("snapshot"), dict))
@@ -144,7 +143,7 @@ def test_a_zeroed_snapshot_with_its_hashes_recomputed_is_named(run: Path) -> Non
     assert_caught(run, f"row {rows[0]['key']}", "its tensors' cache_fingerprint differs")
 
 
-def test_resuming_with_snapshots_on_a_fingerprints_only_header_is_named(run: Path) -> None:  # noqa: F811
+def test_resuming_with_snapshots_on_a_fingerprints_only_header_is_named(run: Path) -> None:
     data = manifest(run)
     data["snapshots"] = "fingerprints only"
     write_manifest(run, data)
@@ -209,7 +208,7 @@ def test_cherry_picked_rows_are_named(builtin_run: Path, tmp_path: Path) -> None
     ],
 )
 def test_a_hand_edited_field_of_the_wrong_type_is_named_not_raised(
-    run: Path,  # noqa: F811
+    run: Path,
     path: tuple[str, ...],
     value: object,
 ) -> None:

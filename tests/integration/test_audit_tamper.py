@@ -12,42 +12,10 @@ import io
 import json
 import platform
 import re
-import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from helpers import invoke
-
-PROMPTS = ["What is 2+3?", "Compute 4*5."]
-CSV = "matched_live_prefill.csv"
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory, tiny_dirs: dict[str, Path]) -> Path:
-    """matched on 2 items x bf16, fp32 (4 rows) with snapshots."""
-    root = tmp_path_factory.mktemp("audit-base")
-    items = root / "items.jsonl"
-    items.write_text(
-        "".join(
-            json.dumps({"id": f"t{i}", "prompt": p, "answer": "5"}) + "\n"
-            for i, p in enumerate(PROMPTS)
-        )
-    )
-    out = root / "run"
-    result = invoke(
-        "run", "matched", "--model", tiny_dirs["qwen2"], "--items", items, "--plan", "short",
-        "--dtypes", "bf16,fp32", "--save-snapshots", "--out", out,
-    )  # fmt: skip
-    assert result.exit_code == 0, (result.output, result.exception)
-    return out
-
-
-@pytest.fixture
-def run(built: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(built, copy)
-    return copy
+from forgery import CSV, assert_named, audit, problems
 
 
 def lines(run: Path) -> list[bytes]:
@@ -56,22 +24,6 @@ def lines(run: Path) -> list[bytes]:
 
 def keys(run: Path) -> list[str]:
     return [json.loads(line)["key"] for line in lines(run)]
-
-
-def audit(run: Path, *extra: object) -> Result:
-    return invoke("audit", run, *extra)
-
-
-def problems(result: Result) -> list[str]:
-    return [line.strip()[2:] for line in result.stdout.splitlines() if line.startswith("  - ")]
-
-
-def assert_named(result: Result, *needles: str) -> None:
-    """Exit 1 and one problem line that names every needle (a row and a field)."""
-    assert result.exit_code == 1, result.output
-    assert "FAIL" in result.stdout
-    found = [p for p in problems(result) if all(n in p for n in needles)]
-    assert found, (needles, problems(result))
 
 
 def digest_tree(folder: Path) -> dict[str, str]:

@@ -10,43 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from forgery import audit, manifest, problems, read_rows, rechain, write_manifest
 
-from integration.test_audit_tamper import audit, built, problems, run  # noqa: F401
 from kvreplay.canonical import sha256_json
-from kvreplay.experiments import EXPERIMENTS
-from kvreplay.ledger import GENESIS, Record, render_csv
 
 CSV = "matched_live_prefill.csv"
-
-
-def read_rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
-
-
-def manifest(folder: Path) -> dict:
-    return json.loads((folder / "manifest.json").read_text())
-
-
-def write_manifest(folder: Path, data: dict) -> None:
-    (folder / "manifest.json").write_text(json.dumps(data, indent=2))
-
-
-def rechain(
-    folder: Path, rows: list[dict], contract_hash: str | None = None, derive_csv: bool = True
-) -> None:
-    """Rewrite rows.jsonl as a valid chain and re-derive the CSV, as a forger would."""
-    contract_hash = contract_hash or sha256_json(manifest(folder)["contract"])
-    records, prev = [], GENESIS
-    for seq, row in enumerate(rows):
-        record = Record(**{**row, "seq": seq, "prev": prev, "contract": contract_hash})
-        record.hash = record.expected_hash()
-        records.append(record)
-        prev = record.hash
-    (folder / "rows.jsonl").write_text("".join(r.to_line() for r in records))
-    if not derive_csv:
-        return
-    matched = EXPERIMENTS["matched"]
-    (folder / CSV).write_text(render_csv(matched.columns, matched.csv_rows(records)))
 
 
 def delete_last_row_and_its_csv_line(folder: Path) -> str:
@@ -160,7 +128,7 @@ TAMPERS: dict[str, Callable[[Path], str]] = {
 
 
 @pytest.mark.parametrize("kind", list(TAMPERS))
-def test_audit_names_each_forgery(kind: str, run: Path) -> None:  # noqa: F811
+def test_audit_names_each_forgery(kind: str, run: Path) -> None:
     expected = TAMPERS[kind](run)
     # Every one is caught by a structural check: no re-execution needed.
     result = audit(run, "--sample", 0)
@@ -169,7 +137,7 @@ def test_audit_names_each_forgery(kind: str, run: Path) -> None:  # noqa: F811
     assert any(expected in p for p in problems(result)), (expected, problems(result))
 
 
-def test_another_library_version_is_refused_with_the_rebuild_command(run: Path) -> None:  # noqa: F811
+def test_another_library_version_is_refused_with_the_rebuild_command(run: Path) -> None:
     """A run made with other library versions cannot be vouched for here: the audit names
     the packages and the one command that rebuilds the run's environment, exit 2."""
     _edit_contract(run, "environment", "transformers", "0.0.1")
@@ -179,7 +147,7 @@ def test_another_library_version_is_refused_with_the_rebuild_command(run: Path) 
     assert f"kvreplay env {run} --venv .venv-{run.name}" in result.output
 
 
-def test_a_deleted_middle_row_is_named_itself(run: Path) -> None:  # noqa: F811
+def test_a_deleted_middle_row_is_named_itself(run: Path) -> None:
     """Not only the next row's broken link: the deleted row is named as missing."""
     expected = delete_middle_row(run)
     found = problems(audit(run, "--sample", 0))

@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from forgery import read_rows, rechain
 from helpers import invoke
 from tiny import save_tiny
 
@@ -194,8 +195,6 @@ def test_analyze_report_and_audit_against_the_server(http_run: Path, server, tmp
 
 def test_a_forged_row_is_caught(http_run: Path, server, tmp_path: Path) -> None:
     import shutil
-
-    from integration.test_audit_tamper_matrix import read_rows, rechain
 
     forged = tmp_path / "forged"
     shutil.copytree(http_run, forged)

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from forgery import read_rows, rechain
 from helpers import invoke
 
-from integration.test_audit_tamper import run  # noqa: F401  (a copy of this module's built)
-from integration.test_audit_tamper_matrix import read_rows, rechain
 from integration.test_bad_input import check
 from kvreplay.cli import main
 from kvreplay.experiments import EXPERIMENTS
@@ -127,13 +126,13 @@ def test_analyze_writes_the_certificate_and_report_draws_it(built: Path) -> None
     assert (built / "report.html").is_file()
 
 
-def test_audit_reexecutes_resample_rows(run: Path) -> None:  # noqa: F811
+def test_audit_reexecutes_resample_rows(run: Path) -> None:
     result = invoke("audit", run)
     assert result.exit_code == 0, result.output
     assert "rows in ledger: 4; re-executed: 4" in result.stdout
 
 
-def test_audit_names_a_forged_sample(run: Path) -> None:  # noqa: F811
+def test_audit_names_a_forged_sample(run: Path) -> None:
     """A careful forger edits one prefill sample's answer, rechains the ledger and
     re-derives the CSV: only re-execution can tell."""
     rows = read_rows(run)

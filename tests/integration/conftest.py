@@ -1,0 +1,41 @@
+"""Fixtures the audit tests share: one small matched run with snapshots, built once per
+session, and a fresh copy of it per test (each test tampers with its own)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import invoke
+
+PROMPTS = ["What is 2+3?", "Compute 4*5."]
+CSV = "matched_live_prefill.csv"
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory, tiny_dirs: dict[str, Path]) -> Path:
+    """matched on 2 items x bf16, fp32 (4 rows) with snapshots."""
+    root = tmp_path_factory.mktemp("audit-base")
+    items = root / "items.jsonl"
+    items.write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "prompt": p, "answer": "5"}) + "\n"
+            for i, p in enumerate(PROMPTS)
+        )
+    )
+    out = root / "run"
+    result = invoke(
+        "run", "matched", "--model", tiny_dirs["qwen2"], "--items", items, "--plan", "short",
+        "--dtypes", "bf16,fp32", "--save-snapshots", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, (result.output, result.exception)
+    return out
+
+
+@pytest.fixture
+def run(built: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(built, copy)
+    return copy
