@@ -60,3 +60,60 @@ def test_backends_lists_each_backend_with_its_capabilities() -> None:
 def test_vllm_not_installed(tmp_path: Path, tiny_dirs) -> None:
     output = refused(tmp_path, "matched", "--model", tiny_dirs["qwen2"], "--backend", "vllm")
     assert "make setup-vllm" in output
+
+
+class _ServerWithoutDevMode:
+    """An error path only (never a stand-in in an end-to-end test): a loopback server that
+    answers like vLLM started without VLLM_SERVER_DEV_MODE and prompt-token details."""
+
+    def __enter__(self) -> str:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        answers = {
+            "/version": {"version": "0.32.0"},
+            "/v1/models": {"data": [{"id": "m", "max_model_len": 1024}]},
+            "/v1/completions": {"choices": [{"text": "", "token_ids": [1]}], "usage": {}},
+            "/tokenize": {"tokens": [1]},
+        }
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.answer()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.answer()
+
+            def answer(self) -> None:
+                body = answers.get(self.path)
+                data = json.dumps(body or {"error": "not found"}).encode()
+                self.send_response(200 if body else 404)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_probe_and_run_refuse_a_server_without_dev_mode(tmp_path: Path, tiny_dirs) -> None:
+    from helpers import invoke
+
+    with _ServerWithoutDevMode() as url:
+        probe = invoke("probe", "--url", url)
+        assert probe.exit_code == 2
+        assert "resets its prefix cache        no" in probe.output
+        assert "start it with VLLM_SERVER_DEV_MODE=1" in probe.output
+        output = refused(tmp_path, "matched", "--model", tiny_dirs["qwen2"], "--backend",
+                         "http", "--url", url)  # fmt: skip
+        assert "start it with VLLM_SERVER_DEV_MODE=1" in output
