@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +174,14 @@ def default_threads() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def write_items(path: Path, prompts: Sequence[str], prefix: str, answer: str) -> Path:
+    """An item file: one item per prompt, ids ``{prefix}{index}``, the same answer."""
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"{prefix}{i}", "prompt": p, "answer": answer}) + "\n"
+            for i, p in enumerate(prompts)
+        )
+    )
+    return path

@@ -3,12 +3,11 @@ session, and a fresh copy of it per test (each test tampers with its own)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import invoke
+from helpers import invoke, write_items
 
 PROMPTS = ["What is 2+3?", "Compute 4*5."]
 CSV = "matched_live_prefill.csv"
@@ -18,13 +17,7 @@ CSV = "matched_live_prefill.csv"
 def built(tmp_path_factory: pytest.TempPathFactory, tiny_dirs: dict[str, Path]) -> Path:
     """matched on 2 items x bf16, fp32 (4 rows) with snapshots."""
     root = tmp_path_factory.mktemp("audit-base")
-    items = root / "items.jsonl"
-    items.write_text(
-        "".join(
-            json.dumps({"id": f"t{i}", "prompt": p, "answer": "5"}) + "\n"
-            for i, p in enumerate(PROMPTS)
-        )
-    )
+    items = write_items(root / "items.jsonl", PROMPTS, "t", "5")
     out = root / "run"
     result = invoke(
         "run", "matched", "--model", tiny_dirs["qwen2"], "--items", items, "--plan", "short",

@@ -15,7 +15,7 @@ from xml.etree import ElementTree
 
 import jsonschema
 import pytest
-from helpers import PLAN, PROMPT_POOL, invoke
+from helpers import PLAN, PROMPT_POOL, invoke, write_items
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((REPO / "docs" / "check-v1.schema.json").read_text())
@@ -25,13 +25,7 @@ SCHEMA = json.loads((REPO / "docs" / "check-v1.schema.json").read_text())
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The prompt pool as items, and the tests' stage plan as a plan file."""
     root = tmp_path_factory.mktemp("check-inputs")
-    items = root / "items.jsonl"
-    items.write_text(
-        "".join(
-            json.dumps({"id": f"p{i:02d}", "prompt": p, "answer": "1"}) + "\n"
-            for i, p in enumerate(PROMPT_POOL)
-        )
-    )
+    items = write_items(root / "items.jsonl", PROMPT_POOL, "p", "1")
     plan = root / "plan.json"
     plan.write_text(json.dumps(PLAN.to_dict()))
     return items, plan
