@@ -87,6 +87,7 @@ class ItemOutcome:
     right_margin: float | None = None
     seeds_changed: int | None = None  # resample: seeds whose sampled tokens changed
     seeds: int | None = None
+    cache_hit_tokens: int | None = None  # served: cached tokens of P the hit read
 
     @property
     def diverges(self) -> bool:
@@ -122,6 +123,7 @@ def outcomes(experiment: Experiment, rows: list[Record]) -> list[ItemOutcome]:
                 right_margin=right.margin_at(index),
                 seeds_changed=sum(changed) if len(pairs) > 1 else None,
                 seeds=len(pairs) if len(pairs) > 1 else None,
+                cache_hit_tokens=left.served.cached_tokens[0] if left.served else None,
             )
         )
     return found
@@ -148,8 +150,15 @@ class Verdict:
         return [o for o in self.items if o.reached and not o.replicas_ok]
 
     @property
+    def uncached(self) -> list[ItemOutcome]:
+        """Served items whose hit read no cached token of P (P shorter than one cache
+        block): there the hit was a second miss, and the item tests no caching."""
+        return [o for o in self.items if o.reached and o.cache_hit_tokens == 0]
+
+    @property
     def holds(self) -> bool:
-        if self.broken or not any(o.reached for o in self.items):
+        reached = [o for o in self.items if o.reached]
+        if self.broken or not reached or len(self.uncached) == len(reached):
             return False
         if self.expectation.kind == "faithful":
             return self.certificate is not None and self.certificate["verdict"] == "faithful"
@@ -172,8 +181,20 @@ class Verdict:
                 f"replicas disagreed on {len(self.broken)} of {len(reached)} item(s), so this "
                 "stack is not deterministic even under the same state."
             )
+        if len(self.uncached) == len(reached):
+            return head + (
+                "no prefix-cache hit read a cached token of P on any item (P is shorter than "
+                "one of the server's cache blocks), so hit and miss were the same computation; "
+                "check longer prefixes or a smaller block size."
+            )
+        uncached = (
+            f" ({len(self.uncached)} item(s) read no cached token of P: there hit and miss "
+            "were the same computation)"
+            if self.uncached
+            else ""
+        )
         if self.certificate is not None:
-            return head + self.certificate["sentence"]
+            return head + self.certificate["sentence"] + uncached
         parts = []
         for precision in dict.fromkeys(o.precision for o in reached):
             these = [o for o in reached if o.precision == precision]
@@ -184,7 +205,9 @@ class Verdict:
             if self.divergent
             else ""
         )
-        return head + (f"{left} and {right} continuations differ on {' and '.join(parts)}{tie}.")
+        return head + (
+            f"{left} and {right} continuations differ on {' and '.join(parts)}{tie}{uncached}."
+        )
 
     def counts(self) -> dict[str, int]:
         reached = [o for o in self.items if o.reached]
