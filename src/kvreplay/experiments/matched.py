@@ -143,17 +143,18 @@ class ServedMatched(Matched):
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        """Each unit names its companions: the next items of the selection, in turn."""
-        items, k = selection.items, min(scope.config.backend.companions, len(selection.items) - 1)
-        position = {item.id: index for index, item in enumerate(items)}
+        """Each unit names its companions (:meth:`derived_inputs`)."""
+        items = {item.id: item for item in selection.items}
+        derived = self.derived_inputs(self.config(scope, selection), scope.config, items)
         return [
-            replace(unit, inputs={"companions": companions(items, position[unit.item.id], k)})
+            replace(unit, inputs=derived[str(unit.key)])
             for unit in super().units(phase, scope, selection, rows)
         ]
 
     def derived_inputs(
         self, config: dict[str, Any], run: Any, items: dict[str, Item]
     ) -> dict[str, dict[str, Any]]:
+        """The next items of the selection, in turn, as each unit's companions."""
         selected = [items[i] for i in config["item_ids"]]
         k = min(run.backend.companions, len(selected) - 1)
         return {
