@@ -35,7 +35,7 @@ from kvreplay.ledger import (
     parse_rows,
 )
 from kvreplay.lock import check_libraries
-from kvreplay.models import DTYPES, describe_source, file_digests
+from kvreplay.models import DTYPES, file_digests
 from kvreplay.state import read_state_metadata, snapshot_fingerprints
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
@@ -167,7 +167,7 @@ def check_contract(
     recorded_items = contract.get("items")
     source = recorded_items.get("source", "") if isinstance(recorded_items, dict) else ""
     scheme = contract_scheme(contract)
-    info = describe_source(config.model, config.trust_remote_code, scheme)
+    info = config.backend.describe_model(config.model, config.trust_remote_code, scheme)
     built = json.loads(canonical(build_contract(config, info, source, items or [], scheme)))
     if items is None:
         built["items"] = recorded_items  # already named as unreadable

@@ -74,7 +74,7 @@ def build(lm: Any, prefix: Prefix, construction: str) -> BoundaryState:
             f"The prefix ({len(ids)} tokens) exceeds the model's context window of "
             f"{lm.context_length} tokens."
         )
-    state = BoundaryState.empty(lm.model, construction)
+    state = lm.empty_state(construction)
     chunks: list[Sequence[int]]
     if kind == "prefill":
         chunks = [ids]
@@ -98,7 +98,7 @@ def live(
     live continuation, not a recomputation.
     """
     check_fits(lm, len(prompt_ids), plan)
-    state = BoundaryState.empty(lm.model, "live")
+    state = lm.empty_state("live")
     state.advance(lm.model, list(prompt_ids))
     trajectory = run_stages(
         lm, state, plan.prefix_stages, sampler or Sampler(), first_opener_fed=False, feed_last=True

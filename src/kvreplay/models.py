@@ -159,6 +159,12 @@ class LoadedModel:
         text_config = self.model.config.get_text_config(decoder=True)
         return int(getattr(text_config, "max_position_embeddings", 0) or 0)
 
+    def empty_state(self, construction: str) -> Any:
+        """A boundary state over no tokens yet, to be advanced through this model."""
+        from kvreplay.state import BoundaryState
+
+        return BoundaryState.empty(self.model, construction)
+
     @property
     def model_digest(self) -> str:
         """The identity of the files as loaded, under the current scheme."""
@@ -402,6 +408,33 @@ def resolve_source(spec: str, trust_remote_code: bool = False) -> tuple[Path, st
     return check_folder(_from_hub_cache(spec), spec, trust_remote_code), None
 
 
+def gguf_file(spec: str) -> Path:
+    """The GGUF file of ``spec`` as shipped, for engines that run GGUF natively: the
+    file itself, or an embedded model's (its parts joined once into the cache)."""
+    if spec in EMBEDDED:
+        embedded = EMBEDDED[spec]
+        parts = embedded.part_paths()
+        if len(parts) == 1:
+            return parts[0]
+        target = cache_root() / "gguf" / embedded.gguf_name
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = target.with_name(target.name + ".staging")
+            with staging.open("wb") as out:
+                for part in parts:
+                    with part.open("rb") as handle:
+                        shutil.copyfileobj(handle, out, 1 << 22)
+            staging.replace(target)
+        return target
+    path = check_name(Path(spec).expanduser(), "The model path")
+    if path.suffix != ".gguf":
+        raise KvreplayError(f"This backend runs GGUF files; {spec!r} is neither one nor embedded.")
+    if not path.exists():
+        raise KvreplayError(f"The GGUF file {spec!r} does not exist.")
+    check_gguf(path, spec)
+    return path
+
+
 def check_gguf(path: Path, spec: str) -> None:
     """Refuse a GGUF file whose header does not parse or whose tensors run past its end,
     from the header alone: transformers would fail on it deep inside a load (a ``struct``
@@ -497,15 +530,21 @@ def source_identity(
 
 
 def describe_source(
-    spec: str, trust_remote_code: bool = False, scheme: int = IDENTITY_SCHEME, tokenizer: Any = None
+    spec: str,
+    trust_remote_code: bool = False,
+    scheme: int = IDENTITY_SCHEME,
+    tokenizer: Any = None,
+    identity: ModelIdentity | None = None,
 ) -> dict[str, Any]:
     """Identity of a model without loading its weights: digests and architecture.
 
     The driver records this in the manifest's contract (a resumed run in the identity
     scheme it started with); every worker checks that the model it loads matches.
-    ``tokenizer`` is the model's tokenizer when the caller has already loaded it.
+    ``tokenizer`` is the model's tokenizer when the caller has already loaded it;
+    ``identity`` that of the files a backend runs when they are not the source's (a
+    GGUF file run as shipped).
     """
-    identity = source_identity(spec, trust_remote_code, tokenizer)
+    identity = identity or source_identity(spec, trust_remote_code, tokenizer)
     config = text_config(spec, trust_remote_code)
     return {
         "spec": spec,

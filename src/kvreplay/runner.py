@@ -41,7 +41,6 @@ from kvreplay.lock import installed
 from kvreplay.models import (
     canonical_spec,
     check_loadable,
-    describe_source,
     load_tokenizer,
     parse_device,
     parse_dtypes,
@@ -190,12 +189,14 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     _check_resume(request)
     check_loadable(request.model, request.attn_implementation, request.trust_remote_code)
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
-    info = describe_source(request.model, request.trust_remote_code, scheme, tokenizer)
+    info = request.backend.describe_model(
+        request.model, request.trust_remote_code, scheme, tokenizer
+    )
     request.backend.check_model(
         request.model, request.trust_remote_code, request.device, tuple(request.dtypes)
     )
     prompts = [i.prompt for i in items[: experiment.count(request.n, items)] if i.prompt]
-    request.backend.check_tokenization(tokenizer, prompts, request.chat)
+    request.backend.check_tokenization(request.model, tokenizer, prompts, request.chat)
     _check_prompts(request, plan, items, info, tokenizer)
     config = RunConfig(
         model=request.model,

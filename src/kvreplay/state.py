@@ -104,6 +104,38 @@ class BoundaryState:
     def cache_fingerprint(self) -> str:
         return fingerprint_tensors(self.named_cache_tensors())
 
+    def layer_kinds(self) -> list[str]:
+        """Each layer's cache class and window: what a snapshot must match to load."""
+        return layer_kinds(self.cache)
+
+    def storages(self) -> set[int]:
+        """The addresses of the memory this state's tensors live in."""
+        tensors = [t for pair in self.layer_tensors() for t in pair]
+        if self.logits is not None:
+            tensors.append(self.logits)
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    @torch.inference_mode()
+    def copy(self) -> BoundaryState:
+        """A storage-disjoint deep copy (caches filled under inference mode deep-copy
+        safely)."""
+        return BoundaryState(
+            cache=copy.deepcopy(self.cache),
+            logits=None if self.logits is None else self.logits.clone(),
+            token_ids=list(self.token_ids),
+            construction=self.construction,
+        )
+
+    @torch.inference_mode()
+    def take_layers(self, donor: BoundaryState, layers: list[int], component: Component) -> None:
+        """Replace this state's K and/or V in ``layers`` by copies of the donor's."""
+        for index in layers:
+            source, target = donor.cache.layers[index], self.cache.layers[index]
+            if component in ("kv", "k"):
+                target.keys = source.keys.clone()
+            if component in ("kv", "v"):
+                target.values = source.values.clone()
+
     def logits_fingerprint(self) -> str:
         assert self.logits is not None
         return fingerprint_tensors([("logits", self.logits)])
@@ -123,16 +155,9 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _storages(state: BoundaryState) -> set[int]:
-    tensors = [t for pair in state.layer_tensors() for t in pair]
-    if state.logits is not None:
-        tensors.append(state.logits)
-    return {t.untyped_storage().data_ptr() for t in tensors}
-
-
 def storage_disjoint(a: BoundaryState, b: BoundaryState) -> bool:
-    """True when no tensor of ``a`` shares storage with any tensor of ``b``."""
-    return not (_storages(a) & _storages(b))
+    """True when no memory of ``a`` is memory of ``b``."""
+    return not (a.storages() & b.storages())
 
 
 @dataclass(frozen=True)
@@ -148,15 +173,9 @@ class ReplicaCheck:
         return self.cache_exact and self.logits_exact and self.storage_disjoint
 
 
-@torch.inference_mode()
 def clone(state: BoundaryState) -> BoundaryState:
-    """A storage-disjoint deep copy (caches filled under inference mode deep-copy safely)."""
-    return BoundaryState(
-        cache=copy.deepcopy(state.cache),
-        logits=None if state.logits is None else state.logits.clone(),
-        token_ids=list(state.token_ids),
-        construction=state.construction,
-    )
+    """A storage-disjoint copy of ``state``."""
+    return state.copy()
 
 
 def make_replica(state: BoundaryState) -> tuple[BoundaryState, ReplicaCheck]:
@@ -301,7 +320,7 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def _resolve_layers(state: BoundaryState, layers: Iterable[int] | None) -> list[int]:
-    count = len(state.cache.layers)
+    count = len(state.layer_lengths())
     chosen = list(range(count)) if layers is None else sorted(set(layers))
     for index in chosen:
         if not 0 <= index < count:
@@ -309,7 +328,6 @@ def _resolve_layers(state: BoundaryState, layers: Iterable[int] | None) -> list[
     return chosen
 
 
-@torch.inference_mode()
 def transplant(
     donor: BoundaryState,
     recipient: BoundaryState,
@@ -328,12 +346,7 @@ def transplant(
     check_same_prefix(donor, recipient)
     chosen = _resolve_layers(recipient, layers)
     result = clone(recipient)
-    for index in chosen:
-        source, target = donor.cache.layers[index], result.cache.layers[index]
-        if component in ("kv", "k"):
-            target.keys = source.keys.clone()
-        if component in ("kv", "v"):
-            target.values = source.values.clone()
+    result.take_layers(donor, chosen, component)
     if carry_logits:
         assert donor.logits is not None
         result.logits = donor.logits.clone()
@@ -370,7 +383,7 @@ def save_state(state: BoundaryState, path: Path, extra: dict[str, str] | None = 
     tensors["token_ids"] = torch.tensor(state.token_ids, dtype=torch.long)
     metadata = {
         "format": STATE_FORMAT,
-        "layer_kinds": json.dumps(layer_kinds(state.cache)),
+        "layer_kinds": json.dumps(state.layer_kinds()),
         "construction": info.construction,
         "layer_lengths": json.dumps(info.layer_lengths),
         "cache_fingerprint": info.cache_fingerprint,

@@ -20,6 +20,7 @@ BUILTIN: dict[str, str] = {
     "hf": "kvreplay.backends.hf:HfBackend",
     "vllm": "kvreplay.backends.vllm:VllmBackend",
     "http": "kvreplay.backends.http:HttpBackend",
+    "llamacpp": "kvreplay.backends.llamacpp:LlamaCppBackend",
 }
 
 

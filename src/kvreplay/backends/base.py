@@ -137,8 +137,33 @@ class Backend:
         """Refuse, before the manifest, a model, device or precision this backend cannot
         serve."""
 
-    def check_tokenization(self, tokenizer: Any, prompts: list[Any], chat: bool | None) -> None:
+    def check_tokenization(
+        self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
+    ) -> None:
         """Refuse, before the manifest, prompts the backend would tokenize otherwise."""
+
+    def describe_model(
+        self, spec: str, trust_remote_code: bool, scheme: int, tokenizer: Any = None
+    ) -> dict[str, Any]:
+        """The contract's ``model_info``: the identity of the files this backend runs and
+        the architecture, without loading weights (``models.describe_source``)."""
+        from kvreplay.models import describe_source
+
+        return describe_source(spec, trust_remote_code, scheme, tokenizer)
+
+    def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
+        """The model a K/V-access experiment advances boundary states through, for one
+        precision: a :class:`~kvreplay.models.LoadedModel` or one with its interface."""
+        from kvreplay.models import load_model
+
+        return load_model(
+            config.model,
+            precision,
+            config.device,
+            config.attn_implementation,
+            config.trust_remote_code,
+            device_map,
+        )
 
     def expected_hit(self, computed: int) -> int:
         """How many of ``computed`` prompt tokens a prefix-cache hit must report."""

@@ -323,7 +323,9 @@ class HttpBackend(Backend):
         for precision in dtypes:
             self.check_precision(precision)
 
-    def check_tokenization(self, tokenizer: Any, prompts: list[Any], chat: bool | None) -> None:
+    def check_tokenization(
+        self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
+    ) -> None:
         """kvreplay's token ids must be the server's: every prompt is tokenized by both."""
         from kvreplay.items import encode_prompt
 

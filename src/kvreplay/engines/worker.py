@@ -12,7 +12,7 @@ from kvreplay.config import RunConfig
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
 from kvreplay.experiments.units import Clock, Unit
-from kvreplay.models import LoadedModel, load_model
+from kvreplay.models import LoadedModel
 
 
 class Worker:
@@ -31,14 +31,7 @@ class Worker:
 
     def model(self, dtype: str) -> LoadedModel:
         if dtype not in self._models:
-            lm = load_model(
-                self.config.model,
-                dtype,
-                self.config.device,
-                self.config.attn_implementation,
-                self.config.trust_remote_code,
-                self.device_map,
-            )
+            lm = self.config.backend.load_model(self.config, dtype, self.device_map)
             if not lm.identity.matches(self.config.model_digest):
                 raise KvreplayError(
                     f"Worker {self.name} loaded model files whose digest differs from the run's."

@@ -20,7 +20,7 @@ from kvreplay.errors import KvreplayError
 from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.items import Item, encode_prompt, items_digest
 from kvreplay.ledger import Record, RunLedger
-from kvreplay.models import describe_source, load_tokenizer
+from kvreplay.models import load_tokenizer
 
 PANELS = ("stratified", "blind")
 BASIS = {
@@ -133,7 +133,9 @@ def _source_contract(scope: Scope) -> str | None:
         return None
     path, config = scope.source.path, scope.config
     contract = RunLedger.open_existing(path).manifest["contract"]
-    info = describe_source(config.model, config.trust_remote_code, contract_scheme(contract))
+    info = config.backend.describe_model(
+        config.model, config.trust_remote_code, contract_scheme(contract)
+    )
     if contract["run"]["model_digest"] != info["model_digest"]:
         raise KvreplayError(
             f"The source run {path} used another model "
