@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -185,3 +189,23 @@ def write_items(path: Path, prompts: Sequence[str], prefix: str, answer: str) ->
         )
     )
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_up(url: str, process: subprocess.Popen, limit: float = 900) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError("the server did not come up")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,31 +24,11 @@ from pathlib import Path
 
 import pytest
 from forgery import read_rows, rechain
-from helpers import invoke
+from helpers import free_port, invoke, wait_until_up
 from tiny import save_tiny
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until_up(url: str, process: subprocess.Popen, limit: float = 900) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    raise RuntimeError("vllm serve did not come up")
 
 
 @pytest.fixture(scope="session")

@@ -11,20 +11,23 @@ server's identity and every setting it reports that can change numerics go into 
 run's contract; its address does not, so a run can be resumed or audited against the
 same server at another address (``--url``).
 
-The server adapter (:class:`VllmServer`) knows one server's endpoints; ``--server auto``
-asks the server who it is.
+A server adapter knows one server's endpoints: :class:`VllmServer` (``vllm serve``) and
+:class:`LlamaServer` (llama.cpp's ``llama-server``, whose miss is a request with
+``cache_prompt`` off); ``--server auto`` asks the server who it is.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
@@ -191,7 +194,7 @@ class VllmServer:
         return [int(t) for t in self.client.ok("POST", "/tokenize", body)["tokens"]]
 
     def complete(
-        self, model: str, request: Request, eos: Sequence[int]
+        self, model: str, request: Request, eos: Sequence[int], slot: int
     ) -> tuple[list[int], list[list[tuple[int, float]]], Completion, int]:
         sampler = request.sampler
         body: dict[str, Any] = {
@@ -223,10 +226,97 @@ class VllmServer:
         return tokens, steps, completion, int(details.get("cached_tokens") or 0)
 
 
-ADAPTERS: dict[str, type[VllmServer]] = {VllmServer.name: VllmServer}
+class LlamaServer:
+    """llama.cpp's server (``llama-server``). A slot keeps the K/V of its last request and
+    a request with ``cache_prompt`` reuses their common prefix (``timings.cache_n``); one
+    without reuses nothing. kvreplay pins an arm's requests to slot 0 and a companion's to
+    slot i, and a reset makes slot 0's next request one without: so a hit reads exactly
+    what the arm's own earlier requests computed (every token but the last sampled), and
+    a miss nothing. The server needs ``--parallel`` above the companions."""
+
+    name: ClassVar[str] = "llamacpp"
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._fresh = threading.Event()
+
+    @classmethod
+    def recognises(cls, client: Client) -> bool:
+        status, payload = client.call("GET", "/props")
+        return status == 200 and isinstance(payload, dict) and "build_info" in payload
+
+    def probe(self) -> Probe:
+        props = self.client.ok("GET", "/props")
+        generation = props.get("default_generation_settings") or {}
+        settings = {
+            "block_size": 1,  # a hit reuses the common prefix token by token
+            "max_model_len": generation.get("n_ctx"),
+            "total_slots": props.get("total_slots"),
+            "model_ftype": props.get("model_ftype"),
+        }
+        identity = {
+            "version": props.get("build_info"),
+            "model": Path(str(props.get("model_path"))).name,
+            "settings": settings,
+        }
+        answer = self.client.ok("POST", "/completion", {"prompt": [0], "n_predict": 1})
+        reports = "cache_n" in (answer.get("timings") or {})
+        tokenizes = self.client.call("POST", "/tokenize", {"content": "a"})[0] == 200
+        return Probe(self.name, identity, True, True, reports, tokenizes)
+
+    def reset(self) -> None:
+        self._fresh.set()
+
+    def tokenize(self, text_or_messages: str | list[dict[str, str]], chat: bool) -> list[int]:
+        if chat:
+            body = {"messages": text_or_messages, "add_generation_prompt": True}
+            text = self.client.ok("POST", "/apply-template", body)["prompt"]
+        else:
+            text = text_or_messages
+        body = {"content": text, "add_special": not chat, "parse_special": True}
+        return [int(t) for t in self.client.ok("POST", "/tokenize", body)["tokens"]]
+
+    def complete(
+        self, model: str, request: Request, eos: Sequence[int], slot: int
+    ) -> tuple[list[int], list[list[tuple[int, float]]], Completion, int]:
+        fresh = slot == 0 and self._fresh.is_set()
+        if fresh:
+            self._fresh.clear()
+        sampler = request.sampler
+        body: dict[str, Any] = {
+            "prompt": list(request.context),
+            "n_predict": request.stage.max_new_tokens,
+            "temperature": sampler.temperature,
+            "top_p": sampler.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "seed": sampler.seed,
+            "n_probs": TOP_LOGPROBS,
+            "stop": list(request.stage.stop),
+            "cache_prompt": not fresh,
+            "return_tokens": True,
+            "id_slot": slot,
+        }
+        answer = self.client.ok("POST", "/completion", body)
+        steps = [
+            sorted(((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", [])),
+                   key=lambda x: -x[1])
+            for step in answer.get("completion_probabilities") or []
+        ]  # fmt: skip
+        kind = answer.get("stop_type")
+        completion = Completion(
+            "length" if kind == "limit" else "stop",
+            answer.get("stopping_word") if kind == "word" else None,
+        )
+        tokens = [int(t) for t in answer.get("tokens") or []]
+        return tokens, steps, completion, int((answer.get("timings") or {}).get("cache_n") or 0)
 
 
-def connect(url: str, server: str, timeout: float, api_key_env: str) -> VllmServer:
+Adapter = VllmServer | LlamaServer
+ADAPTERS: dict[str, type[Adapter]] = {VllmServer.name: VllmServer, LlamaServer.name: LlamaServer}
+
+
+def connect(url: str, server: str, timeout: float, api_key_env: str) -> Adapter:
     """The adapter for the server at ``url`` (``auto``: the first that recognises it)."""
     if not url:
         raise KvreplayError("The http backend needs the server's address: give --url URL.")
@@ -250,7 +340,7 @@ class HttpBackend(Backend):
     """A running server, reached at ``url``; see the module docstring."""
 
     name = "http"
-    summary = "a running OpenAI-compatible server (vllm serve): hit vs miss over HTTP"
+    summary = "a running server (vllm serve, llama-server): prefix-cache hit vs miss over HTTP"
     capabilities = SERVED  # companions go concurrently: batch composition attempted, not set
     connection = ("url", "api_key_env", "timeout")
     url: str = field(default="", metadata=option("--url", "The server's base address."))
@@ -276,7 +366,7 @@ class HttpBackend(Backend):
             raise KvreplayError("--companions must be from 0 to 64.")
 
     @cached_property
-    def adapter(self) -> VllmServer:
+    def adapter(self) -> Adapter:
         return connect(self.url, self.server, self.timeout, self.api_key_env)
 
     @cached_property
@@ -322,6 +412,13 @@ class HttpBackend(Backend):
         self.check_ready()
         for precision in dtypes:
             self.check_precision(precision)
+        slots = self.probe.identity["settings"].get("total_slots")
+        if slots is not None and self.companions >= slots:
+            raise KvreplayError(
+                f"The server at {self.url} has {slots} slot(s) for an arm and its "
+                f"{self.companions} companions; start it with --parallel "
+                f"{self.companions + 1} or pass --companions {slots - 1}."
+            )
 
     def check_tokenization(
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
@@ -376,7 +473,7 @@ class HttpBackend(Backend):
 class HttpServed:
     """The served-model interface over HTTP."""
 
-    adapter: VllmServer
+    adapter: Adapter
     model: str
     tokenizer: Any
     eos_token_ids: frozenset[int]
@@ -389,14 +486,14 @@ class HttpServed:
         """Requests together: sent concurrently, so the server may batch them (it decides)."""
         from kvreplay.stages import StopDetector
 
-        def one(request: Request) -> Served:
+        def one(slot: int, request: Request) -> Served:
             tokens, steps, completion, cached = self.adapter.complete(
-                self.model, request, self.eos_token_ids
+                self.model, request, self.eos_token_ids, slot
             )
             detector = StopDetector(self.tokenizer, request.stage.stop, self.eos_token_ids)
             return served_stage(request, tokens, steps, completion, cached, detector, "The server")
 
         if len(requests) == 1:
-            return [one(requests[0])]
+            return [one(0, requests[0])]
         with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-            return list(pool.map(one, requests))
+            return list(pool.map(one, range(len(requests)), requests))

@@ -1,0 +1,106 @@
+"""The http backend against a real llama.cpp server (``llama-server``, built by ``make
+setup-llamacpp``) on the embedded SmolLM2 GGUF, with the server's own defaults beside
+four slots: the probe, matched rows whose hit read every computed token and whose miss
+read none, audit against the server, a forged row caught, and a server that went away."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from forgery import assert_named, audit, read_rows, rechain
+from helpers import free_port, invoke, wait_until_up
+
+from kvreplay.models import EMBEDDED
+
+pytestmark = pytest.mark.slow
+SERVER = (
+    Path(__file__).resolve().parents[2] / "build" / "llamacpp" / "cmake" / "bin" / "llama-server"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not SERVER.is_file():
+        pytest.fail("llama-server is not built here; run `make setup-llamacpp`.")
+    gguf = EMBEDDED["smollm2-135m"].part_paths()[0]
+    port = free_port()
+    log = (tmp_path_factory.mktemp("llama-server") / "server.log").open("w")
+    process = subprocess.Popen(
+        [SERVER, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+         "--ctx-size", "4096", "--parallel", "4"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(url, process, limit=120)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def matched(server: str, tmp_path_factory: pytest.TempPathFactory, smollm2_cache: Path) -> Path:
+    out = tmp_path_factory.mktemp("llama-http") / "matched"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+        result = invoke(
+            "run", "matched", "--backend", "http", "--url", server, "--plan", "short",
+            "--n", "3", "--dtypes", "fp16", "--companions", "2", "--out", out,
+        )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_probe_names_the_server_and_what_it_offers(server: str) -> None:
+    result = invoke("probe", "--url", server)
+    assert result.exit_code == 0, result.output
+    assert "llamacpp" in result.stdout
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout
+    assert "kvreplay can audit this server" in result.stdout
+
+
+def test_hit_reads_every_computed_token_and_miss_none(matched: Path) -> None:
+    with (matched / "matched_live_prefill.csv").open(newline="") as handle:
+        lines = list(csv.DictReader(handle))
+    assert len(lines) == 3
+    for line in lines:
+        assert line["integrity_pass"] == "true"
+        assert int(line["live_cached_tokens"]) > 0
+        assert int(line["live_cached_tokens"]) < int(line["prefix_token_count"])
+        assert line["prefill_cached_tokens"] == "0"
+        assert len(json.loads(line["batch_companions"])) == 2
+    print("llama-server hit vs miss suffix_equal:", [line["suffix_equal"] for line in lines])
+
+
+def test_audit_against_the_server_passes_and_catches_a_forgery(
+    matched: Path, server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_cache: Path
+) -> None:
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    result = audit(matched, "--url", server)
+    assert result.exit_code == 0, result.output
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    for name in ("manifest.json", "items.jsonl", "rows.jsonl", "matched_live_prefill.csv"):
+        (forged / name).write_bytes((matched / name).read_bytes())
+    records = read_rows(forged)
+    records[1]["data"]["arms"]["prefill"]["suffix_sha256"] = "0" * 64
+    rechain(forged, records)
+    assert_named(audit(forged, "--url", server), "prefill")
+
+
+def test_a_server_that_went_away_is_named_in_one_sentence(
+    matched: Path, monkeypatch: pytest.MonkeyPatch, smollm2_cache: Path
+) -> None:
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    gone = f"http://127.0.0.1:{free_port()}"
+    result = invoke("audit", matched, "--url", gone)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert gone in result.stderr and result.stderr.strip().count("\n") == 0
