@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvreplay.backends import precisions
 from kvreplay.canonical import canonical, sha256_json
 from kvreplay.config import RunConfig
 from kvreplay.derived import check_csvs
@@ -35,7 +36,7 @@ from kvreplay.ledger import (
     parse_rows,
 )
 from kvreplay.lock import check_libraries
-from kvreplay.models import DTYPES, file_digests
+from kvreplay.models import file_digests
 from kvreplay.state import read_state_metadata, snapshot_fingerprints
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
@@ -135,7 +136,7 @@ def malformed_field(record: Record, manifest: dict[str, Any]) -> str | None:
     data = record.data
     checks = {
         "item_id": isinstance(data.get("item_id"), str),
-        "precision": data.get("precision") in DTYPES,
+        "precision": data.get("precision") in precisions(),
         "status": isinstance(data.get("status"), str),
         "inputs": isinstance(data.get("inputs", {}), dict),
     }

@@ -39,9 +39,11 @@ def _parsed(parse: Callable[[Any], Any]) -> Callable[[click.Context, click.Param
 
 
 def _dtypes(value: str) -> tuple[str, ...]:
+    """Precisions some backend runs; the run's backend refuses those it does not."""
+    from kvreplay.backends import precisions
     from kvreplay.models import parse_dtypes
 
-    return parse_dtypes(v.strip() for v in value.split(",") if v.strip())
+    return parse_dtypes((v.strip() for v in value.split(",") if v.strip()), precisions())
 
 
 def _device(value: str) -> str:
@@ -106,7 +108,8 @@ def run_options(
         click.option("--n", type=int, default=n, show_default=n is not None,
                      help="How many items" + ("." if n else " (default: all; bridge 12).")),
         click.option("--dtypes", default=dtypes, show_default=True, callback=_parsed(_dtypes),
-                     help="Comma-separated precisions: fp32, bf16, fp16."),
+                     help="Comma-separated precisions: fp32, bf16, fp16 "
+                     "(llamacpp: KV-cache types, also q8_0)."),
         click.option("--plan", default="instruct", show_default=True,
                      help="Built-in stage plan (instruct, reasoning, short) or a plan .json."),
         click.option("--extractor", default="integer", show_default=True,

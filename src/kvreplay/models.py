@@ -184,16 +184,19 @@ class LoadedModel:
         }
 
 
-def parse_dtype(name: str) -> str:
+def parse_dtype(name: str, allowed: Iterable[str] = DTYPES) -> str:
     """Validate a dtype name; the ledger always records these short names."""
-    if name not in DTYPES:
-        raise KvreplayError(f"Unknown dtype {name!r}; choose one of {', '.join(DTYPES)}.")
+    choices = list(allowed)
+    if name not in choices:
+        raise KvreplayError(f"Unknown dtype {name!r}; choose one of {', '.join(choices)}.")
     return name
 
 
-def parse_dtypes(names: Iterable[str]) -> tuple[str, ...]:
-    """A run's precisions: at least one, each known, none twice (a row key per precision)."""
-    dtypes = tuple(parse_dtype(name) for name in names)
+def parse_dtypes(names: Iterable[str], allowed: Iterable[str] = DTYPES) -> tuple[str, ...]:
+    """A run's precisions: at least one, each one ``allowed`` (a backend's), none twice
+    (a row key per precision)."""
+    choices = list(allowed)
+    dtypes = tuple(parse_dtype(name, choices) for name in names)
     if not dtypes:
         raise KvreplayError("--dtypes needs at least one dtype.")
     repeated = sorted({d for d in dtypes if dtypes.count(d) > 1})

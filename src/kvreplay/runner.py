@@ -176,7 +176,7 @@ def build_contract(
 def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     """Validate the request and open (or resume) the run directory."""
     check_name(request.out, "--out")
-    parse_dtypes(request.dtypes)
+    parse_dtypes(request.dtypes, request.backend.precisions)
     parse_device(request.device)
     placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
     check_engine(*placement, request.device)

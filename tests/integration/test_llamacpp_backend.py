@@ -126,3 +126,24 @@ def test_settings_llamacpp_cannot_run_with_are_refused(tmp_path: Path) -> None:
     assert "--n-ctx" in _one_sentence(["--out", tmp_path / "a", "--n-ctx", "8"])
     assert "--flash-attn" in _one_sentence(["--out", tmp_path / "b", "--flash-attn", "maybe"])
     assert "--block-size" in _one_sentence(["--out", tmp_path / "c", "--block-size", "64"])
+
+
+def test_a_q8_0_kv_cache_runs_with_flash_attention_only(tmp_path: Path) -> None:
+    refusal = _one_sentence(["--out", tmp_path / "a", "--dtypes", "q8_0"])
+    assert "--flash-attn on" in refusal
+    out = tmp_path / "q8"
+    run(out, "matched", "--n", "1", "--dtypes", "q8_0", "--flash-attn", "on")
+    (line,) = rows(out / "matched_live_prefill.csv")
+    assert line["precision"] == "q8_0"
+    assert line["live_replica_cache_exact"] == line["prefill_replica_cache_exact"] == "true"
+    assert (
+        json.loads((out / "manifest.json").read_text())["contract"]["run"]["backend"]["flash_attn"]
+        == "on"
+    )
+    assert audit(out).exit_code == 0
+
+
+def test_the_hf_backend_refuses_a_kv_cache_type(tmp_path: Path) -> None:
+    result = invoke("run", "matched", "--out", tmp_path / "a", "--dtypes", "q8_0")
+    assert result.exit_code == 2
+    assert "Unknown dtype 'q8_0'; choose one of fp32, bf16, fp16." in result.stderr

@@ -61,6 +61,14 @@ def backend_from_contract(
     return cls() if data is None else cls.from_contract(data, given)
 
 
+def precisions() -> tuple[str, ...]:
+    """Every precision some registered backend runs, in registry order."""
+    found: dict[str, None] = {}
+    for name in registry():
+        found |= dict.fromkeys(backend_class(name).precisions)
+    return tuple(found)
+
+
 def setting_options(connection_only: bool = False) -> dict[str, dict[str, Any]]:
     """Every registered backend's CLI settings (or only its connection settings): field
     name -> option, help, type, default, and the backends that take it."""
@@ -81,6 +89,7 @@ __all__ = [
     "backend_class",
     "backend_from_contract",
     "make_backend",
+    "precisions",
     "registry",
     "setting_options",
 ]

@@ -76,6 +76,8 @@ class Backend:
     # Libraries this backend adds to the contract's environment, each with the
     # distributions that may provide it (a resume or audit refuses other versions).
     libraries: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # The precisions (``--dtypes``) this backend runs.
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")
     # Settings that say where the backend is, not what it computes: left out of the
     # contract, and given again to resume or audit a run (e.g. a server's address).
     connection: ClassVar[tuple[str, ...]] = ()

@@ -7,10 +7,11 @@ context holding one sequence, so two states never share memory; a copy is the se
 state bytes (``llama_state_seq_get_data``) written into a fresh context. The K/V of a
 state are read from those bytes as llama.cpp's KV-cache writer lays them out, so
 comparisons, fingerprints and transplants work on the very cache llama.cpp decodes from.
-A run's precision is the KV-cache type (``fp16`` is llama.cpp's default); the weights stay
-as quantized in the file. Every chunk of a construction is one ``llama_decode`` of one
-micro-batch (``n_batch`` = ``n_ubatch`` = ``n_ctx``): ``prefill`` is one shot, ``live`` and
-``replay`` feed the prompt in one and every later token alone.
+A run's precision is the KV-cache type (``fp16`` is llama.cpp's default; ``q8_0`` needs
+flash attention and is compared dequantized); the weights stay as quantized in the file.
+Every chunk of a construction is one ``llama_decode`` of one micro-batch (``n_batch`` =
+``n_ubatch`` = ``n_ctx``): ``prefill`` is one shot, ``live`` and ``replay`` feed the
+prompt in one and every later token alone.
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ LLAMACPP_SETUP = (
     "The llamacpp backend needs llama.cpp, which is not built in this environment; run "
     "`make setup-llamacpp` (see the README)."
 )
-# A run's precision names the KV-cache type: its GGML type id and the dtype of its rows.
-KV_TYPES: dict[str, tuple[int, torch.dtype]] = {
-    "fp32": (0, torch.float32),
-    "fp16": (1, torch.float16),
-    "bf16": (30, torch.bfloat16),
-}
-ROW_DTYPES = {ggml: dtype for ggml, dtype in KV_TYPES.values()}
+# A run's precision names the KV-cache type: its GGML type id.
+KV_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30, "q8_0": 8}
+# How rows of each type read: plain types as their dtype; q8_0 as blocks of 32 int8
+# values with an fp16 scale (34 bytes), dequantized to fp32.
+ROW_DTYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+Q8_0, Q8_0_BLOCK = 8, 34
 STATE_MAGIC = 0xAF143CD8  # llama_context's io_magic: the first word of a sequence's state
 
 
@@ -65,6 +65,7 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     summary = "llama.cpp in this process on the GGUF as shipped; K/V from sequence state"
     capabilities = Capabilities(kv_access=True, seeded_sampling=True)
+    precisions = tuple(KV_TYPES)
     libraries = {"llama_cpp_python": ("llama-cpp-python", "llama_cpp_python")}
     n_ctx: int = field(
         default=2048,
@@ -116,6 +117,8 @@ class LlamaCppBackend(Backend):
 
         if device != "cpu":
             raise KvreplayError("The llamacpp backend runs on --device cpu (its CPU build).")
+        if "q8_0" in dtypes and self.flash_attn != "on":
+            raise KvreplayError("llama.cpp quantizes the V cache only with --flash-attn on.")
         Runtime(gguf_file(spec), self, threads=1, kv="fp16")  # refuses what llama.cpp cannot load
 
     def check_tokenization(
@@ -148,11 +151,6 @@ class LlamaCppBackend(Backend):
     def load_model(self, config: Any, precision: str, device_map: str | None = None) -> LlamaModel:
         from kvreplay.models import describe_source, gguf_file, load_tokenizer
 
-        if precision not in KV_TYPES:
-            raise KvreplayError(
-                f"The llamacpp backend's precision is its KV-cache type; {precision} is not "
-                f"one ({', '.join(KV_TYPES)})."
-            )
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         identity = gguf_identity(config.model, tokenizer)
         info = describe_source(
@@ -202,7 +200,7 @@ class Runtime:
         params.n_ctx = params.n_batch = params.n_ubatch = self.backend.n_ctx
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
-        params.type_k = params.type_v = KV_TYPES[self.kv][0]
+        params.type_k = params.type_v = KV_TYPES[self.kv]
         params.flash_attn_type = 1 if self.backend.flash_attn == "on" else 0
         params.no_perf = True
         handle = lib.llama_init_from_model(self.model, params)
@@ -280,13 +278,19 @@ class Rows:
         return self.offset + self.count * self.width
 
     def tensor(self, data: bytes) -> torch.Tensor:
-        """The rows as a ``[cells, channels]`` tensor of the cache's dtype."""
+        """The rows as a ``[cells, channels]`` tensor of the cache's dtype (q8_0:
+        dequantized to fp32)."""
+        raw = torch.frombuffer(bytearray(data[self.offset : self.end]), dtype=torch.uint8)
+        if self.ggml_type == Q8_0 and not self.transposed:
+            blocks = raw.reshape(self.count, -1, Q8_0_BLOCK)
+            scale = blocks[..., :2].contiguous().view(torch.float16).float()
+            values = blocks[..., 2:].contiguous().view(torch.int8).float()
+            return (scale * values).reshape(self.count, -1)
         dtype = ROW_DTYPES.get(self.ggml_type)
         if dtype is None:
             raise KvreplayError(
                 f"kvreplay cannot read llama.cpp KV rows of GGML type {self.ggml_type}."
             )
-        raw = torch.frombuffer(bytearray(data[self.offset : self.end]), dtype=torch.uint8)
         rows = raw.view(dtype).reshape(self.count, -1)
         return rows.T if self.transposed else rows
 
