@@ -232,7 +232,12 @@ class LlamaServer:
     without reuses nothing. kvreplay pins an arm's requests to slot 0 and a companion's to
     slot i, and a reset makes slot 0's next request one without: so a hit reads exactly
     what the arm's own earlier requests computed (every token but the last sampled), and
-    a miss nothing. The server needs ``--parallel`` above the companions."""
+    a miss nothing. The server needs ``--parallel`` above the companions.
+
+    Stop strings are not sent: llama-server drops the logprobs of a stop string's tokens,
+    so a stage runs to its cap or EOS and the plan's stops cut it here. The slot then holds
+    a stop token it decoded, so a plan whose prefix stages end at a stop string fails the
+    hit guard (named in each row), never passes it silently."""
 
     name: ClassVar[str] = "llamacpp"
 
@@ -292,7 +297,6 @@ class LlamaServer:
             "min_p": 0.0,
             "seed": sampler.seed,
             "n_probs": TOP_LOGPROBS,
-            "stop": list(request.stage.stop),
             "cache_prompt": not fresh,
             "return_tokens": True,
             "id_slot": slot,
@@ -303,11 +307,7 @@ class LlamaServer:
                    key=lambda x: -x[1])
             for step in answer.get("completion_probabilities") or []
         ]  # fmt: skip
-        kind = answer.get("stop_type")
-        completion = Completion(
-            "length" if kind == "limit" else "stop",
-            answer.get("stopping_word") if kind == "word" else None,
-        )
+        completion = Completion("length" if answer.get("stop_type") == "limit" else "stop")
         tokens = [int(t) for t in answer.get("tokens") or []]
         return tokens, steps, completion, int((answer.get("timings") or {}).get("cache_n") or 0)
 
