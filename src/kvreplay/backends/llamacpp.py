@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from kvreplay.backends.base import Backend, Capabilities, option
@@ -243,7 +244,7 @@ class Context:
         if status != 0:
             raise KvreplayError(f"llama.cpp could not decode {count} tokens (status {status}).")
         row = lib.llama_get_logits_ith(self.handle, -1)
-        return torch.tensor(row[: self.runtime.n_vocab], dtype=torch.float32)
+        return torch.from_numpy(numpy.ctypeslib.as_array(row, (self.runtime.n_vocab,)).copy())
 
     def read(self) -> bytes:
         """The sequence's state: its cells and every layer's K and V rows."""
