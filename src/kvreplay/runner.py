@@ -180,6 +180,11 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     parse_device(request.device)
     placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
     check_engine(*placement, request.device)
+    if request.workers > 1 and not request.backend.parallel_workers:
+        raise KvreplayError(
+            f"The {request.backend.name} backend's workers would share one server and reset "
+            "each other's prefix cache; run it with --workers 1."
+        )
     plan = _plan(request)
     get_extractor(request.extractor)
     experiment = get_experiment(request.experiment, request.backend)

@@ -47,6 +47,14 @@ def test_a_setting_of_another_backend_is_refused(tmp_path: Path, tiny_dirs) -> N
     assert "--block-size does not apply to the hf backend" in output
 
 
+def test_http_workers_would_reset_each_others_cache(tmp_path: Path, tiny_dirs) -> None:
+    output = refused(
+        tmp_path, "matched", "--model", tiny_dirs["qwen2"], "--backend", "http",
+        "--url", "http://127.0.0.1:9", "--workers", "2",
+    )  # fmt: skip
+    assert "reset each other's prefix cache; run it with --workers 1." in output
+
+
 def test_backends_lists_each_backend_with_its_capabilities() -> None:
     from helpers import invoke
 

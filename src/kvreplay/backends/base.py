@@ -76,6 +76,9 @@ class Backend:
     # Libraries this backend adds to the contract's environment, each with the
     # distributions that may provide it (a resume or audit refuses other versions).
     libraries: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # Whether several workers may run at once: not when they share one server's prefix
+    # cache, which every arm resets.
+    parallel_workers: ClassVar[bool] = True
     # The precisions (``--dtypes``) this backend runs.
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")
     # Settings that say where the backend is, not what it computes: left out of the

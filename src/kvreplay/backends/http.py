@@ -343,6 +343,7 @@ class HttpBackend(Backend):
     summary = "a running server (vllm serve, llama-server): prefix-cache hit vs miss over HTTP"
     capabilities = SERVED  # companions go concurrently: batch composition attempted, not set
     connection = ("url", "api_key_env", "timeout")
+    parallel_workers = False
     url: str = field(default="", metadata=option("--url", "The server's base address."))
     api_key_env: str = field(
         default="", metadata=option("--api-key-env", "Environment variable holding its API key.")
