@@ -3,10 +3,11 @@ backend protocol).
 
 llama.cpp is reached through llama-cpp-python's ctypes binding (``make setup-llamacpp``
 builds the library once from the pinned sdist). Each boundary state owns one llama.cpp
-context holding one sequence, so two states never share memory; a copy is the sequence's
-state bytes (``llama_state_seq_get_data``) written into a fresh context. The K/V of a
-state are read from those bytes as llama.cpp's KV-cache writer lays them out, so
-comparisons, fingerprints and transplants work on the very cache llama.cpp decodes from.
+context holding one sequence, so two states never share memory; a copy is the context's
+whole state (``llama_state_get_data``) written into a fresh context. The K/V of a state
+are read from its sequence's state bytes (``llama_state_seq_get_data``) as llama.cpp's
+KV-cache writer lays them out, so comparisons, fingerprints and transplants work on the
+very cache llama.cpp decodes from.
 A run's precision is the KV-cache type (``fp16`` is llama.cpp's default; ``q8_0`` needs
 flash attention and is compared dequantized); the weights stay as quantized in the file.
 Every chunk of a construction is one ``llama_decode`` of one micro-batch (``n_batch`` =
@@ -254,6 +255,20 @@ class Context:
         written = lib.llama_state_seq_get_data(self.handle, buffer, size, 0)
         return bytes(buffer)[:written]
 
+    def snapshot(self) -> bytes:
+        """The whole context's state: every cell, masked sliding-window ones included."""
+        lib = self.runtime.lib
+        size = lib.llama_state_get_size(self.handle)
+        buffer = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_get_data(self.handle, buffer, size)
+        return bytes(buffer)[:written]
+
+    def restore(self, data: bytes) -> None:
+        """Become the context :meth:`snapshot` saw, cell for cell."""
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if not self.runtime.lib.llama_state_set_data(self.handle, buffer, len(data)):
+            raise KvreplayError("llama.cpp refused a context state it wrote itself.")
+
     def write(self, data: bytes) -> None:
         """Replace the sequence by ``data`` (from :meth:`read`)."""
         lib = self.runtime.lib
@@ -380,9 +395,12 @@ class LlamaState(BoundaryState):
         return {self.cache.address} | logits
 
     def copy(self) -> LlamaState:
-        """The sequence written into a fresh context: disjoint, and bit-equal by check."""
+        """The context's whole state written into a fresh one: disjoint, and bit-equal by
+        check. Not the sequence's state alone: that leaves out sliding-window cells
+        already masked (Gemma3), and a context without them continued differently
+        after a long prefill (the attention then reduces over other cells)."""
         context = self.cache.runtime.context()
-        context.write(self.cache.read())
+        context.restore(self.cache.snapshot())
         logits = None if self.logits is None else self.logits.clone()
         return LlamaState(context, logits, list(self.token_ids), self.construction)
 
