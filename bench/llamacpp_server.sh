@@ -3,6 +3,8 @@
 # as results/smollm2-vllm-n24: llama-server (built by make setup-llamacpp) on the embedded
 # SmolLM2 GGUF with its own defaults except one thread (a shared 2-core box) and the
 # KV-cache type, fp16 (its default) then fp32. Each run is audited against its server.
+# No companions: concurrent requests on other slots made the hit's later requests read
+# no cached token on some items, and such rows do not re-execute identically.
 set -euo pipefail
 ROOT=${1:-results/llamacpp-server-n24}
 export OMP_NUM_THREADS=1
@@ -16,7 +18,7 @@ for dtype in fp16 fp32; do
   pid=$!
   until curl -s -m 2 "http://127.0.0.1:$PORT/health" | grep -q ok; do sleep 1; done
   kvreplay probe --url "http://127.0.0.1:$PORT"
-  kvreplay run matched --backend http --url "http://127.0.0.1:$PORT" --n 24 --dtypes "$dtype" \
+  kvreplay run matched --backend http --url "http://127.0.0.1:$PORT" --n 24 --dtypes "$dtype" --companions 0 \
     --out "$ROOT-$dtype"
   kvreplay audit "$ROOT-$dtype" --url "http://127.0.0.1:$PORT" --sample 2
   kvreplay analyze "$ROOT-$dtype" && kvreplay report "$ROOT-$dtype"

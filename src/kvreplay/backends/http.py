@@ -230,9 +230,10 @@ class LlamaServer:
     """llama.cpp's server (``llama-server``). A slot keeps the K/V of its last request and
     a request with ``cache_prompt`` reuses their common prefix (``timings.cache_n``); one
     without reuses nothing. kvreplay pins an arm's requests to slot 0 and a companion's to
-    slot i, and a reset makes slot 0's next request one without: so a hit reads exactly
-    what the arm's own earlier requests computed (every token but the last sampled), and
-    a miss nothing. The server needs ``--parallel`` above the companions.
+    slot i, and a reset makes each slot's next request one without: so a hit reads exactly
+    what the arm's own earlier requests computed (every token but the last sampled), a
+    miss nothing, and companions start from nothing too. The server needs ``--parallel``
+    above the companions.
 
     Stop strings are not sent: llama-server drops the logprobs of a stop string's tokens,
     so a stage runs to its cap or EOS and the plan's stops cut it here. The slot then holds
@@ -243,7 +244,8 @@ class LlamaServer:
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self._fresh = threading.Event()
+        self._lock = threading.Lock()
+        self._used: set[int] = set()  # slots that served a request since the last reset
 
     @classmethod
     def recognises(cls, client: Client) -> bool:
@@ -270,7 +272,8 @@ class LlamaServer:
         return Probe(self.name, identity, True, True, reports, tokenizes)
 
     def reset(self) -> None:
-        self._fresh.set()
+        with self._lock:
+            self._used.clear()
 
     def tokenize(self, text_or_messages: str | list[dict[str, str]], chat: bool) -> list[int]:
         if chat:
@@ -284,9 +287,9 @@ class LlamaServer:
     def complete(
         self, model: str, request: Request, eos: Sequence[int], slot: int
     ) -> tuple[list[int], list[list[tuple[int, float]]], Completion, int]:
-        fresh = slot == 0 and self._fresh.is_set()
-        if fresh:
-            self._fresh.clear()
+        with self._lock:
+            fresh = slot not in self._used
+            self._used.add(slot)
         sampler = request.sampler
         body: dict[str, Any] = {
             "prompt": list(request.context),
