@@ -1,7 +1,8 @@
-"""vllm backend vs hf backend on the same model, prompts and token budget (issue 13).
+"""vllm backend vs hf backend (issue 13), or the http backend against a running server
+(issue 26), on the same model, prompts and token budget.
 
-Usage: .venv-vllm/bin/python bench/serve_speed.py --backend vllm|hf [--dtype bf16]
-       [--tokens 120] [--prompts 4]
+Usage: .venv-vllm/bin/python bench/serve_speed.py --backend vllm|hf|http [--url URL]
+       [--dtype bf16] [--tokens 120] [--prompts 4]
 
 Both backends run in the vLLM environment, so they share torch and the model folder.
 Prints one JSON line: the fixed start-up cost (engine start for vllm, model load for hf),
@@ -24,7 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", choices=("vllm", "hf"), required=True)
+    parser.add_argument("--backend", choices=("vllm", "hf", "http"), required=True)
+    parser.add_argument("--url", default="", help="the server (http backend)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--tokens", type=int, default=120)
@@ -46,11 +48,11 @@ def main() -> None:
         model=args.model,
         model_digest=info["model_digest"],
         plan=plan,
-        backend=make_backend(args.backend),
+        backend=make_backend(args.backend, **({"url": args.url} if args.url else {})),
     )
     items = load_items("arith")[: args.prompts]
     began = time.perf_counter()
-    if args.backend == "vllm":
+    if args.backend in ("vllm", "http"):
         served = config.backend.open_served(config, args.dtype)
         start_s = time.perf_counter() - began
         prompts = [encode_prompt(served.tokenizer, i.prompt) for i in items]
