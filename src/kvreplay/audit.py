@@ -22,7 +22,8 @@ from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import recorded_experiment
-from kvreplay.experiments.prefixes import PREFIX_FIELDS, trajectory_inputs
+from kvreplay.experiments.prefixes import trajectory_inputs
+from kvreplay.experiments.rows import PREFIX_FIELDS
 from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
 from kvreplay.ledger import (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.comparison import Comparison
 from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matched import MATCHED
@@ -19,7 +20,6 @@ from kvreplay.experiments.selection import prompt_lengths, spread_selection
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
-from kvreplay.state import Comparison
 
 
 def _historical(line: Line) -> dict[str, Any]:

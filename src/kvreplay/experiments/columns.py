@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from kvreplay.comparison import Comparison
 from kvreplay.experiments.rows import PanelRow
-from kvreplay.state import Comparison
 
 T = TypeVar("T")
 

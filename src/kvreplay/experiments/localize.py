@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreplay.decode import Sampler, Trajectory, feed_each
+from kvreplay.decode import Sampler, feed_each
 from kvreplay.experiments.columns import Column
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, run_panel
@@ -43,6 +43,7 @@ from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
 from kvreplay.state import BoundaryState, Component, transplant
+from kvreplay.trajectory import Trajectory
 
 # Directions: (name, donor arm, recipient arm); the first is always probed.
 DIRECTIONS = (

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from kvreplay.comparison import first_divergence
 from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_columns, matrix_panel, run_matrix
@@ -16,7 +17,6 @@ from kvreplay.experiments.served import ServedArm, ServedPanel, run_served_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
-from kvreplay.state import first_divergence
 
 MATCHED = "matched"
 

@@ -9,10 +9,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from kvreplay.comparison import Comparison
 from kvreplay.experiments.columns import Column, Line, kv
 from kvreplay.experiments.panel import Arm, Panel, run_panel
 from kvreplay.experiments.units import Clock, Unit, Workbench
-from kvreplay.state import Comparison
 
 
 def matrix_panel(left: str) -> Panel:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kvreplay.config import RunConfig
 from kvreplay.construct import Prefix, generated_prefix
-from kvreplay.decode import Sampler, Segment, Trajectory, opener_ids
+from kvreplay.decode import Sampler, opener_ids
 from kvreplay.experiments.panel import Samples
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport
@@ -41,6 +41,7 @@ from kvreplay.items import encode_prompt
 from kvreplay.scoring import score
 from kvreplay.stages import Stage, StagePlan
 from kvreplay.state import sha256_tokens
+from kvreplay.trajectory import Segment, Trajectory
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
