@@ -11,8 +11,8 @@ from click.testing import Result
 from helpers import invoke
 
 from kvreplay.canonical import sha256_json
-from kvreplay.experiments import EXPERIMENTS
-from kvreplay.ledger import GENESIS, Record, render_csv
+from kvreplay.experiments.tables.matrix import MATCHED_TABLE
+from kvreplay.ledger import GENESIS, Record
 
 CSV = "matched_live_prefill.csv"
 
@@ -59,5 +59,5 @@ def rechain(
     (folder / "rows.jsonl").write_text("".join(r.to_line() for r in records))
     if not derive_csv:
         return
-    matched = EXPERIMENTS["matched"]
-    (folder / CSV).write_text(render_csv(matched.columns, matched.csv_rows(records)))
+    config = manifest(folder)["experiments"]["matched"]["config"]
+    (folder / CSV).write_text(MATCHED_TABLE.csv(records, config))

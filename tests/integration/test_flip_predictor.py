@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import invoke
 
-from kvreplay.analysis import flip
-from kvreplay.analysis.flip import PRIMARY_SCORE, SCORES, SKIP_NO_ROWS
+from kvreplay.analysis.flip import PRIMARY_SCORE, SCORES
 from kvreplay.analysis.ledgers import load_ledger_dir
+from kvreplay.analysis.sections import flip
+from kvreplay.analysis.sections.flip import SKIP_NO_ROWS
 
 RUN = Path(__file__).resolve().parents[2] / "results" / "smollm2-n24"
 pytestmark = pytest.mark.skipif(not (RUN / "rows.jsonl").is_file(), reason=f"{RUN} is absent")

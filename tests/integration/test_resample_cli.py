@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from forgery import read_rows, rechain
-from helpers import invoke
+from helpers import check, invoke
 
-from integration.test_bad_input import check
 from kvreplay.cli import main
-from kvreplay.experiments import EXPERIMENTS
-from kvreplay.ledger import parse_rows, render_csv
+from kvreplay.experiments.tables.resample import RESAMPLE_TABLE
+from kvreplay.ledger import parse_rows
 
 CSV = "resample_live_prefill.csv"
 SAMPLES, REPLICA = 3, 2
@@ -139,9 +138,9 @@ def test_audit_names_a_forged_sample(run: Path) -> None:
     rows[1]["data"]["samples"]["prefill"][1]["answer"] = "42"
     rows[1]["data"]["samples"]["prefill"][1]["answer_parsed"] = True
     rechain(run, rows, derive_csv=False)
-    resample = EXPERIMENTS["resample"]
     records, _ = parse_rows(run / "rows.jsonl", rows[0]["contract"])
-    (run / CSV).write_text(render_csv(resample.columns, resample.csv_rows(records)))
+    config = json.loads((run / "manifest.json").read_text())["experiments"]["resample"]["config"]
+    (run / CSV).write_text(RESAMPLE_TABLE.csv(records, config))
     result = invoke("audit", run)
     assert result.exit_code == 1, result.output
     key = rows[1]["key"]

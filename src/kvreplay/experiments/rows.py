@@ -25,6 +25,12 @@ PREFIX_FIELDS = (
 )
 
 
+def replica_name(arm: str) -> str:
+    """The name of an arm's replica (design: replica), as rows and the paper's CSVs
+    spell it."""
+    return f"{arm}_replica"
+
+
 @dataclass
 class ServedReport:
     """What a serving engine reported for a served arm, in place of the K/V it does not
