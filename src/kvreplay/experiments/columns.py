@@ -15,6 +15,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 from kvreplay.comparison import Comparison
 from kvreplay.experiments.rows import PanelRow
+from kvreplay.ledger import Record
 
 T = TypeVar("T")
 
@@ -83,6 +84,15 @@ class Line:
 
     row: PanelRow
     source_row_sha256: str
+
+
+def reached_lines(compared: tuple[str, str]) -> Callable[[list[Record]], list[Line]]:
+    """A table's lines: every row that reached the boundary, sourced from itself."""
+    return lambda rows: [
+        Line(PanelRow.from_dict(r.data, compared), r.row_sha256)
+        for r in rows
+        if r.data["status"] == "ok"
+    ]
 
 
 def kv(get: Callable[[Comparison], Any]) -> Callable[[Line], Any]:

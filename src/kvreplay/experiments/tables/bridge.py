@@ -7,10 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.comparison import Comparison
-from kvreplay.experiments.columns import Column, Kind, Line, written
-from kvreplay.experiments.rows import PanelRow
+from kvreplay.experiments.columns import Column, Kind, Line, reached_lines, written
 from kvreplay.experiments.table import Ledger, Table, check_equal_flag
-from kvreplay.ledger import Record
 
 BRIDGE = "bridge"
 COMPARED = ("live", "teacher")
@@ -90,14 +88,6 @@ COLUMNS: tuple[Column[Line], ...] = (
 )
 
 
-def bridge_lines(rows: list[Record]) -> list[Line]:
-    return [
-        Line(PanelRow.from_dict(r.data, COMPARED), r.row_sha256)
-        for r in rows
-        if r.data["status"] == "ok"
-    ]
-
-
 def _check_lengths(ledger: Ledger) -> None:
     """Gate: the boundary cache covers exactly the new prefix and decoding only grows it."""
     boundary = ledger["boundary_cache_sequence_len"]
@@ -117,7 +107,7 @@ BRIDGE_TABLE = Table(
     "live_teacher_bridge.csv",
     COLUMNS,
     BRIDGE,
-    bridge_lines,
+    reached_lines(COMPARED),
     checks=(
         _check_lengths,
         check_equal_flag(

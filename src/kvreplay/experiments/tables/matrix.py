@@ -290,23 +290,16 @@ def _checks(left: str) -> tuple[Check, ...]:
     )
 
 
-KEY = ("precision", "row_id")
-MATCHED_TABLE = Table(
-    "matched_live_prefill.csv",
-    tuple(matrix_columns("live", paper_l2=False)),
-    MATCHED,
-    matched_lines,
-    KEY,
-    _checks("live"),
-)
+def _table(
+    file: str, experiment: str, lines: Callable[[list[Record]], list[Line]], left: str
+) -> Table:
+    """A matrix table; the paper's fixed-prefix ledger has the L2 norms among its columns."""
+    columns = matrix_columns(left, paper_l2=experiment == FIXED_PREFIX)
+    return Table(file, tuple(columns), experiment, lines, ("precision", "row_id"), _checks(left))
+
+
+MATCHED_TABLE = _table("matched_live_prefill.csv", MATCHED, matched_lines, "live")
 SERVED_MATCHED_TABLE = replace(
     MATCHED_TABLE, columns=tuple(served_columns("live")), marker="backend"
 )
-FIXED_PREFIX_TABLE = Table(
-    "fixed_prefix_2x2.csv",
-    tuple(matrix_columns("incremental", paper_l2=True)),
-    FIXED_PREFIX,
-    fixed_prefix_lines,
-    KEY,
-    _checks("incremental"),
-)
+FIXED_PREFIX_TABLE = _table("fixed_prefix_2x2.csv", FIXED_PREFIX, fixed_prefix_lines, "incremental")

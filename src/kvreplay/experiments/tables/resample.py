@@ -14,10 +14,9 @@ import numpy as np
 
 from kvreplay.analysis.certificate import tv_distance
 from kvreplay.canonical import canonical
-from kvreplay.experiments.columns import Column, Kind, Line, kv, optional, written
-from kvreplay.experiments.rows import ArmResult, PairLabels, PanelRow
+from kvreplay.experiments.columns import Column, Kind, Line, kv, optional, reached_lines, written
+from kvreplay.experiments.rows import ArmResult, PairLabels
 from kvreplay.experiments.table import Ledger, Table, check_same
-from kvreplay.ledger import Record
 
 RESAMPLE = "resample"
 COMPARED = ("live", "prefill")
@@ -126,22 +125,19 @@ COLUMNS: tuple[Column[Line], ...] = (
     *written(Column("prompt_token_count", "int", get=lambda x: x.row.prefix["prompt_token_count"])),
 )
 # Columns a served row leaves empty.
-KV_ONLY = ("live_prefill_cache_exact", "boundary_argmax_equal", "functional_state_equal")
-KV_ONLY += ("all_storage_disjoint",)
-
-
-def resample_lines(rows: list[Record]) -> list[Line]:
-    return [
-        Line(PanelRow.from_dict(r.data, COMPARED), r.row_sha256)
-        for r in rows
-        if r.data["status"] == "ok"
-    ]
+KV_ONLY = (
+    "live_prefill_cache_exact",
+    "boundary_argmax_equal",
+    "functional_state_equal",
+    "all_storage_disjoint",
+)
 
 
 def _check_rows(ledger: Ledger) -> None:
     """Gates: every per-seed list holds one entry per sample, and each summary column
     (changed seeds, accuracy, answer distribution, TV) follows from the lists."""
     ledger.require(ledger["integrity_pass"], "integrity_pass", "a resample row must pass")
+    check_same("margin")(ledger)
     samples = ledger["samples"]
     for column in SEED_LISTS:
         lengths = np.array([len(v) if isinstance(v, list) else -1 for v in ledger[column]])
@@ -183,9 +179,9 @@ RESAMPLE_TABLE = Table(
     "resample_live_prefill.csv",
     COLUMNS,
     RESAMPLE,
-    resample_lines,
+    reached_lines(COMPARED),
     ("precision", "row_id"),
-    (check_same("margin"), _check_rows),
+    (_check_rows,),
 )
 SERVED_RESAMPLE_TABLE = replace(
     RESAMPLE_TABLE,
