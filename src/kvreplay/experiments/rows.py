@@ -25,10 +25,17 @@ PREFIX_FIELDS = (
 )
 
 
+REPLICA = "_replica"
+
+
 def replica_name(arm: str) -> str:
     """The name of an arm's replica (design: replica), as rows and the paper's CSVs
     spell it."""
-    return f"{arm}_replica"
+    return arm + REPLICA
+
+
+def is_replica(name: str) -> bool:
+    return name.endswith(REPLICA)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from kvreplay.analysis.stats import (
     newcombe_paired_difference_ci,
     paired_bootstrap_ci_pp,
 )
+from kvreplay.experiments.rows import replica_name
 from kvreplay.experiments.table import Ledger, Table
 from kvreplay.experiments.tables.matrix import (
     FIXED_PREFIX_TABLE,
@@ -119,12 +120,12 @@ def _precision_block(rows: Ledger, left: str, stream: int) -> tuple[Json, Json]:
     block: Json = {
         "rows": n,
         **{
-            f"{arm}_replica_exact_rows": count(
+            f"{replica_name(arm)}_exact_rows": count(
                 np.logical_and.reduce(
                     [
-                        rows[f"{arm}_replica_{part}_exact"]
+                        rows[f"{replica_name(arm)}_{part}_exact"]
                         for part in ("cache", "logits", "suffix")
-                        if f"{arm}_replica_{part}_exact" in rows
+                        if f"{replica_name(arm)}_{part}_exact" in rows
                     ]  # fmt: skip
                 )
             )
@@ -332,8 +333,10 @@ def _headline(claims: Json) -> list[Row]:
         rows.append(
             (
                 f"{label}: replicas exact, {design.left} / prefill",
-                f"{fraction(block[f'{design.left}_replica_exact_rows'], block['rows'])}, "
-                f"{fraction(block['prefill_replica_exact_rows'], block['rows'])}",
+                ", ".join(
+                    fraction(block[f"{replica_name(arm)}_exact_rows"], block["rows"])
+                    for arm in (design.left, "prefill")
+                ),
                 f"{fraction(*PAPER_REPLICAS_EXACT)} on both arms" if paper else "—",
             )
         )
