@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,9 +68,11 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(func)  # fmt: skip
 
 
-def backend_options() -> list[Callable[..., Any]]:
+@functools.cache  # every run command and check takes the same options
+def backend_options() -> tuple[Callable[..., Any], ...]:
     """``--backend`` and every registered backend's settings, generated from the backend
-    classes (a setting given for a backend that does not take it is refused)."""
+    classes (a setting given for a backend that does not take it is refused). Asking the
+    registry reads every installed distribution's entry points, so it is asked once."""
     from kvreplay.backends import backend_class, registry, setting_options
 
     summaries = "; ".join(f"{name}: {backend_class(name).summary}" for name in registry())
@@ -77,7 +80,7 @@ def backend_options() -> list[Callable[..., Any]]:
         click.option("--backend", type=click.Choice(list(registry())), default="hf",
                      show_default=True, help=f"{summaries}. See kvreplay backends."),
     ]  # fmt: skip
-    return options + [_setting_option(key, meta) for key, meta in setting_options().items()]
+    return (*options, *(_setting_option(key, meta) for key, meta in setting_options().items()))
 
 
 # A backend setting's CLI type, by its annotation; bounds are each backend's to check.

@@ -217,7 +217,7 @@ def source(request: pytest.FixtureRequest) -> Callable[[str], tuple[list[str], R
 def test_unbroken_ledger_passes(tmp_path: Path, source, file_name: str) -> None:
     """The baseline every gate test breaks must itself be valid."""
     write_ledger(tmp_path, file_name, *source(file_name))
-    assert list(load_ledger_dir(tmp_path)) == [file_name]
+    assert list(load_ledger_dir(tmp_path).ledgers) == [file_name]
 
 
 @pytest.mark.parametrize("gate", GATES.values(), ids=GATES.keys())
@@ -303,7 +303,7 @@ LOCALIZE_GATES = {
 def test_localize_gate_fails_closed(tmp_path: Path, field: str, mutate: Mutation) -> None:
     header, rows = _localize_ledger()
     write_ledger(tmp_path, LOCALIZE_CSV.name, header, rows)
-    assert list(load_ledger_dir(tmp_path)) == [LOCALIZE_CSV.name]
+    assert list(load_ledger_dir(tmp_path).ledgers) == [LOCALIZE_CSV.name]
     row_id = mutate(header, rows)
     write_ledger(tmp_path, LOCALIZE_CSV.name, header, rows)
     with pytest.raises(LedgerError) as caught:

@@ -9,26 +9,23 @@ number for number. Anything beyond the paper lives under `extra`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
-from kvreplay.analysis.ledgers import load_ledger_dir
+from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.analysis.rates import Json
 from kvreplay.analysis.sections.registry import SECTIONS
 from kvreplay.analysis.sections.section import Reading
-from kvreplay.experiments.table import Ledger
 
 SCHEMA = "stage-replay-paper-claims-v1"
 
 
-def build_claims(folder: Path, ledgers: Mapping[str, Ledger]) -> Json:
-    """Claims for every ledger given (keyed by file name), each section from the ledgers
-    it reads; a section without its ledgers adds nothing. ``folder`` is where they were
-    read, for a run's rows.jsonl (the flip predictor's margins)."""
+def build_claims(folder: LedgerDir) -> Json:
+    """Claims for every ledger of a folder, each section from the ledgers it reads (and a
+    run's rows); a section without its ledgers adds nothing."""
     claims: Json = {"schema": SCHEMA}
     for section in SECTIONS:
-        if own := section.ledgers(ledgers):
-            part = section.claims(Reading(folder, own))
+        if own := section.ledgers(folder.ledgers):
+            part = section.claims(Reading(own, folder.records))
             if "extra" in part:
                 claims.setdefault("extra", {}).update(part.pop("extra"))
             claims.update(part)
@@ -37,7 +34,7 @@ def build_claims(folder: Path, ledgers: Mapping[str, Ledger]) -> Json:
 
 def analyze_dir(folder: Path) -> Json:
     """Validate every known ledger in a folder and compute its claims."""
-    return build_claims(folder, load_ledger_dir(folder))
+    return build_claims(load_ledger_dir(folder))
 
 
 def write_claims(claims: Json, path: Path) -> None:

@@ -3,19 +3,31 @@
 A claim is only as good as the rows under it, so every gate of the paper's method is
 checked before anything is counted (each table declares its columns and gates: see
 :mod:`kvreplay.experiments.table`). In a kvreplay run folder the CSVs must also still be
-what the run's rows.jsonl derives.
+what the run's rows.jsonl derives; its rows are read once, here, for every section.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvreplay.experiments.table import Ledger, LedgerError, read_ledger
 from kvreplay.experiments.tables import table_for
+from kvreplay.ledger import Record
 
 
-def load_ledger_dir(folder: Path) -> dict[str, Ledger]:
-    """Every known ledger in a folder, validated, keyed by file name in sorted order."""
+@dataclass(frozen=True)
+class LedgerDir:
+    """A folder as analysis reads it: each known CSV as its table, by file name in sorted
+    order, and in a kvreplay run the rows of its rows.jsonl, from which those CSVs were
+    checked to derive (None: a folder of CSVs alone, such as the paper's release)."""
+
+    ledgers: dict[str, Ledger]
+    records: list[Record] | None
+
+
+def load_ledger_dir(folder: Path) -> LedgerDir:
+    """Every known ledger in a folder, validated, and a run's rows."""
     if not folder.is_dir():
         raise LedgerError(str(folder), "the folder does not exist or is not a directory")
     ledgers = {
@@ -26,11 +38,11 @@ def load_ledger_dir(folder: Path) -> dict[str, Ledger]:
     if not ledgers:
         raise LedgerError(str(folder), "the folder holds none of the known ledger CSVs")
     if (folder / "manifest.json").is_file() and (folder / "rows.jsonl").is_file():
-        _check_against_run(folder)
-    return ledgers
+        return LedgerDir(ledgers, _run_records(folder))
+    return LedgerDir(ledgers, None)
 
 
-def _check_against_run(folder: Path) -> None:
+def _run_records(folder: Path) -> list[Record]:
     """A kvreplay run's CSVs are derived from its rows.jsonl, the source of truth: one
     cut at a row boundary (or edited) would otherwise be analysed as a smaller (or
     different) run."""
@@ -46,3 +58,4 @@ def _check_against_run(folder: Path) -> None:
             f"the run's CSVs do not match its rows.jsonl ({problems[0]}); "
             "rerun the experiment to rewrite them, or run kvreplay audit",
         )
+    return records

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvreplay.analysis.claims import SCHEMA, build_claims, write_claims
-from kvreplay.analysis.ledgers import load_ledger_dir
+from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.analysis.rates import Json
-from kvreplay.experiments.table import Ledger, LedgerError
+from kvreplay.experiments.table import LedgerError
 from kvreplay.jsonio import JsonError, parse_json
 from kvreplay.report.document import Image, to_html, to_markdown
 from kvreplay.report.figures import Figures
@@ -25,11 +25,11 @@ class ReportPaths:
     figures: tuple[Path, ...]
 
 
-def _load_claims(run_dir: Path, ledgers: dict[str, Ledger], out_dir: Path) -> Json:
+def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Json:
     """The run's claims.json, or a fresh analysis written to out_dir when there is none."""
     path = run_dir / "claims.json"
     if not path.is_file():
-        claims = build_claims(run_dir, ledgers)
+        claims = build_claims(folder)
         write_claims(claims, out_dir / "claims.json")
         return claims
     try:
@@ -48,11 +48,11 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> ReportPaths:
     """
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir
-    ledgers = load_ledger_dir(run_dir)
+    folder = load_ledger_dir(run_dir)
     figures = Figures(out_dir / "figures")
     figures.folder.mkdir(parents=True, exist_ok=True)
-    claims = _load_claims(run_dir, ledgers, out_dir)
-    blocks = report_blocks(run_dir, claims, ledgers, figures)
+    claims = _load_claims(run_dir, folder, out_dir)
+    blocks = report_blocks(run_dir, claims, folder, figures)
     markdown, page = out_dir / "report.md", out_dir / "report.html"
     markdown.write_text(to_markdown(blocks, out_dir), encoding="utf-8")
     page.write_text(to_html(blocks), encoding="utf-8")

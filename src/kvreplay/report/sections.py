@@ -5,13 +5,13 @@ own blocks (``analysis/sections``)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
+from kvreplay.analysis.ledgers import LedgerDir
 from kvreplay.analysis.rates import Json
 from kvreplay.analysis.sections.registry import SECTIONS
 from kvreplay.analysis.sections.section import Page
-from kvreplay.experiments.table import Ledger, LedgerError
+from kvreplay.experiments.table import LedgerError
 from kvreplay.jsonio import parse_json
 from kvreplay.report.document import Block, Heading, Paragraph, Table
 from kvreplay.report.figures import Figures
@@ -63,9 +63,7 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
     ]
 
 
-def report_blocks(
-    run_dir: Path, claims: Json, ledgers: Mapping[str, Ledger], figures: Figures
-) -> list[Block]:
+def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figures) -> list[Block]:
     """The report's content, independent of its Markdown or HTML rendering."""
     blocks: list[Block] = [Heading(f"kvreplay report: {run_dir.resolve().name}")]
     manifest = _manifest_rows(run_dir)
@@ -74,7 +72,7 @@ def report_blocks(
         blocks.append(Table(("field", "value"), manifest))
     else:
         blocks.append(Paragraph("No manifest.json here, so model, engine and device are unknown."))
-    blocks.append(Paragraph("Ledgers read: " + ", ".join(sorted(ledgers)) + "."))
+    blocks.append(Paragraph("Ledgers read: " + ", ".join(sorted(folder.ledgers)) + "."))
     blocks += [
         Heading("Headline, beside the paper"),
         Paragraph(
@@ -87,5 +85,6 @@ def report_blocks(
         ),
     ]
     for section in SECTIONS:
-        blocks += section.report(Page(run_dir, claims, section.ledgers(ledgers), figures))
+        own = section.ledgers(folder.ledgers)
+        blocks += section.report(Page(claims, own, folder.records, figures))
     return blocks

@@ -25,6 +25,7 @@ from kvreplay.analysis.rates import Json
 from kvreplay.analysis.sections.matrix import MATRIX, MATRIX_DESIGNS
 from kvreplay.analysis.sections.section import Page, Reading, Section
 from kvreplay.experiments.table import Ledger
+from kvreplay.ledger import Record
 from kvreplay.report.document import Block, Heading, Image, Paragraph
 from kvreplay.report.document import Table as Grid
 
@@ -62,14 +63,8 @@ def _left_margins(data: Json) -> list[float] | None:
         return None
 
 
-def _run_records(folder: Path) -> dict[tuple[str, str, str], Json] | None:
-    """Matrix rows of a kvreplay run keyed by (experiment, item, precision); None if no run."""
-    from kvreplay.ledger import RunLedger, parse_rows
-
-    if not ((folder / "manifest.json").is_file() and (folder / "rows.jsonl").is_file()):
-        return None
-    ledger = RunLedger.open_existing(folder)
-    records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)  # load_ledger_dir checked them
+def matrix_rows(records: list[Record]) -> dict[tuple[str, str, str], Json]:
+    """A run's completed matrix rows keyed by (experiment, item, precision)."""
     experiments = {design.table.experiment for design in MATRIX_DESIGNS}
     return {
         (r.experiment, r.data["item_id"], r.data["precision"]): r.data
@@ -78,12 +73,14 @@ def _run_records(folder: Path) -> dict[tuple[str, str, str], Json] | None:
     }
 
 
-def panel_rows(folder: Path, ledgers: Mapping[str, Ledger]) -> tuple[list[PanelRows], str | None]:
-    """Every matrix panel of a run, rows as in the CSV (so counts match the claims); or
-    none, and why the predictor is skipped."""
-    records = _run_records(folder)
-    if records is None:
+def panel_rows(
+    runs: list[Record] | None, ledgers: Mapping[str, Ledger]
+) -> tuple[list[PanelRows], str | None]:
+    """Every matrix panel of a run (``runs``: its rows; None: a folder of CSVs alone),
+    rows as in the CSV, so counts match the claims; or none, and why it is skipped."""
+    if runs is None:
         return [], SKIP_NO_ROWS
+    records = matrix_rows(runs)
     panels = []
     for index, design in enumerate(MATRIX_DESIGNS):
         if (ledger := ledgers.get(design.table.file)) is None:
@@ -105,9 +102,9 @@ def panel_rows(folder: Path, ledgers: Mapping[str, Ledger]) -> tuple[list[PanelR
     return panels, None
 
 
-def analyze_flip(folder: Path, ledgers: Mapping[str, Ledger]) -> FlipAnalysis:
+def analyze_flip(runs: list[Record] | None, ledgers: Mapping[str, Ledger]) -> FlipAnalysis:
     """The predictor on every matrix panel of a run, with its bootstrap intervals."""
-    panels, skipped = panel_rows(folder, ledgers)
+    panels, skipped = panel_rows(runs, ledgers)
     if skipped:
         return FlipAnalysis(skipped=skipped)
     return FlipAnalysis(
@@ -119,7 +116,7 @@ def analyze_flip(folder: Path, ledgers: Mapping[str, Ledger]) -> FlipAnalysis:
 
 
 def _claims(reading: Reading) -> Json:
-    return {"extra": {"flip_predictor": analyze_flip(reading.folder, reading.ledgers).to_json()}}
+    return {"extra": {"flip_predictor": analyze_flip(reading.records, reading.ledgers).to_json()}}
 
 
 def _panels(flip: Json) -> Iterator[tuple[str, str, Json]]:
@@ -245,7 +242,7 @@ def _figure_roc(page: Page, flip: Json) -> Path | None:
         if block["auc_status"] == "defined"
     }
     sections: dict[str, list[PanelRows]] = {}
-    for panel in panel_rows(page.run_dir, page.ledgers)[0]:
+    for panel in panel_rows(page.records, page.ledgers)[0]:
         if (panel.section, panel.precision) in defined:
             sections.setdefault(panel.section, []).append(panel)
     if not sections:

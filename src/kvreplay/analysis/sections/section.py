@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.analysis.rates import Json
 from kvreplay.experiments.table import Ledger, Table
+from kvreplay.ledger import Record
 from kvreplay.report.document import Block
 
 if TYPE_CHECKING:  # the report hands a section its Figures; analysis loads no matplotlib
@@ -22,21 +22,21 @@ Row = tuple[str, ...]
 
 @dataclass(frozen=True)
 class Reading:
-    """What a section's claims come from: the folder read (a run's rows.jsonl may be
-    there) and the section's ledgers in it, by file name."""
+    """What a section's claims come from: its ledgers, by file name, and a run's rows
+    (None: a folder of CSVs alone)."""
 
-    folder: Path
     ledgers: Mapping[str, Ledger]
+    records: list[Record] | None
 
 
 @dataclass(frozen=True)
 class Page:
-    """What a section's report blocks come from: the run folder, its claims, the
-    section's ledgers and the report's figures."""
+    """What a section's report blocks come from: the claims, the section's ledgers and
+    the run's rows, and the report's figures."""
 
-    run_dir: Path
     claims: Json
     ledgers: Mapping[str, Ledger]
+    records: list[Record] | None
     figures: Figures
 
 
