@@ -212,7 +212,6 @@ class ScoreResult:
     """One score on one (section, precision) panel: AUC and the audit catch."""
 
     score: RiskScore
-    risks: np.ndarray
     auc: float | None
     auc_ci: BootstrapInterval | None
     catch: AuditCatch
@@ -330,5 +329,5 @@ def score_panel(
             if catch.share is not None
             else None
         )
-        results.append(ScoreResult(score, risks, auc, auc_ci, catch, catch_ci))
+        results.append(ScoreResult(score, auc, auc_ci, catch, catch_ci))
     return FlipPanel(section, precision, tuple(row_ids), labels, stream, tuple(results))
