@@ -89,7 +89,7 @@ def test_manifest_records_the_sampling_and_the_seed_list(built: Path) -> None:
     assert config == {
         "dtypes": ["bf16", "fp32"], "item_ids": ["r1", "r2"], "samples": SAMPLES,
         "seeds": [5, 6, 7], "replica_samples": REPLICA, "temperature": 0.8, "top_p": 0.9,
-        "margin": 0.1, "batching": "singleton",
+        "margin": 0.1, "batching": "singleton", "schema_version": RESAMPLE_TABLE.version,
     }  # fmt: skip
 
 

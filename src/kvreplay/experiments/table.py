@@ -1,6 +1,6 @@
 """A paper-named CSV, declared once (design: table): its file, its columns in order, the
 columns that key a row, and the gates a reader checks. kvreplay writes it from an
-experiment's rows with :meth:`Table.render`, and analysis reads it back with
+experiment's rows with :meth:`Table.csv`, and analysis reads it back with
 :func:`read_ledger` into typed columns, failing closed: a missing column, a repeated
 row, a bad boolean, number or hash, or a flag that disagrees with the hashes it
 summarises stops the reading with one sentence naming file, row and field.
