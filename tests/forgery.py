@@ -11,7 +11,7 @@ from click.testing import Result
 from helpers import invoke
 
 from kvreplay.canonical import sha256_json
-from kvreplay.experiments.tables.matrix import MATCHED_TABLE
+from kvreplay.experiments.tables import recorded_table
 from kvreplay.ledger import GENESIS, Record
 
 CSV = "matched_live_prefill.csv"
@@ -59,5 +59,7 @@ def rechain(
     (folder / "rows.jsonl").write_text("".join(r.to_line() for r in records))
     if not derive_csv:
         return
-    config = manifest(folder)["experiments"]["matched"]["config"]
-    (folder / CSV).write_text(MATCHED_TABLE.csv(records, config))
+    recorded = manifest(folder)
+    table = recorded_table("matched", recorded)  # a served run's is the served table
+    assert table is not None
+    (folder / CSV).write_text(table.csv(records, recorded["experiments"]["matched"]["config"]))
