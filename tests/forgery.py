@@ -11,8 +11,8 @@ from click.testing import Result
 from helpers import invoke
 
 from kvreplay.canonical import sha256_json
-from kvreplay.experiments import EXPERIMENTS
-from kvreplay.ledger import GENESIS, Record, render_csv
+from kvreplay.experiments.tables import recorded_table
+from kvreplay.ledger import GENESIS, Record
 
 CSV = "matched_live_prefill.csv"
 
@@ -59,5 +59,7 @@ def rechain(
     (folder / "rows.jsonl").write_text("".join(r.to_line() for r in records))
     if not derive_csv:
         return
-    matched = EXPERIMENTS["matched"]
-    (folder / CSV).write_text(render_csv(matched.columns, matched.csv_rows(records)))
+    recorded = manifest(folder)
+    table = recorded_table("matched", recorded)  # a served run's is the served table
+    assert table is not None
+    (folder / CSV).write_text(table.csv(records, recorded["experiments"]["matched"]["config"]))

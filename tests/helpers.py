@@ -1,17 +1,22 @@
-"""Plans, prompts and small helpers shared by the core-engine tests."""
+"""Plans, prompts and small helpers shared by the tests: the core engine's, the command
+line's and the ledger readers'."""
 
 from __future__ import annotations
 
+import csv
+import hashlib
 import json
+import shutil
 import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner, Result
@@ -28,6 +33,8 @@ from kvreplay import (
     live,
 )
 from kvreplay.cli import main
+from kvreplay.experiments.tables import table_for
+from kvreplay.experiments.tables.matrix import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
 from kvreplay.stages import Stage
 
 ARCHS = ("qwen2", "llama", "gemma3")
@@ -209,3 +216,248 @@ def wait_until_up(url: str, process: subprocess.Popen, limit: float = 900) -> No
         except OSError:
             time.sleep(2)
     raise RuntimeError("the server did not come up")
+
+
+Rows = list[dict[str, str]]
+
+
+def token_hash(tokens: list[int]) -> str:
+    """A suffix commitment as the paper makes it: SHA-256 of canonical JSON."""
+    return hashlib.sha256(json.dumps(tokens, separators=(",", ":")).encode()).hexdigest()
+
+
+def required_columns(file_name: str) -> dict[str, str]:
+    """The columns analysis requires of a ledger file (row_id aside), with their kinds."""
+    table = table_for(Path(file_name))
+    assert table is not None, f"{file_name} is no known ledger"
+    return {c.name: c.kind for c in table.columns if c.use == "required" and c.name != "row_id"}
+
+
+def synthetic_ledger(file_name: str) -> tuple[list[str], Rows]:
+    """A small valid ledger from its table: every flag true, one divergent row."""
+    columns = required_columns(file_name)
+    defaults = {
+        "text": "x",
+        "bool": "true",
+        "sha256": token_hash([1, 2, 3]),
+        "int": "7",
+        "optional_int": "",
+        "float": "0.5",
+    }
+    precisions = ("bf16", "fp32") if "precision" in columns else ("",)
+    rows = []
+    for precision in precisions:
+        for i in range(3):
+            row = {column: defaults[kind] for column, kind in columns.items()}
+            row |= {"row_id": f"r{i:04d}", "precision": precision} if precision else {}
+            row.setdefault("row_id", f"r{i:04d}")
+            rows.append(row)
+    other = token_hash([9])
+    if "prefill_replica_suffix_sha256" in columns:  # a matrix file
+        rows[0] |= {
+            "prefill_suffix_sha256": other,
+            "prefill_replica_suffix_sha256": other,
+            "suffix_equal": "false",
+            "first_suffix_divergence_index": "2",
+        }
+    if "baseline_divergent" in columns:
+        for row in rows:
+            row["exact_control_novel_trajectory"] = "false"
+        rows[0] |= {
+            "prefill_native_suffix_sha256": other,
+            "prefill_cache_into_incremental_suffix_sha256": other,
+        }
+        rows[1:] = [row | {"baseline_divergent": "false"} for row in rows[1:]]
+    return ["row_id", *columns], rows
+
+
+def write_ledger(folder: Path, file_name: str, header: list[str], rows: Rows) -> Path:
+    with (folder / file_name).open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=header, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return folder / file_name
+
+
+LAYERS = 6
+ITEMS = 24
+
+
+def _matrix_rows(file_name: str, left: str, rng: np.random.Generator) -> list[dict[str, str]]:
+    """Two precisions over ITEMS items; bf16 diverges often, fp32 never; per-layer drift added."""
+    columns = required_columns(file_name)
+    rows = []
+    for precision, drift_scale, divergence_rate in (("bf16", 1e-2, 0.7), ("fp32", 1e-6, 0.0)):
+        for item in range(ITEMS):
+            diverges = rng.random() < divergence_rate
+            left_suffix, prefill_suffix = [item, 1, 2], [item, 1, 2] if not diverges else [item, 9]
+            left_correct = rng.random() < 0.5
+            prefill_correct = (
+                left_correct if not diverges or rng.random() < 0.8 else not left_correct
+            )
+            drift = drift_scale * rng.uniform(0.5, 2.0, LAYERS) * np.geomspace(1, 10, LAYERS)
+            if precision == "fp32":
+                drift[0] = 0.0  # an exact layer, which the log axis cannot draw
+            values = {
+                "bool": "true",
+                "sha256": token_hash([item]),
+                "int": str(100 + item),
+                "optional_int": "",
+                "float": f"{drift.mean():.6g}",
+                "text": precision,
+            }
+            row = {"row_id": f"r{item:04d}"} | {c: values[k] for c, k in columns.items()}
+            row |= {
+                f"{left}_suffix_sha256": token_hash(left_suffix),
+                f"{left}_replica_suffix_sha256": token_hash(left_suffix),
+                "prefill_suffix_sha256": token_hash(prefill_suffix),
+                "prefill_replica_suffix_sha256": token_hash(prefill_suffix),
+                "first_suffix_divergence_index": str(rng.integers(1, 200)) if diverges else "",
+                **dict.fromkeys(
+                    ("suffix_equal", "trace_equal", "merge_equal"), str(not diverges).lower()
+                ),
+                "answer_equal": str(left_correct == prefill_correct).lower(),
+                f"{left}_correct": str(left_correct).lower(),
+                "prefill_correct": str(prefill_correct).lower(),
+                f"{left}_prefill_cache_exact": "false",
+                f"{left}_prefill_logits_exact": "false",
+                LAYER_DRIFT: json.dumps(drift.tolist()),
+            }
+            rows.append(row)
+    return rows
+
+
+def _transplant_rows() -> list[dict[str, str]]:
+    columns = required_columns("kv_transplant_demo.csv")
+    rows = []
+    for item in range(6):
+        divergent = item < 4
+        incremental, prefill = token_hash([item]), token_hash([item, 7] if divergent else [item])
+        values = {"bool": "true", "sha256": incremental, "int": "5", "text": "demo"}
+        row = {"row_id": f"r{item:04d}"} | {c: values[k] for c, k in columns.items()}
+        row |= {
+            "prefill_native_suffix_sha256": prefill,
+            "prefill_cache_into_incremental_suffix_sha256": prefill,
+            "baseline_divergent": str(divergent).lower(),
+            "exact_control_novel_trajectory": "false",
+        }
+        rows.append(row)
+    return rows
+
+
+def synthetic_run(folder: Path) -> Path:
+    """A run directory like kvreplay writes (``folder``/run): manifest, matrix ledgers
+    with per-layer drift over ITEMS items, and a transplant panel."""
+    run = folder / "run"
+    run.mkdir()
+    rng = np.random.default_rng(3)
+    for table, left in ((MATCHED_TABLE, "live"), (FIXED_PREFIX_TABLE, "incremental")):
+        rows = _matrix_rows(table.file, left, rng)
+        write_ledger(run, table.file, list(rows[0]), rows)
+    rows = _transplant_rows()
+    write_ledger(run, "kv_transplant_demo.csv", list(rows[0]), rows)
+    manifest = {
+        "format": "kvreplay-run-v1",
+        "kvreplay_version": "0.1.0",
+        "git_commit": None,
+        "contract": {
+            "model_info": {
+                "spec": "tiny-test-model",
+                "model_type": "qwen2",
+                "num_layers": 3,
+                "model_digest": token_hash([1]),
+            },
+            "environment": {
+                "device": "cpu",
+                "device_name": "x86_64",
+                "threads": 2,
+                "torch": "2.13.0",
+                "transformers": "5.24.0",
+                "python": "3.11.7",
+                "dtype_contract": {"deterministic_algorithms": False},
+            },
+            "run": {"plan": {"name": "short", "boundary_stage": "think"}},
+            "items": {"source": "arith", "count": 240, "digest": "0" * 64},
+        },
+        "experiments": {"matched": {"engine": {"engine": "local"}}},
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    return run
+
+
+# Refusals (issues 2, 3, 11): a run on good items that some flag or file breaks.
+GOOD = [
+    {"id": "b1", "prompt": "What is 2+3?", "answer": "5"},
+    {"id": "b2", "prompt": "Compute 4*5.", "answer": "20"},
+    {"id": "b3", "prompt": [{"role": "user", "content": "9-4?"}], "answer": 5},
+]
+QUICK = ["--n", "1", "--dtypes", "fp32"]
+
+
+def jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def good_lines() -> list[str]:
+    return [json.dumps(item) for item in GOOD]
+
+
+def items_with(tmp: Path, line: str) -> list[str]:
+    """``--items`` of the good items and one more line."""
+    return ["--items", str(jsonl(tmp / "bad.jsonl", [*good_lines(), line]))]
+
+
+def run_args(
+    experiment: str, tmp: Path, model: Path, extra: Sequence[object] = ()
+) -> tuple[list[str], Path]:
+    """``kvreplay run EXPERIMENT`` on the good items with the short plan into tmp/out, each
+    flag of ``extra`` (flag, value pairs) in place of the base's; and its --out folder."""
+    base = {
+        "--model": str(model),
+        "--items": str(jsonl(tmp / "good.jsonl", good_lines())),
+        "--plan": "short",
+        "--out": str(tmp / "out"),
+    }
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        base[str(flag)] = str(value)
+    flat = [part for pair in base.items() for part in pair]
+    return ["run", experiment, *flat], Path(base["--out"])
+
+
+def assert_nothing_complete(out: Path) -> None:
+    """No derived CSV and no rows: nothing that looks like (part of) a result."""
+    if not out.exists():
+        return
+    assert not list(out.glob("*.csv")), list(out.iterdir())
+    assert not (out / "rows.jsonl").exists()
+
+
+def assert_one_sentence(stderr: str, expected: str) -> None:
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("kvreplay: error: "), stderr
+    assert expected in lines[0], (expected, lines[0])
+    assert "Traceback" not in stderr
+
+
+def check(result: Result, expected: str, out: Path) -> None:
+    """A refusal: exit 2, one sentence, no traceback, nothing in ``out`` that looks done."""
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)  # not an uncaught exception
+    assert_one_sentence(result.stderr, expected)
+    assert "Traceback" not in result.output
+    assert_nothing_complete(out)
+
+
+def run_case(case: Callable[[Path], tuple[list[str], str]], tmp: Path, model: Path) -> None:
+    """A matched run with the case's arguments added is refused before the manifest."""
+    extra, expected = case(tmp)
+    args, out = run_args("matched", tmp, model)
+    check(invoke(*args, *extra), expected, out)
+    assert not (out / "manifest.json").exists()
+
+
+def copy_model(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target

@@ -13,25 +13,25 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "kvreplay.comparison": ("Comparison", "first_divergence"),
     "kvreplay.construct": ("Prefix", "build", "live"),
-    "kvreplay.decode": ("Sampler", "Trajectory", "continue_from"),
+    "kvreplay.decode": ("Sampler", "continue_from"),
     "kvreplay.errors": ("KvreplayError",),
     "kvreplay.items": ("Item", "arith_items", "encode_prompt", "load_items"),
     "kvreplay.models": ("LoadedModel", "load_model"),
     "kvreplay.stages": ("Stage", "StagePlan", "get_plan"),
     "kvreplay.state": (
         "BoundaryState",
-        "Comparison",
         "clone",
         "compare",
         "fingerprint_tensors",
-        "first_divergence",
         "load_state",
         "make_replica",
         "save_state",
         "sha256_tokens",
         "transplant",
     ),
+    "kvreplay.trajectory": ("Trajectory",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

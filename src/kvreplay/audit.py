@@ -22,7 +22,9 @@ from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import recorded_experiment
-from kvreplay.experiments.prefixes import PREFIX_FIELDS, trajectory_inputs
+from kvreplay.experiments.prefixes import trajectory_inputs
+from kvreplay.experiments.rows import PREFIX_FIELDS
+from kvreplay.experiments.tables import recorded_table
 from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
 from kvreplay.ledger import (
@@ -397,9 +399,9 @@ def check_files(ledger: RunLedger, records: list[Record]) -> list[str]:
     run_dir, experiments = ledger.run_dir, ledger.manifest["experiments"]
     expected = set(RUN_FILES) | {"figures", "snapshots"}
     for name, entry in experiments.items():
-        experiment = recorded_experiment(name, ledger.manifest)
-        if experiment is not None:
-            expected.add(experiment.csv_name(entry["config"]))
+        table = recorded_table(name, ledger.manifest)
+        if table is not None:
+            expected.add(table.csv_name(entry["config"]))
     problems = [
         f"{path.name}: not a file this run wrote"
         for path in sorted(run_dir.iterdir())
@@ -420,7 +422,6 @@ def check_files(ledger: RunLedger, records: list[Record]) -> list[str]:
 def _check_derived(ledger: RunLedger, records: list[Record], scratch: Path) -> list[str]:
     """Re-derive claims.json, the report and figures/ into ``scratch`` and compare bytes."""
     from kvreplay.analysis.claims import analyze_dir, write_claims
-    from kvreplay.analysis.ledgers import LedgerError
 
     run_dir, problems = ledger.run_dir, []
     for name in ledger.manifest["experiments"]:
@@ -431,10 +432,10 @@ def _check_derived(ledger: RunLedger, records: list[Record], scratch: Path) -> l
         if (run_dir / "claims.json").exists():
             write_claims(analyze_dir(run_dir), scratch / "claims.json")
         if (run_dir / "report.md").exists() or (run_dir / "report.html").exists():
-            from kvreplay.report import build_report
+            from kvreplay.report.build import build_report
 
             build_report(run_dir, scratch)
-    except (LedgerError, KvreplayError, ValueError, KeyError, TypeError) as exc:
+    except (KvreplayError, ValueError, KeyError, TypeError) as exc:
         return [f"claims.json or the report cannot be re-derived from the ledgers ({exc})"]
     derived = [p for p in ("claims.json", "report.md", "report.html") if (run_dir / p).exists()]
     if (run_dir / "figures").is_dir():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,28 +68,60 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(func)  # fmt: skip
 
 
-def backend_options() -> list[Callable[..., Any]]:
+class WithBackends(click.Command):
+    """A command that also takes options made from the registered backends' classes,
+    last. They are made when the command is first parsed or shown: importing a backend's
+    class may load its inference library (llamacpp's loads torch), which every other
+    command, ``kvreplay analyze`` among them, must not pay."""
+
+    def __init__(
+        self, *args: Any, backends: Callable[[], tuple[click.Option, ...]], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.backends: Callable[[], tuple[click.Option, ...]] | None = backends
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if self.backends is not None:
+            self.params += self.backends()
+            self.backends = None
+        return super().get_params(ctx)
+
+
+@functools.cache  # every run command and check takes the same options
+def backend_options() -> tuple[click.Option, ...]:
     """``--backend`` and every registered backend's settings, generated from the backend
-    classes (a setting given for a backend that does not take it is refused)."""
+    classes (a setting given for a backend that does not take it is refused). Asking the
+    registry reads every installed distribution's entry points, so it is asked once."""
     from kvreplay.backends import backend_class, registry, setting_options
 
     summaries = "; ".join(f"{name}: {backend_class(name).summary}" for name in registry())
-    options = [
-        click.option("--backend", type=click.Choice(list(registry())), default="hf",
-                     show_default=True, help=f"{summaries}. See kvreplay backends."),
-    ]  # fmt: skip
-    return options + [_setting_option(key, meta) for key, meta in setting_options().items()]
+    backend = click.Option(
+        ["--backend"], type=click.Choice(list(registry())), default="hf", show_default=True,
+        help=f"{summaries}. See kvreplay backends.",
+    )  # fmt: skip
+    return (backend, *(_setting_option(key, meta) for key, meta in setting_options().items()))
+
+
+def connection_options() -> tuple[click.Option, ...]:
+    """A backend's connection settings (e.g. a server's --url), which a run does not
+    record: given again to audit it."""
+    from kvreplay.backends import setting_options
+
+    return tuple(
+        _setting_option(key, meta, f"{meta['help']} (a server run)")
+        for key, meta in setting_options(connection_only=True).items()
+    )
 
 
 # A backend setting's CLI type, by its annotation; bounds are each backend's to check.
 OPTION_TYPES = {"int": click.IntRange(min=0, max=2**20), "str": str, "float": float}
 
 
-def _setting_option(key: str, meta: dict[str, Any]) -> Callable[..., Any]:
+def _setting_option(key: str, meta: dict[str, Any], help: str | None = None) -> click.Option:
     default = f" [default: {meta['default']}]" if meta["default"] not in ("", None) else ""
-    return click.option(
-        meta["option"], key, type=OPTION_TYPES[meta["type"]], default=None,
-        help=f"{', '.join(meta['backends'])}: {meta['help']}{default}",
+    return click.Option(
+        [meta["option"], key], type=OPTION_TYPES[meta["type"]], default=None,
+        help=help or f"{', '.join(meta['backends'])}: {meta['help']}{default}",
     )  # fmt: skip
 
 
@@ -98,8 +131,9 @@ def run_options(
     n: int | None = None,
     dtypes: str = "bf16,fp32",
 ) -> Callable[..., Any]:
-    """Options shared by every ``run`` experiment and ``check``; the defaults given are
-    the command's own (resample samples at 0.7; a check runs a few items in bf16)."""
+    """Options shared by every ``run`` experiment and ``check`` (the backends' settings
+    follow them: :class:`WithBackends`); the defaults given are the command's own
+    (resample samples at 0.7; a check runs a few items in bf16)."""
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Embedded model name, local folder, GGUF file, or cached hub id."),
@@ -136,7 +170,6 @@ def run_options(
                      show_default=True),
         click.option("--ray-address", default=None, help="Join this Ray cluster."),
         threads_option,
-        *backend_options(),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -302,7 +335,7 @@ def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -
     func = click.option(
         "--out", type=UserPath(path_type=Path), required=True, help="Run directory."
     )(func)
-    run_group.command(experiment)(func)
+    run_group.command(experiment, cls=WithBackends, backends=backend_options)(func)
 
 
 for _name, (_summary, _own) in EXPERIMENTS.items():
@@ -368,7 +401,8 @@ def _check_command() -> None:
     func: Callable[..., Any] = plain_errors(check)
     for option in reversed(CHECK_OPTIONS):
         func = option(func)
-    main.command("check")(run_options(func, n=4, dtypes="bf16"))
+    command = run_options(func, n=4, dtypes="bf16")
+    main.command("check", cls=WithBackends, backends=backend_options)(command)
 
 
 _check_command()
@@ -392,7 +426,7 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
     run_demo(out, n, workers=workers, threads=threads)
 
 
-@main.command("audit")
+@main.command("audit", cls=WithBackends, backends=connection_options)
 @click.argument("run_dir", type=UserPath(path_type=Path))
 @click.option(
     "--sample",
@@ -424,25 +458,6 @@ def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) 
     )  # fmt: skip
     click.echo(format_audit(result))
     sys.exit(0 if result.passed else 1)
-
-
-def _with_connection_options(command: click.Command) -> None:
-    """A backend's connection settings (e.g. a server's --url), which a run does not
-    record: given again to audit it."""
-    from kvreplay.backends import setting_options
-
-    for key, meta in setting_options(connection_only=True).items():
-        command.params.append(
-            click.Option(
-                [meta["option"], key],
-                type=OPTION_TYPES[meta["type"]],
-                default=None,
-                help=f"{meta['help']} (a server run)",
-            )
-        )
-
-
-_with_connection_options(audit_command)
 
 
 @main.command("probe")

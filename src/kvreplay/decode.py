@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import Stage, StagePlan, StopDetector
 from kvreplay.state import BoundaryState
+from kvreplay.trajectory import Segment, Trajectory
 
 
 @dataclass(frozen=True)
@@ -65,53 +66,6 @@ def top2_margin(logits: torch.Tensor) -> float:
     """Top-1 minus top-2 logit: how close the step was to a different argmax."""
     top = torch.topk(logits.float(), 2).values
     return float(top[0] - top[1])
-
-
-@dataclass
-class Segment:
-    """One stage of a trajectory: forced opener ids, decoded ids, why it ended, margins."""
-
-    stage: str
-    opener_ids: list[int]
-    token_ids: list[int]
-    stop_reason: str
-    margins: list[float] = field(default_factory=list)
-
-    @property
-    def stream(self) -> list[int]:
-        return self.opener_ids + self.token_ids
-
-
-@dataclass
-class Trajectory:
-    """Segments of consecutive stages, in order."""
-
-    segments: list[Segment]
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for s in self.segments for t in s.stream]
-
-    def stage(self, name: str) -> Segment | None:
-        return next((s for s in self.segments if s.stage == name), None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "segments": [
-                {
-                    "stage": s.stage,
-                    "opener_ids": s.opener_ids,
-                    "token_ids": s.token_ids,
-                    "stop_reason": s.stop_reason,
-                    "margins": [round(m, 6) for m in s.margins],
-                }
-                for s in self.segments
-            ]
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
-        return cls([Segment(**s) for s in data["segments"]])
 
 
 def opener_ids(tokenizer: Any, stage: Stage) -> list[int]:

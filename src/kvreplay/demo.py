@@ -42,7 +42,7 @@ def run_demo(
     ``threads`` torch threads each, which start and load each model once for all three
     experiments; the ledger is the same as a serial run's.
     """
-    from kvreplay.report import build_report
+    from kvreplay.report.build import build_report
 
     workers = workers or default_workers(n, threads)
     session = EngineSession()

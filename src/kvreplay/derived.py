@@ -7,25 +7,26 @@ from __future__ import annotations
 import csv
 import io
 
-from kvreplay.experiments import recorded_experiment
-from kvreplay.ledger import Record, RunLedger, render_csv
+from kvreplay.experiments.tables import recorded_table
+from kvreplay.ledger import Record, RunLedger
 
 
 def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = False) -> list[str]:
     """Each experiment's CSV must equal the one derived from rows.jsonl, cell for cell;
     ``present_only`` skips experiments whose CSV is not written yet (a run in progress)."""
     problems = []
-    for name in ledger.manifest.get("experiments", {}):
-        experiment = recorded_experiment(name, ledger.manifest)
-        if experiment is None:
+    for name, entry in ledger.manifest.get("experiments", {}).items():
+        table = recorded_table(name, ledger.manifest)
+        if table is None:
             problems.append(f"experiment {name}: unknown to this kvreplay version")
             continue
-        path = ledger.run_dir / experiment.csv_name(ledger.manifest["experiments"][name]["config"])
+        config = entry["config"]
+        path = ledger.run_dir / table.csv_name(config)
         if present_only and not path.exists():
             continue
         rows = [r for r in records if r.experiment == name]
         try:
-            expected = render_csv(experiment.columns, experiment.csv_rows(rows))
+            expected = table.csv(rows, config)
         except (KeyError, TypeError, IndexError, ValueError) as exc:  # hand-edited row data
             problems.append(f"{path.name}: cannot be derived from rows.jsonl ({exc!r})")
             continue
@@ -44,7 +45,7 @@ def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = Fa
         if len(want) != len(have):
             problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
         for a, b in zip(want, have, strict=False):
-            for column in experiment.columns:
+            for column in table.header(config):
                 if a.get(column) != b.get(column):
                     problems.append(
                         f"{path.name} row {a.get('row_id')} ({a.get('precision', '')})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,51 +30,73 @@ def _constant(name: str) -> Any:
     raise JsonError(f"{name} is not a JSON number")
 
 
+# A lone surrogate can only come from an escape in the text (UTF-8 cannot encode one).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _integer(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise JsonError(f"an integer has {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
     return int(text)
 
 
-def _check(value: Any) -> None:
-    """Depth, number and string checks, iteratively (no recursion limit to hit)."""
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonError("a number is too large for a float (it would be written as Infinity)")
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """Nesting, iteratively (no recursion limit to hit): only containers are walked."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
+def _check_strings(value: Any) -> None:
+    """Every string, keys too, must be valid Unicode (a lone surrogate is not)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
         if isinstance(node, str):
             try:
                 node.encode("utf-8")
             except UnicodeEncodeError:
                 raise JsonError("a string holds a lone surrogate (not valid Unicode)") from None
-            continue
-        if isinstance(node, float) and not math.isfinite(node):
-            raise JsonError("a number is too large for a float (it would be written as Infinity)")
-        if not isinstance(node, dict | list):
-            continue
-        if depth > MAX_DEPTH:
-            raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels")
-        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
-        stack.extend((child, depth + 1) for child in children)
+        elif isinstance(node, dict):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            stack += node
 
 
 def parse_json(text: str | bytes) -> Any:
     """Parse strict JSON; raise :class:`JsonError` with the reason. Bytes must be UTF-8,
     with or without a BOM (json.loads would also take UTF-16 and UTF-32)."""
     try:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8-sig")
-        value = json.loads(text, parse_constant=_constant, parse_int=_integer)
+        text = text.decode("utf-8-sig") if isinstance(text, bytes) else text
+        text.encode("utf-8")  # a string given may hold a lone surrogate itself
+        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_integer)
     except JsonError:
         raise
     except RecursionError:
         raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels") from None
     except UnicodeDecodeError:
         raise JsonError("the bytes are not UTF-8") from None
+    except UnicodeEncodeError:
+        raise JsonError("a string holds a lone surrogate (not valid Unicode)") from None
     except json.JSONDecodeError as exc:
         raise JsonError(f"malformed JSON ({exc.msg})") from None
     except ValueError as exc:
         raise JsonError(f"malformed JSON ({exc})") from None
-    _check(value)
+    if isinstance(value, dict | list):
+        _check_depth(value)
+    if SURROGATE_ESCAPE.search(text):
+        _check_strings(value)
     return value
 
 

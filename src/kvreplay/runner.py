@@ -34,7 +34,6 @@ from kvreplay.ledger import (
     SNAPSHOTS_SAVED,
     RunLedger,
     parse_rows,
-    render_csv,
     write_text_atomic,
 )
 from kvreplay.lock import installed
@@ -276,10 +275,13 @@ def _run_prepared(
 ) -> dict[str, Any]:
     experiment = get_experiment(request.experiment, request.backend)
     selection = experiment.select(scope, {**scope.source_rows(), **ledger.by_key()})
-    ledger.register_experiment(experiment.name, experiment.config(scope, selection))
+    recorded = ledger.manifest.get("experiments", {}).get(experiment.name, {}).get("config")
+    own = experiment.config(scope, selection)
+    ledger.register_experiment(experiment.name, experiment.table.stamp(own, recorded))
+    config = ledger.manifest["experiments"][experiment.name]["config"]
     placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
-    config = scope.config
-    engine = session.engine(config, *placement) if session else make_engine(config, *placement)
+    run = scope.config
+    engine = session.engine(run, *placement) if session else make_engine(run, *placement)
     try:
         ledger.note_experiment(experiment.name, "engine", engine.describe())
         for phase in range(experiment.phases):
@@ -290,15 +292,13 @@ def _run_prepared(
         if session is None:
             engine.close()
     rows = ledger.rows(experiment.name)
-    csv_text = render_csv(experiment.columns, experiment.csv_rows(rows))
-    csv_name = experiment.csv_name(ledger.manifest["experiments"][experiment.name]["config"])
-    write_text_atomic(request.out / csv_name, csv_text)
+    csv_text = experiment.table.csv(rows, config)
+    write_text_atomic(request.out / experiment.table.csv_name(config), csv_text)
     experiment.figures(request.out, rows)
     summary = summarize(experiment, rows)
     if not quiet:
-        margin = ledger.manifest["experiments"][experiment.name]["config"].get("margin")
         print(format_summary(experiment, summary))
-        print(verdict_sentence(experiment, rows, margin))
+        print(verdict_sentence(experiment, rows, config.get("margin")))
     return summary
 
 

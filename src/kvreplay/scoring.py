@@ -11,8 +11,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from kvreplay.decode import Trajectory
 from kvreplay.errors import KvreplayError
+from kvreplay.trajectory import Trajectory
 
 _INTEGER = re.compile(r"-?\d[\d,]*")
 _CHOICE = re.compile(r"\b([A-D])\b")

@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from kvreplay.canonical import sha256_json
+from kvreplay.comparison import Comparison
 from kvreplay.errors import KvreplayError
 
 Component = Literal["kv", "k", "v"]
@@ -238,35 +239,6 @@ class DiffStats:
         }
 
 
-@dataclass
-class Comparison:
-    """Everything docs/design.md asks of a comparison of two boundary states."""
-
-    cache: dict[str, float | bool]
-    keys: dict[str, float | bool]
-    values: dict[str, float | bool]
-    per_layer: list[dict[str, dict[str, float | bool]]]
-    logits: dict[str, float | bool]
-    boundary_argmax_equal: bool
-    layer_lengths_equal: bool
-    first_suffix_divergence_index: int | None = None
-
-    @property
-    def cache_exact(self) -> bool:
-        return bool(self.cache["exact"]) and self.layer_lengths_equal
-
-    @property
-    def logits_exact(self) -> bool:
-        return bool(self.logits["exact"])
-
-    def relative_l2_by_layer(self) -> list[float]:
-        """Relative L2 of K and V together, one value per layer (for drift figures)."""
-        return [float(layer["kv"]["relative_l2_diff"]) for layer in self.per_layer]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def check_same_prefix(a: BoundaryState, b: BoundaryState) -> None:
     """Two states are comparable only over the same prefix with the same cache shapes."""
     if a.token_ids != b.token_ids:
@@ -309,14 +281,6 @@ def compare(left: BoundaryState, right: BoundaryState) -> Comparison:
         boundary_argmax_equal=left.argmax() == right.argmax(),
         layer_lengths_equal=left.layer_lengths() == right.layer_lengths(),
     )
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token; the shorter length if one is a prefix; None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _resolve_layers(state: BoundaryState, layers: Iterable[int] | None) -> list[int]:

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from xml.etree import ElementTree
 
+from kvreplay.comparison import first_divergence
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.experiment import Experiment
 from kvreplay.ledger import Record
-from kvreplay.state import first_divergence
 
 SCHEMA = "kvreplay-check-v1"
 EXPECTATIONS = ("exact", "max-divergent", "faithful")

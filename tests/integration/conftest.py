@@ -1,5 +1,6 @@
-"""Fixtures the audit tests share: one small matched run with snapshots, built once per
-session, and a fresh copy of it per test (each test tampers with its own)."""
+"""Fixtures the integration tests share: one small matched run with snapshots, built once
+per session, and a fresh copy of it per test (each test tampers with its own); and a
+synthetic run folder of ledgers for the report's tests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import invoke, write_items
+from helpers import invoke, synthetic_run, write_items
 
 PROMPTS = ["What is 2+3?", "Compute 4*5."]
 CSV = "matched_live_prefill.csv"
@@ -32,3 +33,8 @@ def run(built: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "run"
     shutil.copytree(built, copy)
     return copy
+
+
+@pytest.fixture(name="synthetic_run")
+def synthetic_run_fixture(tmp_path: Path) -> Path:
+    return synthetic_run(tmp_path)

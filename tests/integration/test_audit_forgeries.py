@@ -90,11 +90,13 @@ def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kvreplay.audit
+    import kvreplay.models
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the audit read the model of a forged contract")
 
-    monkeypatch.setattr(kvreplay.audit, "describe_source", refuse)
+    # a backend describes its model through models.describe_source (Backend.describe_model)
+    monkeypatch.setattr(kvreplay.models, "describe_source", refuse)
     monkeypatch.setattr(kvreplay.audit, "make_engine", refuse)
     data = manifest(run)
     data["contract"]["run"]["model"] = "/elsewhere"

@@ -11,24 +11,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
+from helpers import (
+    assert_nothing_complete,
+    assert_one_sentence,
+    check,
+    good_lines,
+    jsonl,
+    run_args,
+)
 
 from kvreplay.cli import main
-
-GOOD = [
-    {"id": "b1", "prompt": "What is 2+3?", "answer": "5"},
-    {"id": "b2", "prompt": "Compute 4*5.", "answer": "20"},
-    {"id": "b3", "prompt": [{"role": "user", "content": "9-4?"}], "answer": 5},
-]
-
-
-def jsonl(path: Path, lines: list[str]) -> Path:
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def good_lines() -> list[str]:
-    return [json.dumps(item) for item in GOOD]
 
 
 def malformed(tmp: Path) -> tuple[list[str], str]:
@@ -113,40 +106,8 @@ CASES: dict[str, Callable[[Path], tuple[list[str], str]]] = {
 
 def argv(experiment: str, case: str, tmp: Path, model: Path) -> tuple[list[str], str, Path]:
     extra, expected = CASES[case](tmp)
-    base = {
-        "--model": str(model),
-        "--items": str(jsonl(tmp / "good.jsonl", good_lines())),
-        "--plan": "short",
-        "--out": str(tmp / "out"),
-    }
-    for flag, value in zip(extra[::2], extra[1::2], strict=True):
-        base[flag] = value
-    flat = [part for pair in base.items() for part in pair]
-    return ["run", experiment, *flat], expected, Path(base["--out"])
-
-
-def assert_nothing_complete(out: Path) -> None:
-    """No derived CSV and no rows: nothing that looks like (part of) a result."""
-    if not out.exists():
-        return
-    assert not list(out.glob("*.csv")), list(out.iterdir())
-    assert not (out / "rows.jsonl").exists()
-
-
-def assert_one_sentence(stderr: str, expected: str) -> None:
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("kvreplay: error: "), stderr
-    assert expected in lines[0], (expected, lines[0])
-    assert "Traceback" not in stderr
-
-
-def check(result: Result, expected: str, out: Path) -> None:
-    assert result.exit_code == 2, (result.output, result.exception)
-    assert isinstance(result.exception, SystemExit)  # not an uncaught exception
-    assert_one_sentence(result.stderr, expected)
-    assert "Traceback" not in result.output
-    assert_nothing_complete(out)
+    args, out = run_args(experiment, tmp, model, extra)
+    return args, expected, out
 
 
 @pytest.mark.parametrize("case", list(CASES))

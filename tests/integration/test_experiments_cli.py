@@ -290,7 +290,11 @@ def test_manifest_contents(shared: Path, items: Path, model: Path) -> None:
     experiments = m["experiments"]
     assert list(experiments) == ["matched", "fixed-prefix", "bridge"]
     first_n = [i for i, _, _ in PROMPTS[:N]]
-    assert experiments["matched"]["config"] == {"dtypes": ["bf16", "fp32"], "item_ids": first_n}
+    assert experiments["matched"]["config"] == {
+        "dtypes": ["bf16", "fp32"],
+        "item_ids": first_n,
+        "schema_version": 1,  # the CSV's schema (experiments/table.py)
+    }
     assert experiments["fixed-prefix"]["config"]["item_ids"] == first_n
     assert experiments["fixed-prefix"]["config"]["prefix_dtype"] == "bf16"
     for entry in experiments.values():

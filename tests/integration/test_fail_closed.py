@@ -14,23 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import invoke
+from helpers import QUICK, check, copy_model, invoke, items_with, jsonl, run_args, run_case
 from tiny import build
 
-from integration.test_bad_input import (
-    argv,
-    check,
-    good_lines,
-    jsonl,
-)
 from kvreplay.errors import KvreplayError
 from kvreplay.models import load_model
-
-QUICK = ["--n", "1", "--dtypes", "fp32"]
-
-
-def items_with(tmp: Path, line: str) -> list[str]:
-    return ["--items", str(jsonl(tmp / "bad.jsonl", [*good_lines(), line]))]
 
 
 def plan_with(tmp: Path, **stage: object) -> list[str]:
@@ -79,15 +67,6 @@ CASES: dict[str, Callable[[Path], tuple[list[str], str]]] = {
     "max_new_tokens_negative": lambda t: (plan_with(t, max_new_tokens=-5), "'max_new_tokens'"),
     "max_new_tokens_fraction": lambda t: (plan_with(t, max_new_tokens=2.5), "'max_new_tokens'"),
 }  # fmt: skip
-
-
-def run_case(case: Callable[[Path], tuple[list[str], str]], tmp: Path, model: Path) -> None:
-    extra, expected = case(tmp)
-    args, _, out = argv("matched", "unknown_plan", tmp, model)
-    args[args.index("no-such-plan")] = "short"
-    args += extra
-    check(invoke(*args), expected, out)
-    assert not (out / "manifest.json").exists()  # refused before the manifest
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -140,11 +119,6 @@ def test_ids_that_differ_in_unsafe_characters_keep_their_own_snapshots(
     assert audited.exit_code == 0, audited.output
 
 
-def copy_model(source: Path, target: Path) -> Path:
-    shutil.copytree(source, target)
-    return target
-
-
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_damaged_weights_are_refused_before_the_manifest_and_the_folder_stays_reusable(
     damage: str, tmp_path: Path, tiny_dirs: dict[str, Path]
@@ -153,8 +127,7 @@ def test_damaged_weights_are_refused_before_the_manifest_and_the_folder_stays_re
     weights = model / "model.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(good[: len(good) // 2] if damage == "truncated" else b"garbage" * 99)
-    args, _, out = argv("matched", "unknown_plan", tmp_path, model)
-    args[args.index("no-such-plan")] = "short"
+    args, out = run_args("matched", tmp_path, model)
     check(invoke(*args + QUICK), "The weights file model.safetensors of model", out)
     assert not (out / "manifest.json").exists()
     weights.write_bytes(good)
@@ -166,8 +139,7 @@ def test_damage_after_the_manifest_leaves_the_folder_reusable(
     tmp_path: Path, tiny_dirs: dict[str, Path]
 ) -> None:
     """A manifest without rows commits to nothing: a corrected rerun replaces it."""
-    args, _, out = argv("matched", "unknown_plan", tmp_path, tiny_dirs["qwen2"])
-    args[args.index("no-such-plan")] = "short"
+    args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
     out.mkdir()
     (out / "manifest.json").write_text(
         json.dumps(
@@ -188,8 +160,7 @@ def test_folder_without_a_tokenizer(tmp_path: Path, tiny_dirs: dict[str, Path]) 
 
 
 def test_trailing_slash_resumes_the_same_run(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
-    args, _, out = argv("matched", "unknown_plan", tmp_path, tiny_dirs["qwen2"])
-    args[args.index("no-such-plan")] = "short"
+    args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
     assert invoke(*args + QUICK).exit_code == 0
     args[args.index("--model") + 1] = str(tiny_dirs["qwen2"]) + "/"
     result = invoke(*args + QUICK)
@@ -253,8 +224,7 @@ def test_trust_remote_code_is_passed_on_and_off_by_default(
     (model / "config.json").write_text(json.dumps(config))
     (tmp_path / "off").mkdir()
     run_case(lambda t: ([], "pass --trust-remote-code"), tmp_path / "off", model)
-    args, _, out = argv("matched", "unknown_plan", tmp_path, model)
-    args[args.index("no-such-plan")] = "short"
+    args, out = run_args("matched", tmp_path, model)
     result = invoke(*[*args, *QUICK, "--trust-remote-code"])
     assert result.exit_code == 0, result.output
     assert (
@@ -275,8 +245,7 @@ def test_full_disk_is_one_sentence_and_leaves_no_temporary_files(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
-    args, _, out = argv("matched", "unknown_plan", tmp_path, tiny_dirs["qwen2"])
-    args[args.index("no-such-plan")] = "short"
+    args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
     with monkeypatch.context() as patch:
         patch.setattr(os, "fsync", full)
         check(invoke(*args + QUICK), "No space left on device", out)

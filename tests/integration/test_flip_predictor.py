@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import invoke
 
-from kvreplay.analysis import flip
-from kvreplay.analysis.flip import PRIMARY_SCORE, SCORES, SKIP_NO_ROWS
+from kvreplay.analysis.flip import PRIMARY_SCORE, SCORES
 from kvreplay.analysis.ledgers import load_ledger_dir
+from kvreplay.analysis.sections import flip
+from kvreplay.analysis.sections.flip import SKIP_NO_ROWS
 
 RUN = Path(__file__).resolve().parents[2] / "results" / "smollm2-n24"
 pytestmark = pytest.mark.skipif(not (RUN / "rows.jsonl").is_file(), reason=f"{RUN} is absent")
@@ -85,18 +86,14 @@ def test_csv_only_folder_skips_the_predictor_with_a_note(tmp_path: Path) -> None
     assert not (tmp_path / "figures" / "flip_predictor_roc.png").exists()
 
 
-def test_rows_without_margins_skip_the_predictor_with_a_note(
-    run_copy: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_rows_without_margins_skip_the_predictor_with_a_note(run_copy: Path) -> None:
     """A ledger from before margins were kept: the section says so instead of failing."""
-    records = flip._run_records(run_copy)
-    assert records is not None
-    for (experiment, _, _), data in records.items():
-        if experiment in ("matched", "fixed-prefix"):
-            for segment in data["arms"]["left"]["suffix"]["segments"]:
-                del segment["margins"]
-    monkeypatch.setattr(flip, "_run_records", lambda folder: records)
-    analysis = flip.analyze_flip(run_copy, load_ledger_dir(run_copy))
+    folder = load_ledger_dir(run_copy)
+    assert folder.records is not None
+    for data in flip.matrix_rows(folder.records).values():
+        for segment in data["arms"]["left"]["suffix"]["segments"]:
+            del segment["margins"]
+    analysis = flip.analyze_flip(folder.records, folder.ledgers)
     assert analysis.panels == ()
     assert analysis.skipped == flip.SKIP_NO_MARGINS.format(row="matched/r0000/bf16")
     assert analysis.to_json() == {"note": analysis.skipped}

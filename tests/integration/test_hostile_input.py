@@ -14,15 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import invoke
+from helpers import (
+    QUICK,
+    check,
+    copy_model,
+    invoke,
+    items_with,
+    jsonl,
+    run_args,
+    run_case,
+    synthetic_ledger,
+    write_ledger,
+)
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
-from unit.test_ledgers_failclosed import synthetic_ledger, write_ledger
 
-from integration.test_bad_input import argv, check, jsonl
-from integration.test_fail_closed import QUICK, copy_model, items_with, run_case
-from kvreplay.analysis.ledgers import LAYER_DRIFT_COLUMN, MATCHED_FILE
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.tables.matrix import LAYER_DRIFT, MATCHED_TABLE
 from kvreplay.ledger import csv_cell, render_csv
 from kvreplay.models import load_model
 from kvreplay.report.document import Paragraph, Table, to_markdown
@@ -30,9 +38,8 @@ from kvreplay.report.document import Paragraph, Table, to_markdown
 NESTED = "[" * 50_000 + "]" * 50_000  # under csv's field limit, far past json's recursion
 
 
-def run_args(tmp: Path, model: Path, *extra: object) -> tuple[list[str], Path]:
-    args, _, out = argv("matched", "unknown_plan", tmp, model)
-    args[args.index("no-such-plan")] = "short"
+def quick_args(tmp: Path, model: Path, *extra: object) -> tuple[list[str], Path]:
+    args, out = run_args("matched", tmp, model)
     return [*args, *QUICK, *map(str, extra)], out
 
 
@@ -116,7 +123,7 @@ def test_weights_that_do_not_fit_the_config(
     arch, damage, expected = BROKEN_MODELS[case]
     model = copy_model(tiny_dirs[arch], tmp_path / "model")
     damage(model)
-    args, out = run_args(tmp_path, model)
+    args, out = quick_args(tmp_path, model)
     refused_before_the_manifest(args, out, expected)
     with pytest.raises(KvreplayError, match="the weights do not match config.json"):
         load_model(str(model), "fp32")
@@ -173,7 +180,7 @@ def test_refused_before_the_manifest_and_the_folder_stays_reusable(
     extra, expected = BEFORE_THE_MANIFEST[case]()
     if case == "attn_not_installed" and torch.cuda.is_available():
         pytest.skip("flash-attn may be installed where CUDA is")
-    args, out = run_args(tmp_path, tiny_dirs["qwen2"], *extra)
+    args, out = quick_args(tmp_path, tiny_dirs["qwen2"], *extra)
     refused_before_the_manifest(args, out, expected)
 
 
@@ -194,7 +201,7 @@ def test_options_beyond_what_the_system_takes(
 ) -> None:
     monkeypatch.chdir(tmp_path)  # where an empty --out used to write the run
     extra, expected = OPTIONS[case]
-    args, out = run_args(tmp_path, tiny_dirs["qwen2"])
+    args, out = quick_args(tmp_path, tiny_dirs["qwen2"])
     for flag, value in zip(extra[::2], extra[1::2], strict=True):
         if flag in args:
             args[args.index(flag) + 1] = str(value)
@@ -226,8 +233,7 @@ def test_other_commands_refuse_in_one_sentence(
 
 
 def test_resample_samples_past_the_limit(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
-    args, _, out = argv("resample", "unknown_plan", tmp_path, tiny_dirs["qwen2"])
-    args[args.index("no-such-plan")] = "short"
+    args, out = run_args("resample", tmp_path, tiny_dirs["qwen2"])
     args += [*QUICK, "--samples", str(10**12)]
     refused_before_the_manifest(args, out, "--samples is 1000000000000; resample needs from 1")
 
@@ -242,7 +248,7 @@ def test_resample_samples_past_the_limit(tmp_path: Path, tiny_dirs: dict[str, Pa
 def test_a_gguf_file_that_is_only_its_header(content: bytes, expected: str, tmp_path: Path) -> None:
     model = tmp_path / "model.gguf"
     model.write_bytes(content)
-    args, out = run_args(tmp_path, model)
+    args, out = quick_args(tmp_path, model)
     refused_before_the_manifest(args, out, f"The GGUF file {str(model)!r} {expected}")
 
 
@@ -252,13 +258,13 @@ def test_a_model_file_that_is_a_fifo(name: str, tmp_path: Path, tiny_dirs: dict[
     model = copy_model(tiny_dirs["qwen2"], tmp_path / "model")
     (model / name).unlink()
     os.mkfifo(model / name)
-    args, out = run_args(tmp_path, model)
+    args, out = quick_args(tmp_path, model)
     refused_before_the_manifest(args, out, f"holds {name}, which is not a regular file")
 
 
 def test_a_plan_file_that_is_a_fifo(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
     os.mkfifo(tmp_path / "plan.json")
-    args, out = run_args(tmp_path, tiny_dirs["qwen2"], "--plan", tmp_path / "plan.json")
+    args, out = quick_args(tmp_path, tiny_dirs["qwen2"], "--plan", tmp_path / "plan.json")
     refused_before_the_manifest(args, out, "plan.json (not a regular file)")
 
 
@@ -269,12 +275,12 @@ def test_a_tokenizer_beyond_the_model_vocabulary(
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.add_tokens([f"<extra{i}>" for i in range(100)])
     tokenizer.save_pretrained(model)
-    args, out = run_args(tmp_path, model)
+    args, out = quick_args(tmp_path, model)
     refused_before_the_manifest(args, out, "has token ids up to 359, outside the model's vocab")
 
 
 def _first_run(tmp: Path, model: Path, *extra: object) -> tuple[list[str], Path]:
-    args, out = run_args(tmp, model, *extra)
+    args, out = quick_args(tmp, model, *extra)
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     return args, out
@@ -313,12 +319,12 @@ def test_resume_keeps_the_snapshot_choice(
 
 # Deeply nested or non-UTF-8 JSON given to analyze and report.
 def test_analyze_refuses_a_deeply_nested_csv_cell(tmp_path: Path) -> None:
-    header, rows = synthetic_ledger(MATCHED_FILE)
-    header.append(LAYER_DRIFT_COLUMN)
-    rows = [row | {LAYER_DRIFT_COLUMN: "[0.5]"} for row in rows]
-    rows[0][LAYER_DRIFT_COLUMN] = NESTED
-    write_ledger(tmp_path, MATCHED_FILE, header, rows)
-    check(invoke("analyze", tmp_path), f"field {LAYER_DRIFT_COLUMN}: the value is", tmp_path / "x")
+    header, rows = synthetic_ledger(MATCHED_TABLE.file)
+    header.append(LAYER_DRIFT)
+    rows = [row | {LAYER_DRIFT: "[0.5]"} for row in rows]
+    rows[0][LAYER_DRIFT] = NESTED
+    write_ledger(tmp_path, MATCHED_TABLE.file, header, rows)
+    check(invoke("analyze", tmp_path), f"field {LAYER_DRIFT}: the value is", tmp_path / "x")
 
 
 @pytest.fixture

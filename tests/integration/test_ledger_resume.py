@@ -193,3 +193,25 @@ def test_resume_refuses_a_different_contract(
     assert "item_ids" in lines[0]
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert after == before  # a refusal writes nothing
+
+
+def test_a_run_recorded_before_schema_versions_resumes_as_version_1(
+    uninterrupted: Path, tmp_path: Path, model: Path, items: Path
+) -> None:
+    """A run whose config records no CSV schema version (made before versions) is
+    version 1: a resume neither refuses it nor records a version, and its CSV stays."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("manifest.json", "items.jsonl", "rows.jsonl"):
+        (out / name).write_bytes((uninterrupted / name).read_bytes())
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["experiments"]["matched"]
+    assert entry["config"].pop("schema_version") == 1
+    entry["config_sha256"] = sha256_json(entry["config"])
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    result = invoke(*args(out, model, items))
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "manifest.json").read_text())["experiments"]["matched"]["config"]
+    assert "schema_version" not in config
+    csv_name = "matched_live_prefill.csv"
+    assert (out / csv_name).read_text() == (uninterrupted / csv_name).read_text()

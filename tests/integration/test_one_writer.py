@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from integration.test_bad_input import assert_one_sentence, good_lines, jsonl
+from helpers import assert_one_sentence, good_lines, jsonl
+
 from kvreplay.audit import audit
 
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from integration.test_report import synthetic_run  # noqa: F401  (shared run-dir fixture)
-from kvreplay.report import build_report
+from kvreplay.report.build import build_report
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = (

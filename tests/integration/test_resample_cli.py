@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from forgery import read_rows, rechain
-from helpers import invoke
+from helpers import check, invoke
 
-from integration.test_bad_input import check
 from kvreplay.cli import main
-from kvreplay.experiments import EXPERIMENTS
-from kvreplay.ledger import parse_rows, render_csv
+from kvreplay.experiments.tables.resample import RESAMPLE_TABLE
+from kvreplay.ledger import parse_rows
 
 CSV = "resample_live_prefill.csv"
 SAMPLES, REPLICA = 3, 2
@@ -90,7 +89,7 @@ def test_manifest_records_the_sampling_and_the_seed_list(built: Path) -> None:
     assert config == {
         "dtypes": ["bf16", "fp32"], "item_ids": ["r1", "r2"], "samples": SAMPLES,
         "seeds": [5, 6, 7], "replica_samples": REPLICA, "temperature": 0.8, "top_p": 0.9,
-        "margin": 0.1, "batching": "singleton",
+        "margin": 0.1, "batching": "singleton", "schema_version": RESAMPLE_TABLE.version,
     }  # fmt: skip
 
 
@@ -139,9 +138,9 @@ def test_audit_names_a_forged_sample(run: Path) -> None:
     rows[1]["data"]["samples"]["prefill"][1]["answer"] = "42"
     rows[1]["data"]["samples"]["prefill"][1]["answer_parsed"] = True
     rechain(run, rows, derive_csv=False)
-    resample = EXPERIMENTS["resample"]
     records, _ = parse_rows(run / "rows.jsonl", rows[0]["contract"])
-    (run / CSV).write_text(render_csv(resample.columns, resample.csv_rows(records)))
+    config = json.loads((run / "manifest.json").read_text())["experiments"]["resample"]["config"]
+    (run / CSV).write_text(RESAMPLE_TABLE.csv(records, config))
     result = invoke("audit", run)
     assert result.exit_code == 1, result.output
     key = rows[1]["key"]

@@ -13,10 +13,10 @@ from click.testing import CliRunner, Result
 from helpers import find_divergence
 
 from kvreplay.cli import main
-from kvreplay.experiments.transplant import PAPER_TABLE
+from kvreplay.experiments.tables.transplant import TRANSPLANT_TABLE
 from kvreplay.stages import Stage, StagePlan
 
-PAPER_COLUMNS = [column.name for column in PAPER_TABLE]
+PAPER_COLUMNS = [c.name for c in TRANSPLANT_TABLE.columns if c.use == "required"]
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"
 PLAN = StagePlan(
     name="test-transplant",

@@ -109,8 +109,8 @@ def test_audit_reexecutes_and_catches_a_forged_row(served_run: Path, tmp_path: P
     result = invoke("audit", served_run)
     assert result.exit_code == 0, result.output
     from kvreplay.canonical import sha256_json
-    from kvreplay.experiments import SERVED
-    from kvreplay.ledger import GENESIS, Record, render_csv
+    from kvreplay.experiments.tables.matrix import SERVED_MATCHED_TABLE
+    from kvreplay.ledger import GENESIS, Record
 
     forged = tmp_path / "forged"
     forged.mkdir()
@@ -119,7 +119,8 @@ def test_audit_reexecutes_and_catches_a_forged_row(served_run: Path, tmp_path: P
     lines = [json.loads(x) for x in (served_run / "rows.jsonl").read_text().splitlines()]
     lines[0]["data"]["arms"]["left"]["served"]["cached_tokens"][0] += 32  # consistent forgery:
     lines[0]["data"]["arms"]["left"]["served"]["expected_cached_tokens"] += 32  # gate holds
-    contract = sha256_json(json.loads((forged / "manifest.json").read_text())["contract"])
+    manifest = json.loads((forged / "manifest.json").read_text())
+    contract = sha256_json(manifest["contract"])
     records, prev = [], GENESIS
     for seq, line in enumerate(lines):  # rechained, as a careful forger would
         record = Record(**{**line, "seq": seq, "prev": prev, "contract": contract})
@@ -127,8 +128,8 @@ def test_audit_reexecutes_and_catches_a_forged_row(served_run: Path, tmp_path: P
         records.append(record)
         prev = record.hash
     (forged / "rows.jsonl").write_text("".join(r.to_line() for r in records))
-    served = SERVED["matched"]
-    (forged / CSV).write_text(render_csv(served.columns, served.csv_rows(records)))
+    config = manifest["experiments"]["matched"]["config"]
+    (forged / CSV).write_text(SERVED_MATCHED_TABLE.csv(records, config))
     result = invoke("audit", forged)
     assert result.exit_code == 1
     assert f"row {lines[0]['key']}: field arms.left.served.cached_tokens" in result.output

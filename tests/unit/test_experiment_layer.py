@@ -74,17 +74,20 @@ def test_an_option_of_another_experiment_is_refused_in_one_sentence() -> None:
     assert result.stderr.startswith("kvreplay: error: No such option '--panel'")
 
 
-def test_analyze_reads_only_columns_that_each_experiment_declares() -> None:
-    """The analysis reader's required and optional columns are part of the CSV each
-    experiment declares, so a run's own CSVs always pass through ``kvreplay analyze``."""
-    from kvreplay.analysis.ledgers import spec_for
-    from kvreplay.experiments import EXPERIMENTS
+def test_every_experiment_writes_the_table_analysis_reads() -> None:
+    """An experiment is a plugin: it writes the table the torch-free registry names for it
+    (so the audit and analyze derive the CSV it wrote) and an analysis section reads that
+    table (so analyze and report include it); a table's key columns are required ones."""
+    from kvreplay.analysis.sections.registry import SECTIONS
+    from kvreplay.experiments import EXPERIMENTS, SERVED
+    from kvreplay.experiments.tables import EXPERIMENT_TABLES, TABLES
 
-    checked = 0
-    for experiment in EXPERIMENTS.values():
-        spec = spec_for(experiment.csv_file)
-        if spec is None:
-            continue
-        assert {*spec.key, *spec.columns, *spec.optional} <= set(experiment.columns)
-        checked += 1
-    assert checked == 5  # matched, fixed-prefix, bridge, transplant, resample
+    for name, experiment in EXPERIMENTS.items():
+        assert EXPERIMENT_TABLES[name][0] is experiment.table
+        assert experiment.table.experiment == name
+    for name, experiment in SERVED.items():
+        assert EXPERIMENT_TABLES[name][1] is experiment.table
+    assert set(TABLES) == {table for section in SECTIONS for table in section.tables}
+    for table in TABLES:
+        required = {c.name for c in table.columns if c.use == "required"}
+        assert set(table.key) - {"row_id"} <= required, table.file

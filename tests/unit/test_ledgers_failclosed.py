@@ -1,82 +1,37 @@
 """Every fail-closed gate, each on a deliberately broken copy of a ledger.
 
-Each gate runs twice: on a small synthetic ledger built here from the schema (so
-the gates are tested without the paper's data) and on a copy of the paper's
-published ledger (skipped when ../shared/paper-release is absent).
+Each gate runs twice: on a small synthetic ledger built from its table (so the gates
+are tested without the paper's data) and on a copy of the paper's published ledger
+(skipped when ../shared/paper-release is absent). The localize ledger's gates run on a
+copy of the committed localize run's CSV.
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import Rows, synthetic_ledger, token_hash, write_ledger
 
 from kvreplay.analysis.cli_commands import analyze
-from kvreplay.analysis.ledgers import (
-    BRIDGE_FILE,
-    FIXED_FILE,
-    HISTORICAL_FILE,
-    LAYER_DRIFT_COLUMN,
-    MATCHED_FILE,
-    STOCK_FILE,
-    LedgerError,
-    load_ledger_dir,
-    spec_for,
-)
+from kvreplay.analysis.ledgers import load_ledger_dir
+from kvreplay.experiments.table import LedgerError
+from kvreplay.experiments.tables.bridge import BRIDGE_TABLE
+from kvreplay.experiments.tables.matrix import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
+from kvreplay.experiments.tables.paper import HISTORICAL_TABLE, STOCK_TABLE
 
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"
+MATCHED_FILE, FIXED_FILE, BRIDGE_FILE = (
+    MATCHED_TABLE.file,
+    FIXED_PREFIX_TABLE.file,
+    BRIDGE_TABLE.file,
+)
+HISTORICAL_FILE, STOCK_FILE = HISTORICAL_TABLE.file, STOCK_TABLE.file
 TRANSPLANT_FILE = "kv_transplant_primary.csv"
-Rows = list[dict[str, str]]
-
-
-def token_hash(tokens: list[int]) -> str:
-    """A suffix commitment as the paper makes it: SHA-256 of canonical JSON."""
-    return hashlib.sha256(json.dumps(tokens, separators=(",", ":")).encode()).hexdigest()
-
-
-def synthetic_ledger(file_name: str) -> tuple[list[str], Rows]:
-    """A small valid ledger from the schema: every flag true, one divergent row."""
-    spec = spec_for(file_name)
-    assert spec is not None
-    defaults = {
-        "text": "x",
-        "bool": "true",
-        "sha256": token_hash([1, 2, 3]),
-        "int": "7",
-        "optional_int": "",
-        "float": "0.5",
-    }
-    precisions = ("bf16", "fp32") if "precision" in spec.columns else ("",)
-    rows = []
-    for precision in precisions:
-        for i in range(3):
-            row = {column: defaults[kind] for column, kind in spec.columns.items()}
-            row |= {"row_id": f"r{i:04d}", "precision": precision} if precision else {}
-            row.setdefault("row_id", f"r{i:04d}")
-            rows.append(row)
-    other = token_hash([9])
-    if "prefill_replica_suffix_sha256" in spec.columns:  # a matrix file
-        rows[0] |= {
-            "prefill_suffix_sha256": other,
-            "prefill_replica_suffix_sha256": other,
-            "suffix_equal": "false",
-            "first_suffix_divergence_index": "2",
-        }
-    if "baseline_divergent" in spec.columns:
-        for row in rows:
-            row["exact_control_novel_trajectory"] = "false"
-        rows[0] |= {
-            "prefill_native_suffix_sha256": other,
-            "prefill_cache_into_incremental_suffix_sha256": other,
-        }
-        rows[1:] = [row | {"baseline_divergent": "false"} for row in rows[1:]]
-    return ["row_id", *spec.columns], rows
 
 
 def paper_ledger(file_name: str) -> tuple[list[str], Rows]:
@@ -86,14 +41,6 @@ def paper_ledger(file_name: str) -> tuple[list[str], Rows]:
     with path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         return list(reader.fieldnames or []), list(reader)
-
-
-def write_ledger(folder: Path, file_name: str, header: list[str], rows: Rows) -> Path:
-    with (folder / file_name).open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=header, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    return folder / file_name
 
 
 def first(rows: Rows, **conditions: str) -> dict[str, str]:
@@ -157,10 +104,10 @@ def _swap_fp32_order(header: list[str], rows: Rows) -> str:
 
 def _layer_drift(broken: str) -> Mutation:
     def mutate(header: list[str], rows: Rows) -> str:
-        header.append(LAYER_DRIFT_COLUMN)
+        header.append(LAYER_DRIFT)
         for row in rows:
-            row[LAYER_DRIFT_COLUMN] = "[0.1, 0.2, 0.3]"
-        rows[-1][LAYER_DRIFT_COLUMN] = broken
+            row[LAYER_DRIFT] = "[0.1, 0.2, 0.3]"
+        rows[-1][LAYER_DRIFT] = broken
         return rows[-1]["row_id"]
 
     return mutate
@@ -200,8 +147,8 @@ GATES = {
         _set("first_suffix_divergence_index", "5", suffix_equal="true"),
     ),
     "precisions not paired by order": Gate(FIXED_FILE, "row_id", _swap_fp32_order),
-    "layer drift length": Gate(MATCHED_FILE, LAYER_DRIFT_COLUMN, _layer_drift("[0.1, 0.2]")),
-    "layer drift not JSON": Gate(FIXED_FILE, LAYER_DRIFT_COLUMN, _layer_drift("0.1;0.2;0.3")),
+    "layer drift length": Gate(MATCHED_FILE, LAYER_DRIFT, _layer_drift("[0.1, 0.2]")),
+    "layer drift not JSON": Gate(FIXED_FILE, LAYER_DRIFT, _layer_drift("0.1;0.2;0.3")),
     "bridge boundary length": Gate(
         BRIDGE_FILE,
         "boundary_cache_sequence_len",
@@ -270,7 +217,7 @@ def source(request: pytest.FixtureRequest) -> Callable[[str], tuple[list[str], R
 def test_unbroken_ledger_passes(tmp_path: Path, source, file_name: str) -> None:
     """The baseline every gate test breaks must itself be valid."""
     write_ledger(tmp_path, file_name, *source(file_name))
-    assert list(load_ledger_dir(tmp_path)) == [file_name]
+    assert list(load_ledger_dir(tmp_path).ledgers) == [file_name]
 
 
 @pytest.mark.parametrize("gate", GATES.values(), ids=GATES.keys())
@@ -328,3 +275,41 @@ def test_cli_bad_folder_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(analyze, [str(tmp_path / "nowhere")])
     assert result.exit_code == 2
     assert result.stderr.startswith("kvreplay: error: ") and "Traceback" not in result.output
+
+
+LOCALIZE_CSV = Path(__file__).resolve().parents[2] / "results" / "localize-smollm2" / "localize.csv"
+
+
+def _localize_ledger() -> tuple[list[str], Rows]:
+    with LOCALIZE_CSV.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        return list(reader.fieldnames or []), list(reader)
+
+
+LOCALIZE_GATES = {
+    "a recovering probe with a divergence index": (
+        "first_divergence_index",
+        _flip("recovers_donor", recovers_donor="false"),
+    ),
+    "a leaving probe with the donor's hash": (
+        "suffix_sha256",
+        _set("suffix_sha256", token_hash([1]), recovers_donor="false"),
+    ),
+    "two precisions in one run": ("precision", _set("precision", "fp32", sweep="suffix")),
+}
+
+
+@pytest.mark.parametrize(("field", "mutate"), LOCALIZE_GATES.values(), ids=LOCALIZE_GATES.keys())
+def test_localize_gate_fails_closed(tmp_path: Path, field: str, mutate: Mutation) -> None:
+    header, rows = _localize_ledger()
+    write_ledger(tmp_path, LOCALIZE_CSV.name, header, rows)
+    assert list(load_ledger_dir(tmp_path).ledgers) == [LOCALIZE_CSV.name]
+    row_id = mutate(header, rows)
+    write_ledger(tmp_path, LOCALIZE_CSV.name, header, rows)
+    with pytest.raises(LedgerError) as caught:
+        load_ledger_dir(tmp_path)
+    assert (caught.value.file, caught.value.row_id, caught.value.field) == (
+        LOCALIZE_CSV.name,
+        row_id,
+        field,
+    )

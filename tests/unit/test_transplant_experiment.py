@@ -7,11 +7,13 @@ import pytest
 from helpers import PLAN, PROMPTS, bit_equal, find_divergence, reach, state_equal
 
 from kvreplay import KvreplayError, build, continue_from
+from kvreplay.comparison import first_divergence
 from kvreplay.decode import Sampler
-from kvreplay.experiments.localize import Prober, bisect, follow, layer_label, sweep
+from kvreplay.experiments.localize import Prober, bisect, follow, sweep
 from kvreplay.experiments.panel import holds_donor
 from kvreplay.experiments.selection import spread
-from kvreplay.state import clone, first_divergence, transplant
+from kvreplay.experiments.tables.localize import layer_label
+from kvreplay.state import clone, transplant
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def analyze(ledger_dir: Path, output: Path | None) -> None:
 @plain_errors
 def report(run_dir: Path, out_dir: Path | None) -> None:
     """Write report.md, a self-contained report.html and figures/ for RUN_DIR."""
-    from kvreplay.report import build_report  # matplotlib loads only when a report is asked for
+    from kvreplay.report.build import build_report  # matplotlib loads only for a report
 
     try:
         paths = build_report(run_dir, out_dir)

@@ -10,20 +10,19 @@ The label is suffix divergence (the matrix ledger's ``suffix_equal`` is false).
 The margins are those of the left arm's suffix in rows.jsonl: the live arm of
 ``matched`` rows, and the replay arm of ``fixed-prefix`` rows (bit-exact with live,
 so it is the live trajectory too). Scores, window and threshold are fixed here
-in advance and every one of them is reported; none is tuned on a run's data.
+in advance and every one of them is reported; none is tuned on a run's data. Which
+rows and margins a run gives it is the flip section's (``analysis/sections/flip.py``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from kvreplay.analysis.ledgers import FIXED_FILE, MATCHED_FILE, Ledger
+from kvreplay.analysis.rates import Json
 from kvreplay.analysis.stats import (
     BOOTSTRAP_REPLICATES,
     BOOTSTRAP_SEED,
@@ -31,8 +30,6 @@ from kvreplay.analysis.stats import (
     mann_whitney_auc,
     row_bootstrap_ci,
 )
-
-Json = dict[str, Any]
 
 DEFAULT_WINDOW = 32
 """Decoded suffix steps a windowed score reads: an early, fixed budget that does not
@@ -43,22 +40,7 @@ most 4 such steps is within reach of the rounding drift a one-shot prefill adds.
 AUDIT_SHARE = 0.2
 """The audit budget: the riskiest ceil(20% of n) rows are rebuilt and checked."""
 FLIP_STREAM_BASE = 400
-"""Bootstrap streams 400 + 10 * section + precision; claims.py uses 0-123."""
-
-SECTIONS = {
-    MATCHED_FILE: ("matched", "matched_live_prefill"),
-    FIXED_FILE: ("fixed-prefix", "fixed_prefix_2x2"),
-}
-"""Matrix ledger file -> (its experiment in rows.jsonl, its claims section)."""
-MATRIX_EXPERIMENTS = frozenset(experiment for experiment, _ in SECTIONS.values())
-SKIP_NO_ROWS = (
-    "The flip predictor needs the live margins in rows.jsonl; this folder holds CSV"
-    " ledgers only, so the section is skipped."
-)
-SKIP_NO_MARGINS = (
-    "rows.jsonl holds no left-arm top-2 margins for {row} (a ledger written before kvreplay"
-    " kept them, or in another layout), so the flip predictor is skipped."
-)
+"""Bootstrap streams 400 + 10 * section + precision; the matrix section uses 0-123."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +61,10 @@ class RiskScore:
         if self.threshold is None:
             return -min(steps) if steps else -math.inf  # no decoded step: nothing can flip
         return float(sum(1 for margin in steps if margin <= self.threshold))
+
+    def risks(self, margins: Sequence[Sequence[float]]) -> np.ndarray:
+        """This score of every row, from each row's margins."""
+        return np.array([self(m) for m in margins], dtype=np.float64)
 
     @property
     def description(self) -> str:
@@ -226,7 +212,6 @@ class ScoreResult:
     """One score on one (section, precision) panel: AUC and the audit catch."""
 
     score: RiskScore
-    risks: np.ndarray
     auc: float | None
     auc_ci: BootstrapInterval | None
     catch: AuditCatch
@@ -328,7 +313,7 @@ def score_panel(
     audited = audited_rows(n)
     results = []
     for score in scores:
-        risks = np.array([score(m) for m in margins], dtype=np.float64)
+        risks = score.risks(margins)
         order = audit_order(risks, row_ids)
         auc = mann_whitney_auc(risks, labels)
         catch = audit_catch(risks, order, labels, audited)
@@ -344,87 +329,5 @@ def score_panel(
             if catch.share is not None
             else None
         )
-        results.append(ScoreResult(score, risks, auc, auc_ci, catch, catch_ci))
+        results.append(ScoreResult(score, auc, auc_ci, catch, catch_ci))
     return FlipPanel(section, precision, tuple(row_ids), labels, stream, tuple(results))
-
-
-def _left_margins(data: Json) -> list[float] | None:
-    """The left arm's decoded-step margins, stage after stage (forced openers have none);
-    None when the row does not hold them where this version writes them."""
-    try:
-        segments = data["arms"]["left"]["suffix"]["segments"]
-        return [float(m) for segment in segments for m in segment["margins"]]
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _run_records(folder: Path) -> dict[tuple[str, str, str], Json] | None:
-    """Matrix rows of a kvreplay run keyed by (experiment, item, precision); None if no run."""
-    from kvreplay.ledger import RunLedger, parse_rows
-
-    if not ((folder / "manifest.json").is_file() and (folder / "rows.jsonl").is_file()):
-        return None
-    ledger = RunLedger.open_existing(folder)
-    records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)  # load_ledger_dir checked them
-    return {
-        (r.experiment, r.data["item_id"], r.data["precision"]): r.data
-        for r in records
-        if r.experiment in MATRIX_EXPERIMENTS and r.data.get("status") == "ok" and "arms" in r.data
-    }
-
-
-def analyze_flip(folder: Path, ledgers: Mapping[str, Ledger]) -> FlipAnalysis:
-    """The predictor on every matrix ledger of a run: rows as in the CSV (so counts match
-    the claims), labels from its suffix_equal, margins from rows.jsonl."""
-    records = _run_records(folder)
-    if records is None:
-        return FlipAnalysis(skipped=SKIP_NO_ROWS)
-    panels = []
-    for index, (file_name, (experiment, section)) in enumerate(SECTIONS.items()):
-        if (ledger := ledgers.get(file_name)) is None:
-            continue
-        precisions = sorted(dict.fromkeys(ledger["precision"].tolist()))
-        for offset, precision in enumerate(precisions):
-            rows = ledger.select(ledger["precision"] == precision)
-            row_ids = [str(r) for r in rows.row_ids]
-            margins = []
-            for row_id in row_ids:
-                data = records.get((experiment, row_id, precision))
-                found = _left_margins(data) if data else None
-                if found is None:
-                    where = f"{experiment}/{row_id}/{precision}"
-                    return FlipAnalysis(skipped=SKIP_NO_MARGINS.format(row=where))
-                margins.append(found)
-            stream = FLIP_STREAM_BASE + 10 * index + offset
-            panels.append(
-                score_panel(section, precision, row_ids, margins, ~rows["suffix_equal"], stream)
-            )
-    return FlipAnalysis(tuple(panels))
-
-
-def flip_summary_lines(section: Json | None) -> list[str]:
-    """One line per panel with the primary score's AUC and audit catch."""
-    if not section:
-        return []
-    if "note" in section:
-        return [f"flip_predictor: {section['note']}"]
-    lines = []
-    for name, panel in section.items():
-        if not (isinstance(panel, dict) and name in {s for _, s in SECTIONS.values()}):
-            continue
-        for precision, block in panel.items():
-            divergent = f"{block['divergent_rows']}/{block['rows']} divergent"
-            head = f"flip_predictor {name} {precision} ({divergent})"
-            result = block["scores"][section["primary_score"]]
-            if result["auc"] is None:
-                lines.append(f"{head}: AUC {block['auc_status']}")
-                continue
-            low, high = result["auc_bootstrap_95_ci"]
-            audit = result["audit_top_share"]
-            lines.append(
-                f"{head}: {section['primary_score']} AUC {result['auc']:.3f}"
-                f" [{low:.3f}, {high:.3f}]; riskiest {audit['audited_rows']} rows catch"
-                f" {audit['divergent_caught']}/{block['divergent_rows']}"
-                f" ({audit['rows_tied_at_cut']} tied at the cut)"
-            )
-    return lines

@@ -10,77 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.matched import MATCHED
 from kvreplay.experiments.panel import Arm, Panel, run_panel
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import prompt_lengths, spread_selection
+from kvreplay.experiments.tables.bridge import BRIDGE, BRIDGE_TABLE
+from kvreplay.experiments.tables.matrix import MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
-from kvreplay.state import Comparison
-
-
-def _historical(line: Line) -> dict[str, Any]:
-    """The prefix this item had in the historical (``matched``) row; its own without one."""
-    return line.row.fields["historical"] or line.row.prefix
-
-
-def _clone(arm: str, what: str) -> Column[Line]:
-    return Column(f"{arm}_clone_{what}", lambda x: getattr(x.row.replicas[arm], what))
-
-
-def _field(name: str) -> Column[Line]:
-    return Column(name, lambda x: x.row.fields[name])
-
-
-def _cmp(x: Line) -> Comparison:
-    assert x.row.comparison is not None
-    return x.row.comparison
-
-
-TABLE: list[Column[Line]] = [
-    Column("row_id", lambda x: x.row.item_id),
-    Column("source_row_sha256", lambda x: x.source_row_sha256),
-    _field("selection_index"),
-    Column("new_prefix_token_count", lambda x: x.row.prefix["prefix_token_count"]),
-    Column("new_prefix_sha256", lambda x: x.row.prefix["prefix_sha256"]),
-    Column("historical_prefix_token_count", lambda x: _historical(x)["prefix_token_count"]),
-    Column("historical_prefix_sha256", lambda x: _historical(x)["prefix_sha256"]),
-    Column(
-        "live_matches_historical_prefix",
-        lambda x: _historical(x)["prefix_sha256"] == x.row.prefix["prefix_sha256"],
-    ),
-    _field("boundary_cache_sequence_len"),
-    Column("post_decode_cache_sequence_len", lambda x: x.row.arms["live"].post_decode_cache_len),
-    _clone("live", "cache_exact"),
-    _clone("live", "logits_exact"),
-    _clone("teacher", "cache_exact"),
-    _clone("teacher", "logits_exact"),
-    Column("functional_state_equal", lambda x: x.row.functional_state_equal),
-    Column("all_storage_disjoint", lambda x: x.row.all_storage_disjoint),
-    Column("live_teacher_cache_exact", lambda x: _cmp(x).cache_exact),
-    Column("live_teacher_logits_exact", lambda x: _cmp(x).logits["exact"]),
-    Column("boundary_argmax_equal", lambda x: _cmp(x).boundary_argmax_equal),
-    Column("live_suffix_sha256", lambda x: x.row.arms["live"].suffix_sha256),
-    Column("teacher_suffix_sha256", lambda x: x.row.arms["teacher"].suffix_sha256),
-    Column("live_teacher_suffix_exact", lambda x: not x.row.diverges),
-    Column(
-        "all_48_layers_exact", lambda x: all(layer["kv"]["exact"] for layer in _cmp(x).per_layer)
-    ),
-    Column("integrity_pass", lambda x: x.row.integrity_pass),
-    Column("precision", lambda x: x.row.precision),
-    _field("num_layers"),
-    Column("historical_source", lambda x: (x.row.fields["historical"] or {"key": "none"})["key"]),
-    Column("first_suffix_divergence_index", lambda x: x.row.labels.first_suffix_divergence_index),
-]
 
 
 class Bridge(Experiment):
-    name = "bridge"
-    csv_file = "live_teacher_bridge.csv"
-    table = TABLE
+    name = BRIDGE
+    table = BRIDGE_TABLE
     panel = Panel((Arm("live", "live", replica="clone"), Arm("teacher", "replay", replica="clone")))
 
     def default_n(self, total: int) -> int:
@@ -153,6 +96,3 @@ class Bridge(Experiment):
             "boundary_cache_sequence_len": result.boundary_cache_len,
         }
         return result.row.to_dict()
-
-    def lines(self, rows: list[Record]) -> list[Line]:
-        return [Line(self.read_row(r.data), r.row_sha256) for r in rows if r.data["status"] == "ok"]

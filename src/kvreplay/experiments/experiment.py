@@ -1,6 +1,7 @@
 """The Experiment base class: everything the runner and the audit know of an
-experiment. Each experiment declares its panel (arms), selection, units, CSV columns
-and figures; the runner names none of them."""
+experiment. Each experiment declares its panel (arms), selection, units and figures, and
+names its table (its CSV, declared in :mod:`kvreplay.experiments.tables`, where analysis
+reads it too); the runner names none of them."""
 
 from __future__ import annotations
 
@@ -9,28 +10,23 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.columns import Column, render_lines
 from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.table import Table
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 
 
 class Experiment(ABC):
-    """An experiment: its selection, phased units, the per-unit computation, its CSV,
-    summary and figures."""
+    """An experiment: its selection, phased units, the per-unit computation, its table
+    and figures."""
 
     name: str
-    csv_file: str
     panel: Panel
-    table: list[Column[Any]]  # the CSV, declared once
+    table: Table  # the CSV, declared once
     phases: int = 1
-
-    @property
-    def columns(self) -> list[str]:
-        return [column.name for column in self.table]
 
     def default_n(self, total: int) -> int:
         """How many items ``--n`` means when it is not given."""
@@ -76,17 +72,6 @@ class Experiment(ABC):
     @abstractmethod
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
         """Every row key the experiment holds once complete, from its recorded config."""
-
-    @abstractmethod
-    def lines(self, rows: list[Record]) -> list[Any]:
-        """The CSV's lines, typed, in order, from the experiment's ledger rows."""
-
-    def csv_rows(self, rows: list[Record]) -> list[dict[str, str]]:
-        return render_lines(self.table, self.lines(rows))
-
-    def csv_name(self, config: dict[str, Any]) -> str:
-        """The CSV this experiment derives, given its recorded config."""
-        return self.csv_file
 
     def read_row(self, data: dict[str, Any]) -> PanelRow:
         """A completed row of this experiment, typed."""

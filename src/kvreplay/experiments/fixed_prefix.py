@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.columns import Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.matched import MATCHED
-from kvreplay.experiments.matrix import matrix_columns, matrix_panel, run_matrix
+from kvreplay.experiments.matrix import matrix_panel, run_matrix
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PREFIX_DTYPE
+from kvreplay.experiments.tables.matrix import FIXED_PREFIX, FIXED_PREFIX_TABLE, MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -28,10 +27,9 @@ def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | Non
 
 
 class FixedPrefix(Experiment):
-    name = "fixed-prefix"
-    csv_file = "fixed_prefix_2x2.csv"
+    name = FIXED_PREFIX
     panel = matrix_panel("replay")
-    table = matrix_columns("incremental", paper_l2=True)
+    table = FIXED_PREFIX_TABLE
     phases = 2
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
@@ -80,14 +78,3 @@ class FixedPrefix(Experiment):
             return prefix_row(worker, unit, clock)
         base = {"item_id": unit.item.id, "precision": unit.precision}
         return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, self.panel)}
-
-    def lines(self, rows: list[Record]) -> list[Line]:
-        by_key = {r.key: r for r in rows}
-        out = []
-        for record in rows:
-            if record.data.get("kind") != "matrix" or record.data["status"] != "ok":
-                continue
-            prefix_row = by_key[str(UnitKey.prefix(self.name, record.data["item_id"]))]
-            source = record.data["source"].get("row_sha256") or prefix_row.row_sha256
-            out.append(Line(self.read_row(record.data), source))
-        return out

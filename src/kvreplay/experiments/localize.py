@@ -27,41 +27,29 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvreplay.decode import Sampler, Trajectory, feed_each
-from kvreplay.experiments.columns import Column
+from kvreplay.analysis.sections.localize import draw, recovery
+from kvreplay.decode import Sampler, feed_each
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, run_panel
 from kvreplay.experiments.prefixes import prefix_inputs
-from kvreplay.experiments.rows import ArmResult, PanelRow
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PanelOptions, select_panel
+from kvreplay.experiments.tables.localize import (
+    DIRECTIONS,
+    LOCALIZE,
+    LOCALIZE_TABLE,
+    SWEEPS,
+    Probe,
+)
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
 from kvreplay.state import BoundaryState, Component, transplant
-
-# Directions: (name, donor arm, recipient arm); the first is always probed.
-DIRECTIONS = (
-    ("incremental_cache_into_prefill", "left", "prefill"),
-    ("prefill_cache_into_incremental", "prefill", "left"),
-)
-SWEEPS = ("single", "prefix", "suffix", "component", "bisect", "minimal")
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One transplanted layer set and what its continuation did against the donor."""
-
-    direction: str
-    sweep: str
-    layers: list[int]
-    component: str
-    recovers_donor: bool
-    first_divergence_index: int | None
+from kvreplay.trajectory import Trajectory
 
 
 def follow(
@@ -89,17 +77,6 @@ def follow(
             if number < last_stage or position < len(segment.token_ids) - 1:
                 state.advance(lm.model, [token])
     return None
-
-
-def layer_label(layers: Sequence[int]) -> str:
-    """``0-3``, ``5`` or ``0-2,7``: contiguous runs joined by commas."""
-    runs: list[list[int]] = []
-    for layer in sorted(layers):
-        if runs and layer == runs[-1][-1] + 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 class Prober:
@@ -173,116 +150,9 @@ def _decide(
         return follow(lm, state, reference, sampler)
 
 
-def _position(sweep_name: str, layers: str, count: int, total: int) -> int:
-    if sweep_name == "single":
-        return int(layers)
-    if sweep_name == "prefix":
-        return count
-    return total - count if sweep_name == "suffix" else 0
-
-
-def recovery_rates(
-    rows: list[dict[str, str]],
-) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
-    """(direction, sweep, component) -> [(x, recovery rate over rows)], from CSV rows.
-
-    x is the layer for ``single``, the layer count for ``prefix`` and the first layer for
-    ``suffix``; the component sweep is keyed by its component with x = 0.
-    """
-    tallies: dict[tuple[str, str, str], dict[int, list[bool]]] = {}
-    for row in rows:
-        x = _position(row["sweep"], row["layers"], int(row["layer_count"]), int(row["num_layers"]))
-        key = (row["direction"], row["sweep"], row["component"])
-        tallies.setdefault(key, {}).setdefault(x, []).append(row["recovers_donor"] == "true")
-    return {
-        key: [(x, sum(v) / len(v)) for x, v in sorted(by_x.items())]
-        for key, by_x in tallies.items()
-    }
-
-
-def draw(rows: list[dict[str, str]], path: Path) -> Path:
-    """Four panels: single layers, growing prefixes, growing suffixes, K vs V vs both."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    rates = recovery_rates(rows)
-    directions = sorted({key[0] for key in rates})
-    figure = Figure(figsize=(16, 3.8), layout="constrained")
-    axes = figure.subplots(1, 4, sharey=True)
-    panels = (
-        ("single", "transplanted layer i alone", "layer i"),
-        ("prefix", "layers [0, k) transplanted", "k (layers from the bottom)"),
-        ("suffix", "layers [k, L) transplanted", "k (first transplanted layer)"),
-    )
-    for ax, (sweep_name, title, xlabel) in zip(axes, panels, strict=False):
-        for direction in directions:
-            points = rates.get((direction, sweep_name, "kv"), [])
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, [100 * y for y in ys], marker="o", markersize=3, label=direction)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel(xlabel)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    width = 0.8 / max(len(directions), 1)
-    for offset, direction in enumerate(directions):
-        full = rates.get((direction, "prefix", "kv"), [])
-        values = [full[-1][1] if full else 0.0] + [
-            (rates.get((direction, "component", c)) or [(0, 0.0)])[0][1] for c in ("k", "v")
-        ]
-        positions = [i + offset * width for i in range(3)]
-        axes[3].bar(positions, [100 * v for v in values], width=width, label=direction)
-    axes[3].set_xticks([i + width * (len(directions) - 1) / 2 for i in range(3)])
-    axes[3].set_xticklabels(["K and V", "K only", "V only"])
-    axes[3].set_title("all layers, by component", fontsize=10)
-    axes[0].set_ylabel("divergent rows recovering the donor (%)")
-    axes[0].set_ylim(-5, 105)
-    if directions:
-        axes[0].legend(fontsize=8)
-    else:
-        figure.suptitle("no divergent rows: nothing to localize")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
-
-
-@dataclass(frozen=True)
-class ProbeLine:
-    """A CSV line: one probe of a row."""
-
-    row: PanelRow
-    probe: Probe
-
-    @property
-    def donor(self) -> ArmResult:
-        donor = next(donor for name, donor, _ in DIRECTIONS if name == self.probe.direction)
-        return self.row.arms[donor]
-
-
-def _probe(name: str) -> Column[ProbeLine]:
-    return Column(name, lambda x: getattr(x.probe, name))
-
-
-TABLE: list[Column[ProbeLine]] = [
-    Column("row_id", lambda x: x.row.item_id),
-    Column("precision", lambda x: x.row.precision),
-    _probe("direction"),
-    _probe("sweep"),
-    Column("layers", lambda x: layer_label(x.probe.layers)),
-    Column("layer_count", lambda x: len(x.probe.layers)),
-    _probe("component"),
-    _probe("recovers_donor"),
-    _probe("first_divergence_index"),
-    Column("suffix_sha256", lambda x: x.donor.suffix_sha256 if x.probe.recovers_donor else None),
-    Column("num_layers", lambda x: x.row.fields["num_layers"]),
-    Column("source_row_sha256", lambda x: x.row.fields["source"]["row_sha256"]),
-    Column("boundary_argmax_equal", lambda x: x.row.fields["boundary_argmax_equal"]),
-]
-
-
 class Localize(Experiment):
-    name = "localize"
-    csv_file = "localize.csv"
-    table = TABLE
+    name = LOCALIZE
+    table = LOCALIZE_TABLE
     panel = Panel((Arm("left", "replay"), Arm("prefill", "prefill")), keep_states=True)
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
@@ -354,13 +224,11 @@ class Localize(Experiment):
         row.comparison = None  # a localize row keeps only the boundary argmax verdict
         return row.to_dict()
 
-    def lines(self, rows: list[Record]) -> list[ProbeLine]:
-        out = []
-        for record in rows:
-            row = self.read_row(record.data)
-            out += [ProbeLine(row, Probe(**probe)) for probe in row.fields["probes"]]
-        return out
-
     def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
-        """Recovery rate by layer set and component, one line per direction."""
-        return [draw(self.csv_rows(rows), run_dir / "figures" / "localize.png")]
+        """Recovery rate by layer set and component, one line per direction: the report's
+        localize figure (analysis/sections/localize.py), drawn after each run."""
+        from kvreplay.report.figures import Figures  # matplotlib loads only to draw
+
+        probed = [row for row in rows if row.data.get("probes")]
+        directions = recovery(self.table.ledger(probed, {}))["directions"] if probed else {}
+        return [draw(directions, Figures(run_dir / "figures"))]

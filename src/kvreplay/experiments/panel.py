@@ -15,7 +15,7 @@ from typing import Any, Literal
 from kvreplay.construct import build, live
 from kvreplay.decode import Sampler, continue_from
 from kvreplay.experiments.prefixes import prefix_from_inputs, prefix_record, prompt_ids
-from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate
+from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, is_replica, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.models import LoadedModel
 from kvreplay.scoring import score
@@ -63,7 +63,7 @@ class Samples:
     replica: int
 
     def of(self, name: str) -> tuple[int, ...]:
-        return self.seeds[: self.replica] if name.endswith("_replica") else self.seeds
+        return self.seeds[: self.replica] if is_replica(name) else self.seeds
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Panel:
         the transplants."""
         names = []
         for arm in self.arms:
-            names += [arm.name, f"{arm.name}_replica"] if arm.replica == "replica" else [arm.name]
+            names += [arm.name, replica_name(arm.name)] if arm.replica == "replica" else [arm.name]
         return names + [t.name for t in self.transplants]
 
 
@@ -227,9 +227,9 @@ def _replica_suffix_exact(
     """The replica decoded what its arm did: its one suffix, or each seed it continued
     (the first seeds of its arm's)."""
     if samples:
-        pairs = zip(samples[arm], samples[f"{arm}_replica"], strict=False)
+        pairs = zip(samples[arm], samples[replica_name(arm)], strict=False)
         return all(a.suffix_sha256 == b.suffix_sha256 for a, b in pairs)
-    return arms[arm].suffix_sha256 == arms[f"{arm}_replica"].suffix_sha256
+    return arms[arm].suffix_sha256 == arms[replica_name(arm)].suffix_sha256
 
 
 def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> PanelRun:
@@ -254,13 +254,13 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> Pane
         to_run[arm.name] = continued[arm.name]
         if arm.replica != "none":
             replica, checks[arm.name] = make_replica(continued[arm.name])
-            to_run[f"{arm.name}_replica"] = replica
+            to_run[replica_name(arm.name)] = replica
     to_run |= transplants
     everything = list(to_run.values())
     disjoint = all(
         storage_disjoint(a, b) for i, a in enumerate(everything) for b in everything[i + 1 :]
     )
-    clones = {f"{arm.name}_replica" for arm in panel.arms if arm.replica == "clone"}
+    clones = {replica_name(arm.name) for arm in panel.arms if arm.replica == "clone"}
     reuse = unit.inputs.get("reuse", {})
     continuing = {name: state for name, state in to_run.items() if name not in clones}
     arms: dict[str, ArmResult] = {}

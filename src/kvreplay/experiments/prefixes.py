@@ -7,23 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.construct import Prefix, live
-from kvreplay.decode import Trajectory
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.rows import PREFIX_FIELDS
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item, encode_prompt
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
 from kvreplay.state import sha256_tokens
-
-PREFIX_FIELDS = (
-    "prefix_token_ids",
-    "prompt_token_count",
-    "prefix_token_count",
-    "prefix_sha256",
-    "prefix_reached",
-    "prefix_reason",
-    "prefix_stages",
-)
+from kvreplay.trajectory import Trajectory
 
 
 def prefix_inputs(record: Record) -> dict[str, Any]:

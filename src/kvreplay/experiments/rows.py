@@ -9,10 +9,33 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.decode import Trajectory
-from kvreplay.experiments.prefixes import PREFIX_FIELDS
+from kvreplay.comparison import Comparison, first_divergence
 from kvreplay.scoring import pair_labels
-from kvreplay.state import Comparison, first_divergence
+from kvreplay.trajectory import Trajectory
+
+# What a row records of its prefix (design: prefix P), beside its arms.
+PREFIX_FIELDS = (
+    "prefix_token_ids",
+    "prompt_token_count",
+    "prefix_token_count",
+    "prefix_sha256",
+    "prefix_reached",
+    "prefix_reason",
+    "prefix_stages",
+)
+
+
+REPLICA = "_replica"
+
+
+def replica_name(arm: str) -> str:
+    """The name of an arm's replica (design: replica), as rows and the paper's CSVs
+    spell it."""
+    return arm + REPLICA
+
+
+def is_replica(name: str) -> bool:
+    return name.endswith(REPLICA)
 
 
 @dataclass

@@ -32,15 +32,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kvreplay.config import RunConfig
 from kvreplay.construct import Prefix, generated_prefix
-from kvreplay.decode import Sampler, Segment, Trajectory, opener_ids
+from kvreplay.decode import Sampler, opener_ids
 from kvreplay.experiments.panel import Samples
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
-from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport
+from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.items import encode_prompt
 from kvreplay.scoring import score
 from kvreplay.stages import Stage, StagePlan
 from kvreplay.state import sha256_tokens
+from kvreplay.trajectory import Segment, Trajectory
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
@@ -284,7 +285,7 @@ def run_served_panel(
             continue
         if arm.companions and not mates:
             continue
-        for name in [arm.name] + ([f"{arm.name}_replica"] if arm.replica else []):
+        for name in [arm.name] + ([replica_name(arm.name)] if arm.replica else []):
             seeds = panel.samples.of(name) if panel.samples else (config.sampler.seed,)
             results[name] = []
             for seed in seeds:
@@ -295,7 +296,7 @@ def run_served_panel(
                     _arm_result(worker, served, unit, arm, run, prefix, companions)
                 )
     gates = {
-        arm.name: _gate(results[arm.name], results[f"{arm.name}_replica"])
+        arm.name: _gate(results[arm.name], results[replica_name(arm.name)])
         for arm in panel.arms
         if arm.replica
     }

@@ -23,35 +23,26 @@ live), phase 1 runs the six arms.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.columns import Column, Line
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Transplanted, run_panel
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
-from kvreplay.experiments.rows import PairLabels
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PREFIX_DTYPE, PanelOptions, select_panel
+from kvreplay.experiments.table import RUN_NAME
+from kvreplay.experiments.tables.transplant import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
 DEFAULT_NAME = {"stratified": "primary", "blind": "later"}
 PANEL = Panel(
     arms=(Arm("left", "replay"), Arm("prefill", "prefill")),
-    transplants=(
-        Transplanted("replay_cache_into_prefill", donor="left", recipient="prefill"),
-        Transplanted("prefill_cache_into_replay", donor="prefill", recipient="left"),
-    ),
+    transplants=tuple(Transplanted(s.name, donor=s.donor, recipient=s.recipient) for s in SWAPS),
 )
-# The paper's name of each transplanted arm.
-PAPER_NAMES = {
-    "replay_cache_into_prefill": "incremental_cache_into_prefill",
-    "prefill_cache_into_replay": "prefill_cache_into_incremental",
-}
 
 
 def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
@@ -60,7 +51,7 @@ def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
     def names(panel: str) -> dict[str, str]:
         options = PanelOptions.of(scope)
         name = options.name or DEFAULT_NAME[panel]
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        if not RUN_NAME.fullmatch(name):
             raise KvreplayError(f"--name {name!r} may hold only letters, digits, '_' and '-'.")
         alias = options.alias or Path(scope.config.model).name
         return {"alias": alias, "name": name}
@@ -68,86 +59,11 @@ def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
     return names
 
 
-def recovers_donor(line: Line, transplanted: Transplanted) -> bool:
-    """The transplant's suffix is its donor's own, token for token."""
-    arms = line.row.arms
-    return arms[transplanted.name].suffix_sha256 == arms[transplanted.donor].suffix_sha256
-
-
-def donor_divergence_index(line: Line, transplanted: Transplanted) -> int | None:
-    arms = line.row.arms
-    pair = PairLabels.of(arms[transplanted.name], arms[transplanted.donor])
-    return pair.first_suffix_divergence_index
-
-
-def bidirectional(line: Line) -> bool:
-    return all(recovers_donor(line, t) for t in PANEL.transplants)
-
-
-def stratum_reproduced(line: Line) -> bool:
-    historical = line.row.fields["panel"]["historical_stratum"]
-    return historical == "not_used" or (historical == "divergent") == line.row.diverges
-
-
-def _transplant_columns(what: str, get: Callable[[Line, Transplanted], Any]) -> list[Column[Line]]:
-    return [
-        Column(f"{PAPER_NAMES[t.name]}_{what}", lambda x, t=t: get(x, t)) for t in PANEL.transplants
-    ]
-
-
-def _panel(field: str) -> Column[Line]:
-    return Column(field, lambda x: x.row.fields["panel"][field])
-
-
-# Every flag follows the paper's published transplant gates.
-PAPER_TABLE: list[Column[Line]] = [
-    Column("row_id", lambda x: x.row.item_id),
-    Column("source_row_sha256", lambda x: x.source_row_sha256),
-    _panel("checkpoint_alias"),
-    _panel("selection_index"),
-    _panel("selection_basis"),
-    _panel("historical_stratum"),
-    Column("historical_stratum_reproduced", stratum_reproduced),
-    Column("prefix_token_count", lambda x: x.row.prefix["prefix_token_count"]),
-    Column("prefix_sha256", lambda x: x.row.prefix["prefix_sha256"]),
-    Column("incremental_replica_exact", lambda x: x.row.replicas["left"].passed),
-    Column("prefill_replica_exact", lambda x: x.row.replicas["prefill"].passed),
-    Column("functional_state_equal", lambda x: x.row.functional_state_equal),
-    Column("boundary_argmax_equal", lambda x: x.row.comparison.boundary_argmax_equal),
-    Column("all_storage_disjoint", lambda x: x.row.all_storage_disjoint),
-    Column("all_48_layer_pairs_transplanted", lambda x: x.row.all_layers_transplanted),
-    Column("incremental_native_suffix_sha256", lambda x: x.row.arms["left"].suffix_sha256),
-    Column("prefill_native_suffix_sha256", lambda x: x.row.arms["prefill"].suffix_sha256),
-    *_transplant_columns("suffix_sha256", lambda x, t: x.row.arms[t.name].suffix_sha256),
-    Column("baseline_divergent", lambda x: x.row.diverges),
-    *_transplant_columns("recovers_donor", recovers_donor),
-    Column("bidirectional_donor_recovery", bidirectional),
-    Column("exact_control_novel_trajectory", lambda x: not x.row.diverges and not bidirectional(x)),
-    Column("integrity_pass", lambda x: x.row.integrity_pass),
-]
-EXTRA_TABLE: list[Column[Line]] = [
-    Column("precision", lambda x: x.row.precision),
-    Column("num_layers", lambda x: x.row.fields["num_layers"]),
-    _panel("panel"),
-    Column("prompt_token_count", lambda x: x.row.prefix["prompt_token_count"]),
-    Column("first_suffix_divergence_index", lambda x: x.row.labels.first_suffix_divergence_index),
-    *_transplant_columns("donor_divergence_index", donor_divergence_index),
-    Column("incremental_prefill_cache_exact", lambda x: x.row.comparison.cache_exact),
-    Column("incremental_prefill_logits_exact", lambda x: x.row.comparison.logits["exact"]),
-    Column("cache_relative_l2_diff", lambda x: x.row.comparison.cache["relative_l2_diff"]),
-    Column("incremental_correct", lambda x: x.row.arms["left"].correct),
-    Column("prefill_correct", lambda x: x.row.arms["prefill"].correct),
-    *_transplant_columns("correct", lambda x, t: x.row.arms[t.name].correct),
-]
-
-
 class Transplant(Experiment):
-    name = "transplant"
-    csv_file = "kv_transplant_primary.csv"  # the default; a run's own is in its config
+    name = TRANSPLANT
     panel = PANEL
     phases = 2
-
-    table = PAPER_TABLE + EXTRA_TABLE
+    table = TRANSPLANT_TABLE
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
         panel = PanelOptions.of(scope).panel
@@ -158,12 +74,9 @@ class Transplant(Experiment):
             "precision": scope.dtypes[0],
             "prefix_dtype": PREFIX_DTYPE,
             "arms": self.panel.arm_names,
-            "csv_name": f"kv_transplant_{selection.rule['name']}.csv",
+            "csv_name": self.table.file.format(name=selection.rule["name"]),
             "selection": selection.rule,
         }
-
-    def csv_name(self, config: dict[str, Any]) -> str:
-        return config["csv_name"]
 
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
@@ -214,15 +127,3 @@ class Transplant(Experiment):
             "labels": result.row.labels.to_dict(),
         }
         return result.row.to_dict()
-
-    def lines(self, rows: list[Record]) -> list[Line]:
-        by_key = {r.key: r for r in rows}
-        out = []
-        for record in rows:
-            data = record.data
-            if data.get("kind") != "transplant":
-                continue
-            prefix = by_key[str(UnitKey.prefix(self.name, data["item_id"]))]
-            source = data["source"].get("row_sha256") or prefix.row_sha256
-            out.append(Line(self.read_row(data), source))
-        return out

@@ -7,12 +7,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvreplay.config import RunConfig
 from kvreplay.items import PREFIX_KEY, Item
 from kvreplay.ledger import Record
-from kvreplay.models import LoadedModel
+
+if TYPE_CHECKING:  # the worker's side; a row's key and unit are plain data, no torch
+    from kvreplay.config import RunConfig
+    from kvreplay.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -1,67 +1,13 @@
 """Markdown and self-contained HTML report of a run, set beside the paper's figures.
 
-The report is built from the run's ledgers and claims alone, so it works on a
-kvreplay run directory and on a bare folder of CSVs (such as the paper's
-release) alike. Figures are drawn with matplotlib's Agg renderer and embedded
-in the HTML as base64 PNG, so the page needs no network and no scripts.
+The report is built from the run's ledgers and claims alone, so it works on a kvreplay
+run directory and on a bare folder of CSVs (such as the paper's release) alike. Figures
+are drawn with matplotlib's Agg renderer and embedded in the HTML as base64 PNG, so the
+page needs no network and no scripts.
 
-The package keeps one concept a module: document (the blocks and their Markdown and
-HTML rendering), figures (matplotlib), sections (claims and ledgers into blocks) and
-vocabulary (what the tables and figures both show). Importing it loads matplotlib, so
-callers import it only when a report is asked for.
+One concept a module: build (the report's files), document (the blocks and their
+Markdown and HTML rendering), figures (matplotlib), sections (the run's facts, the
+headline and each analysis section's blocks, in reading order). Only figures loads
+matplotlib, and only ``build`` imports it: callers import ``build`` when a report is asked
+for.
 """
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-from pathlib import Path
-
-from kvreplay.analysis.claims import SCHEMA, Json, build_claims, write_claims
-from kvreplay.analysis.ledgers import Ledger, LedgerError, load_ledger_dir
-from kvreplay.jsonio import JsonError, parse_json
-from kvreplay.report.document import Image, to_html, to_markdown
-from kvreplay.report.sections import report_blocks
-
-
-@dataclass(frozen=True)
-class ReportPaths:
-    """Where build_report wrote its outputs."""
-
-    markdown: Path
-    html: Path
-    figures: tuple[Path, ...]
-
-
-def _load_claims(run_dir: Path, ledgers: dict[str, Ledger], out_dir: Path) -> Json:
-    """The run's claims.json, or a fresh analysis written to out_dir when there is none."""
-    path = run_dir / "claims.json"
-    if not path.is_file():
-        claims = build_claims(ledgers)
-        write_claims(claims, out_dir / "claims.json")
-        return claims
-    try:
-        claims = parse_json(path.read_bytes())
-    except JsonError as error:
-        raise LedgerError("claims.json", f"it is not valid JSON ({error})") from None
-    if not isinstance(claims, dict) or claims.get("schema") != SCHEMA:
-        raise LedgerError("claims.json", f"its schema is not {SCHEMA}", field="schema")
-    return claims
-
-
-def build_report(run_dir: Path, out_dir: Path | None = None) -> ReportPaths:
-    """Write report.md, report.html and figures/*.png for a run (or any folder of ledgers).
-
-    out_dir defaults to run_dir; pass another folder when run_dir is read-only.
-    """
-    run_dir = Path(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else run_dir
-    ledgers = load_ledger_dir(run_dir)
-    figures = out_dir / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    claims = _load_claims(run_dir, ledgers, out_dir)
-    blocks = report_blocks(run_dir, claims, ledgers, figures)
-    markdown, page = out_dir / "report.md", out_dir / "report.html"
-    markdown.write_text(to_markdown(blocks, out_dir), encoding="utf-8")
-    page.write_text(to_html(blocks), encoding="utf-8")
-    images = tuple(block.path for block in blocks if isinstance(block, Image))
-    return ReportPaths(markdown, page, images)

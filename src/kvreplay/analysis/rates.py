@@ -1,0 +1,50 @@
+"""The paper's rate object (count, n, rate and a clipped Wilson interval) and the plain
+numbers every claims section counts, with how the summary and the report write them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvreplay.analysis.stats import wilson_interval
+
+Json = dict[str, Any]
+
+
+def count(mask: np.ndarray) -> int:
+    return int(np.count_nonzero(mask))
+
+
+def median(values: np.ndarray) -> float:
+    return float(np.median(values))
+
+
+def rate_payload(hits: int, n: int, z: float) -> Json:
+    """The paper's rate object: count, n, rate and a clipped Wilson interval."""
+    return {
+        "count": hits,
+        "n": n,
+        "rate": hits / n if n else 0.0,
+        "wilson_95_ci": list(wilson_interval(hits, n, z)),
+    }
+
+
+def fraction(hits: int, n: int) -> str:
+    return f"{hits}/{n}"
+
+
+def rate_text(payload: Json) -> str:
+    """A rate payload as count/n: the exact numbers behind a percentage."""
+    return fraction(payload["count"], payload["n"])
+
+
+def percent_interval(payload: Json) -> str:
+    """A rate payload as a percentage with its Wilson interval."""
+    low, high = payload["wilson_95_ci"]
+    return f"{100 * payload['rate']:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def interval(low: float, high: float) -> str:
+    """A signed interval in percentage points."""
+    return f"[{low:+.1f}, {high:+.1f}]"

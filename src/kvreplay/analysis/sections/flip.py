@@ -1,0 +1,275 @@
+"""The flip predictor's section: which rows of a run it ranks (each matrix panel's, as
+in its CSV, with the left arm's margins from rows.jsonl and the CSV's suffix divergence
+as the label), its claims under ``extra.flip_predictor``, its summary lines, and its
+report table and ROC. The report reads every number from the claims; it recomputes only
+the cheap risks the ROC draws, never the bootstrap."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvreplay.analysis.flip import (
+    AUDIT_SHARE,
+    FLIP_STREAM_BASE,
+    PRIMARY_SCORE,
+    SCORES,
+    FlipAnalysis,
+    roc_points,
+    score_panel,
+)
+from kvreplay.analysis.rates import Json
+from kvreplay.analysis.sections.matrix import MATRIX, MATRIX_DESIGNS
+from kvreplay.analysis.sections.section import Page, Reading, Section
+from kvreplay.experiments.table import Ledger
+from kvreplay.ledger import Record
+from kvreplay.report.document import Block, Heading, Image, Paragraph
+from kvreplay.report.document import Table as Grid
+
+SKIP_NO_ROWS = (
+    "The flip predictor needs the live margins in rows.jsonl; this folder holds CSV"
+    " ledgers only, so the section is skipped."
+)
+SKIP_NO_MARGINS = (
+    "rows.jsonl holds no left-arm top-2 margins for {row} (a ledger written before kvreplay"
+    " kept them, or in another layout), so the flip predictor is skipped."
+)
+SCORE_COLOURS = ("#8e44ad", "#d35400", "#27ae60")
+
+
+@dataclass(frozen=True, eq=False)
+class PanelRows:
+    """One (matrix section, precision) panel as the predictor reads it: its rows in CSV
+    order, each row's left-arm margins, its suffix-divergence labels and its stream."""
+
+    section: str
+    precision: str
+    row_ids: list[str]
+    margins: list[list[float]]
+    labels: np.ndarray
+    stream: int
+
+
+def _left_margins(data: Json) -> list[float] | None:
+    """The left arm's decoded-step margins, stage after stage (forced openers have none);
+    None when the row does not hold them where this version writes them."""
+    try:
+        segments = data["arms"]["left"]["suffix"]["segments"]
+        return [float(m) for segment in segments for m in segment["margins"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def matrix_rows(records: list[Record]) -> dict[tuple[str, str, str], Json]:
+    """A run's completed matrix rows keyed by (experiment, item, precision)."""
+    experiments = {design.table.experiment for design in MATRIX_DESIGNS}
+    return {
+        (r.experiment, r.data["item_id"], r.data["precision"]): r.data
+        for r in records
+        if r.experiment in experiments and r.data.get("status") == "ok" and "arms" in r.data
+    }
+
+
+def panel_rows(
+    runs: list[Record] | None, ledgers: Mapping[str, Ledger]
+) -> tuple[list[PanelRows], str | None]:
+    """Every matrix panel of a run (``runs``: its rows; None: a folder of CSVs alone),
+    rows as in the CSV, so counts match the claims; or none, and why it is skipped."""
+    if runs is None:
+        return [], SKIP_NO_ROWS
+    records = matrix_rows(runs)
+    panels = []
+    for index, design in enumerate(MATRIX_DESIGNS):
+        if (ledger := ledgers.get(design.table.file)) is None:
+            continue
+        experiment = design.table.experiment
+        for offset, precision in enumerate(sorted(dict.fromkeys(ledger["precision"].tolist()))):
+            rows = ledger.select(ledger["precision"] == precision)
+            row_ids = [str(r) for r in rows.row_ids]
+            margins = []
+            for row_id in row_ids:
+                data = records.get((str(experiment), row_id, precision))
+                found = _left_margins(data) if data else None
+                if found is None:
+                    return [], SKIP_NO_MARGINS.format(row=f"{experiment}/{row_id}/{precision}")
+                margins.append(found)
+            stream = FLIP_STREAM_BASE + 10 * index + offset
+            labels = ~rows["suffix_equal"]
+            panels.append(PanelRows(design.section, precision, row_ids, margins, labels, stream))
+    return panels, None
+
+
+def analyze_flip(runs: list[Record] | None, ledgers: Mapping[str, Ledger]) -> FlipAnalysis:
+    """The predictor on every matrix panel of a run, with its bootstrap intervals."""
+    panels, skipped = panel_rows(runs, ledgers)
+    if skipped:
+        return FlipAnalysis(skipped=skipped)
+    return FlipAnalysis(
+        tuple(
+            score_panel(p.section, p.precision, p.row_ids, p.margins, p.labels, p.stream)
+            for p in panels
+        )
+    )
+
+
+def _claims(reading: Reading) -> Json:
+    return {"extra": {"flip_predictor": analyze_flip(reading.records, reading.ledgers).to_json()}}
+
+
+def _panels(flip: Json) -> Iterator[tuple[str, str, Json]]:
+    """(section, precision, panel claims) in the order the predictor ran them."""
+    for design in MATRIX_DESIGNS:
+        for precision, block in sorted(flip.get(design.section, {}).items()):
+            yield design.section, precision, block
+
+
+def _summary(claims: Json) -> list[str]:
+    """One line per panel with the primary score's AUC and audit catch."""
+    flip = claims.get("extra", {}).get("flip_predictor")
+    if not flip:
+        return []
+    if "note" in flip:
+        return [f"flip_predictor: {flip['note']}"]
+    lines = []
+    for section, precision, block in _panels(flip):
+        divergent = f"{block['divergent_rows']}/{block['rows']} divergent"
+        head = f"flip_predictor {section} {precision} ({divergent})"
+        result = block["scores"][flip["primary_score"]]
+        if result["auc"] is None:
+            lines.append(f"{head}: AUC {block['auc_status']}")
+            continue
+        low, high = result["auc_bootstrap_95_ci"]
+        audit = result["audit_top_share"]
+        lines.append(
+            f"{head}: {flip['primary_score']} AUC {result['auc']:.3f}"
+            f" [{low:.3f}, {high:.3f}]; riskiest {audit['audited_rows']} rows catch"
+            f" {audit['divergent_caught']}/{block['divergent_rows']}"
+            f" ({audit['rows_tied_at_cut']} tied at the cut)"
+        )
+    return lines
+
+
+METHOD_NOTE = (
+    "Flip predictor (beyond the paper). Each row gets a risk score from the left arm's"
+    " trajectory alone, known before any prefill is built: the top-1 minus top-2 logit"
+    " margin of every decoded suffix step (the live arm of `matched`; the replay arm of"
+    " `fixed-prefix`, bit-exact with live). A greedy suffix can only change where a"
+    " rebuilt state moves the logits past such a margin. Scores, fixed in advance and all"
+    " reported: {scores}; `{primary}` was named primary before any run was scored. The"
+    " label is suffix divergence (`suffix_equal` false). AUC is the Mann-Whitney"
+    " probability that a divergent row outranks an exact one, ties counted half; it is"
+    " undefined when a precision has no divergent or no exact row. The audit takes the"
+    " riskiest ceil({share:.0%} of n) rows, equal risks in ascending row id; because BF16"
+    " margins are often exactly 0, many rows tie at the cut, so the catch expected under a"
+    " random order of the tied rows is shown beside it, and a random audit would catch"
+    " about {share:.0%}. Intervals: percentile row bootstrap, 20,000 seeded resamples,"
+    " resamples without both classes dropped."
+)
+
+
+def _rows(flip: Json) -> list[tuple[str, ...]]:
+    rows = []
+    for section, precision, block in _panels(flip):
+        head = (section, precision)
+        divergent = f"{block['divergent_rows']}/{block['rows']}"
+        if block["auc_status"] != "defined":
+            audited = str(block["scores"][SCORES[0].name]["audit_top_share"]["audited_rows"])
+            rows.append((*head, "every score", divergent, block["auc_status"], audited, "—", "—"))
+            continue
+        for score in SCORES:
+            result = block["scores"][score.name]
+            audit = result["audit_top_share"]
+            if result["auc"] is None or result["auc_bootstrap_95_ci"] is None:
+                auc = "undefined"
+            else:
+                low, high = result["auc_bootstrap_95_ci"]
+                auc = f"{result['auc']:.3f} [{low:.3f}, {high:.3f}]"
+            if audit["share_of_divergent"] is None or audit["bootstrap_95_ci"] is None:
+                caught = expected = "undefined (no row diverges)"
+            else:
+                low, high = (100 * bound for bound in audit["bootstrap_95_ci"])
+                share = f"{100 * audit['share_of_divergent']:.0f}% [{low:.0f}, {high:.0f}]"
+                caught = f"{audit['divergent_caught']}/{block['divergent_rows']} ({share})"
+                expected = f"{100 * audit['share_expected_if_ties_random']:.0f}%"
+            audited = f"{audit['audited_rows']} ({audit['rows_tied_at_cut']} tied at cut)"
+            rows.append((*head, score.name, divergent, auc, audited, caught, expected))
+    return rows
+
+
+def _report(page: Page) -> list[Block]:
+    """The predictor's table, ROC figure and method note; a plain note when skipped."""
+    flip = page.claims.get("extra", {}).get("flip_predictor")
+    if not flip:
+        return []
+    blocks: list[Block] = [Heading("Flip predictor: which rows will a rebuilt prefix change?")]
+    if "note" in flip:
+        return [*blocks, Paragraph(flip["note"])]
+    scores = "; ".join(f"`{s.name}` = {s.description}" for s in SCORES)
+    blocks += [
+        Paragraph(METHOD_NOTE.format(scores=scores, primary=PRIMARY_SCORE, share=AUDIT_SHARE)),
+        Grid(
+            (
+                "section",
+                "precision",
+                "score",
+                "divergent/rows",
+                "AUC [bootstrap 95% CI]",
+                "audited rows",
+                "divergent caught [95% CI, %]",
+                "caught if ties random",
+            ),
+            _rows(flip),
+        ),
+    ]
+    if figure := _figure_roc(page, flip):
+        blocks.append(
+            Image(figure, "ROC of each margin score against suffix divergence; dashed: not bf16.")
+        )
+    else:
+        blocks.append(Paragraph("No precision has both divergent and exact rows, so no ROC."))
+    return blocks
+
+
+def _figure_roc(page: Page, flip: Json) -> Path | None:
+    """ROC of every score, one panel per matrix section, for precisions with a defined
+    AUC: the curve from each row's risk, the AUC from the claims."""
+    defined = {
+        (section, precision): block
+        for section, precision, block in _panels(flip)
+        if block["auc_status"] == "defined"
+    }
+    sections: dict[str, list[PanelRows]] = {}
+    for panel in panel_rows(page.records, page.ledgers)[0]:
+        if (panel.section, panel.precision) in defined:
+            sections.setdefault(panel.section, []).append(panel)
+    if not sections:
+        return None
+    figure, axes = page.figures.panels(len(sections), height=4.2)
+    for ax, (section, rows) in zip(axes, sections.items(), strict=True):
+        ax.plot([0, 1], [0, 1], color="#999999", linewidth=0.8, linestyle=":", label="chance")
+        for panel in rows:
+            results = defined[(section, panel.precision)]["scores"]
+            for colour, score in zip(SCORE_COLOURS, SCORES, strict=False):
+                fpr, tpr = roc_points(score.risks(panel.margins), panel.labels)
+                ax.plot(
+                    fpr,
+                    tpr,
+                    color=colour,
+                    linestyle="-" if panel.precision == "bf16" else "--",
+                    linewidth=1.5,
+                    label=f"{panel.precision} {score.name}: AUC {results[score.name]['auc']:.2f}",
+                )
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.set_aspect("equal")
+        ax.set_xlabel("exact rows flagged (false positive rate)")
+        ax.set_ylabel("divergent rows flagged (true positive rate)")
+        ax.set_title(f"{section}: flip predictor ROC", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+    return page.figures.save(figure, "flip_predictor_roc.png")
+
+
+FLIP = Section(MATRIX.tables, _claims, _summary, report=_report)

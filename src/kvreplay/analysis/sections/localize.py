@@ -1,0 +1,200 @@
+"""The localize section: which layers, and keys or values, carry a divergent trajectory.
+From ``localize.csv`` (one line per probe of a divergent row), per direction: how many
+rows each single layer recovers alone, each growing prefix ``[0, k)`` and suffix
+``[k, L)`` of the layer stack, keys only and values only, and each row's minimal
+sufficient window; its summary line, its report table per layer and its figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvreplay.analysis.rates import Json, count, fraction
+from kvreplay.analysis.sections.section import Page, Reading, Section
+from kvreplay.experiments.table import Ledger
+from kvreplay.experiments.tables.localize import LOCALIZE_TABLE
+from kvreplay.report.document import Block, Heading, Image, Paragraph
+from kvreplay.report.document import Table as Grid
+
+if TYPE_CHECKING:
+    from kvreplay.report.figures import Figures
+
+SECTION = "localize"
+SWEEP_AXES = {"single": "layer", "prefix": "layers", "suffix": "from_layer"}
+"""Each sweep drawn over the layer stack, and what its x is: the one layer transplanted,
+the count of layers from the bottom ([0, k)), the first layer of the top ([k, L))."""
+COMPONENTS = {"keys_only": "k", "values_only": "v"}
+
+
+def _tally(probes: Ledger) -> Json:
+    return {"recovered": count(probes["recovers_donor"]), "probed": len(probes)}
+
+
+def _sweep(probes: Ledger, sweep: str, num_layers: int) -> list[Json]:
+    """Recovery at each x of one sweep, in order of x."""
+    rows = probes.select((probes["sweep"] == sweep) & (probes["component"] == "kv"))
+    if sweep == "single":
+        xs = np.array([int(layer) for layer in rows["layers"]])
+    elif sweep == "prefix":
+        xs = rows["layer_count"]
+    else:
+        xs = num_layers - rows["layer_count"]
+    return [
+        {SWEEP_AXES[sweep]: int(x), **_tally(rows.select(xs == x))}
+        for x in sorted(set(xs.tolist()))
+    ]
+
+
+def recovery(ledger: Ledger) -> Json:
+    """The localize claims of one run's probes."""
+    num_layers = int(ledger["num_layers"][0])
+    directions: Json = {}
+    for direction in sorted(set(ledger["direction"].tolist())):
+        probes = ledger.select(ledger["direction"] == direction)
+        minimal = probes.select(probes["sweep"] == "minimal")
+        directions[direction] = {
+            **{sweep: _sweep(probes, sweep, num_layers) for sweep in SWEEP_AXES},
+            **{
+                name: _tally(probes.select(probes["component"] == component))
+                for name, component in COMPONENTS.items()
+            },
+            "minimal_windows": dict(
+                zip(minimal.row_ids.tolist(), minimal["layers"].tolist(), strict=True)
+            ),
+        }
+    return {
+        "precision": str(ledger["precision"][0]),
+        "num_layers": num_layers,
+        "rows": len(set(ledger.row_ids.tolist())),
+        "directions": directions,
+    }
+
+
+def _claims(reading: Reading) -> Json:
+    (ledger,) = reading.ledgers.values()
+    return {SECTION: recovery(ledger)}
+
+
+def _all_layers(direction: Json) -> Json:
+    """The full transplant: the prefix sweep's last step, [0, L)."""
+    return direction["prefix"][-1]
+
+
+def _summary(claims: Json) -> list[str]:
+    section = claims.get(SECTION)
+    if section is None:
+        return []
+    lines = []
+    for name, d in section["directions"].items():
+        full, alone = _all_layers(d), max(d["single"], key=lambda p: p["recovered"])
+        lines.append(
+            f"localize {section['precision']} {name}: all {section['num_layers']} layers recover"
+            f" the donor on {fraction(full['recovered'], full['probed'])} divergent rows, one"
+            f" layer alone on at most {fraction(alone['recovered'], alone['probed'])}"
+            f" (layer {alone['layer']}); keys only"
+            f" {fraction(d['keys_only']['recovered'], d['keys_only']['probed'])}, values only"
+            f" {fraction(d['values_only']['recovered'], d['values_only']['probed'])}"
+        )
+    return lines
+
+
+METHOD_NOTE = (
+    "Method. On each divergent row of a prior run, one replay and one prefill state are"
+    " built, and subsets of the donor's K/V (the first name of a direction) are"
+    " transplanted into the recipient and decoded against the donor's suffix; a probe"
+    " recovers the donor when it reproduces the donor's suffix token for token. Per layer"
+    " i of L: the layer alone, the layers below it with it ([0, i+1)), and the layers from"
+    " it up ([i, L)); then keys only and values only, all layers; and a deterministic"
+    " bisection for a small contiguous window that suffices where the full transplant"
+    " recovers. Each cell counts the divergent rows that recover of those probed."
+)
+
+
+def _cell(point: Json) -> str:
+    return fraction(point["recovered"], point["probed"])
+
+
+def _report(page: Page) -> list[Block]:
+    section = page.claims.get(SECTION)
+    if section is None or not page.ledgers:
+        return []
+    directions = section["directions"]
+    per_layer = [
+        (name, str(i), _cell(alone), _cell(below), _cell(above))
+        for name, d in directions.items()
+        for i, (alone, below, above) in enumerate(
+            zip(d["single"], d["prefix"], d["suffix"], strict=True)
+        )
+    ]
+    components = [
+        (
+            name,
+            _cell(_all_layers(d)),
+            _cell(d["keys_only"]),
+            _cell(d["values_only"]),
+            ", ".join(f"{row}: {window}" for row, window in d["minimal_windows"].items()) or "—",
+        )
+        for name, d in directions.items()
+    ]
+    rows = f"{section['rows']} divergent rows, {section['precision']}, {section['num_layers']}"
+    return [
+        Heading("Localize: which layers carry a divergent trajectory?"),
+        Paragraph(f"{METHOD_NOTE} This run: {rows} layers."),
+        Grid(("direction", "layer i", "alone", "layers [0, i+1)", "layers [i, L)"), per_layer),
+        Grid(
+            ("direction", "K and V, all layers", "K only", "V only", "minimal window per row"),
+            components,
+        ),
+        Image(draw(directions, page.figures), "Rows recovering the donor, by layer set."),
+    ]
+
+
+def _rate(point: Json) -> float:
+    return point["recovered"] / point["probed"]
+
+
+def draw(directions: Json, figures: Figures) -> Path:
+    """Four panels: single layers, growing prefixes, growing suffixes, K vs V vs both;
+    saved as the experiment first drew it after each run (with matplotlib's Software
+    stamp), so committed runs re-derive byte for byte."""
+    names = sorted(directions)
+    figure = figures.new(16, 3.8)
+    axes = figure.subplots(1, 4, sharey=True)
+    panels = (
+        ("single", "transplanted layer i alone", "layer i"),
+        ("prefix", "layers [0, k) transplanted", "k (layers from the bottom)"),
+        ("suffix", "layers [k, L) transplanted", "k (first transplanted layer)"),
+    )
+    for ax, (sweep, title, xlabel) in zip(axes, panels, strict=False):
+        for name in names:
+            if points := directions[name][sweep]:
+                xs = [point[SWEEP_AXES[sweep]] for point in points]
+                ax.plot(xs, [100 * _rate(p) for p in points], marker="o", markersize=3, label=name)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        figures.integer_ticks(ax.xaxis)
+    width = 0.8 / max(len(names), 1)
+    for offset, name in enumerate(names):
+        d = directions[name]
+        full = [_rate(_all_layers(d))] if d["prefix"] else [0.0]
+        values = full + [_rate(d[c]) if d[c]["probed"] else 0.0 for c in COMPONENTS]
+        positions = [i + offset * width for i in range(3)]
+        axes[3].bar(positions, [100 * v for v in values], width=width, label=name)
+    axes[3].set_xticks([i + width * (len(names) - 1) / 2 for i in range(3)])
+    axes[3].set_xticklabels(["K and V", "K only", "V only"])
+    axes[3].set_title("all layers, by component", fontsize=10)
+    axes[0].set_ylabel("divergent rows recovering the donor (%)")
+    axes[0].set_ylim(-5, 105)
+    if names:
+        axes[0].legend(fontsize=8)
+    else:
+        figure.suptitle("no divergent rows: nothing to localize")
+    path = figures.path("localize.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+LOCALIZE = Section((LOCALIZE_TABLE,), _claims, _summary, report=_report)

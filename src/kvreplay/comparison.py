@@ -1,0 +1,46 @@
+"""A comparison of two boundary states as rows record it (design: comparison), and where
+two token sequences first part. Plain data, no torch: ``state.compare`` computes one,
+the typed rows and the CSVs read it back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class Comparison:
+    """Everything docs/design.md asks of a comparison of two boundary states."""
+
+    cache: dict[str, float | bool]
+    keys: dict[str, float | bool]
+    values: dict[str, float | bool]
+    per_layer: list[dict[str, dict[str, float | bool]]]
+    logits: dict[str, float | bool]
+    boundary_argmax_equal: bool
+    layer_lengths_equal: bool
+    first_suffix_divergence_index: int | None = None
+
+    @property
+    def cache_exact(self) -> bool:
+        return bool(self.cache["exact"]) and self.layer_lengths_equal
+
+    @property
+    def logits_exact(self) -> bool:
+        return bool(self.logits["exact"])
+
+    def relative_l2_by_layer(self) -> list[float]:
+        """Relative L2 of K and V together, one value per layer (for drift figures)."""
+        return [float(layer["kv"]["relative_l2_diff"]) for layer in self.per_layer]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token; the shorter length if one is a prefix; None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

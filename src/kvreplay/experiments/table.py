@@ -1,0 +1,267 @@
+"""A paper-named CSV, declared once (design: table): its file, its columns in order, the
+columns that key a row, and the gates a reader checks. kvreplay writes it from an
+experiment's rows with :meth:`Table.csv`, and analysis reads it back with
+:func:`read_ledger` into typed columns, failing closed: a missing column, a repeated
+row, a bad boolean, number or hash, or a flag that disagrees with the hashes it
+summarises stops the reading with one sentence naming file, row and field.
+
+A run records the version of its CSV's schema in its experiment's config
+(``schema_version``); a run recorded before versions existed is version 1. A column a
+later version adds is rendered only for runs of that version, so every earlier run
+still re-derives byte for byte. Plain data and numpy, no torch."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvreplay.errors import KvreplayError
+from kvreplay.experiments.columns import Column, Field, Kind, csv_value, parse_cell
+from kvreplay.ledger import Record, render_csv
+
+SCHEMA_VERSION = "schema_version"
+"""The key of an experiment's config that records its CSV's schema version."""
+
+Check = Callable[["Ledger"], None]
+NAME = "{name}"  # in a table's file: the part a run names (kv_transplant_{name}.csv)
+RUN_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def recorded_version(config: Mapping[str, Any]) -> int:
+    """The schema version a run's experiment config records; 1 before versions existed."""
+    return int(config.get(SCHEMA_VERSION, 1))
+
+
+@dataclass(frozen=True, eq=False)  # a table is one declaration: equal only to itself
+class Table:
+    """A CSV and how it is read. A table kvreplay writes names its ``experiment`` and
+    ``lines``, which types the experiment's rows into the lines its columns read; a CSV
+    only the paper's release has names neither. ``marker`` tells this table from another
+    of the same file: the CSV has that column (a served backend's ``backend``)."""
+
+    file: str
+    columns: tuple[Field, ...]
+    experiment: str | None = None
+    lines: Callable[[list[Record]], list[Any]] | None = None
+    key: tuple[str, ...] = ("row_id",)
+    checks: tuple[Check, ...] = ()
+    marker: str | None = None
+
+    @property
+    def version(self) -> int:
+        """The schema version of a new run: the latest that added a column."""
+        return max(column.since for column in self.columns)
+
+    def matches(self, file_name: str) -> bool:
+        return self._pattern.fullmatch(file_name) is not None
+
+    def named(self, file_name: str) -> str:
+        """The name a run gave its file (``later`` in kv_transplant_later.csv)."""
+        match = self._pattern.fullmatch(file_name)
+        assert match is not None and match.groups(), f"{file_name} is not a {self.file}"
+        return match.group(1)
+
+    @property
+    def _pattern(self) -> re.Pattern[str]:
+        return re.compile(re.escape(self.file).replace(re.escape(NAME), f"({RUN_NAME.pattern})"))
+
+    def csv_name(self, config: Mapping[str, Any]) -> str:
+        """The file a run writes: the table's own, or the one its config names."""
+        return config["csv_name"] if NAME in self.file else self.file
+
+    def stamp(self, config: dict[str, Any], recorded: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``config`` with the schema version the run records: this table's for a new
+        run; for a resumed one what it recorded (a run from before versions, none)."""
+        if recorded is not None and SCHEMA_VERSION not in recorded:
+            return config
+        version = recorded[SCHEMA_VERSION] if recorded is not None else self.version
+        return {**config, SCHEMA_VERSION: version}
+
+    def header(self, config: Mapping[str, Any]) -> list[str]:
+        return [column.name for column in self._written(recorded_version(config))]
+
+    def csv(self, rows: list[Record], config: Mapping[str, Any]) -> str:
+        """The CSV of an experiment's rows, at the schema version its config records."""
+        assert self.lines is not None, f"kvreplay does not write {self.file}"
+        columns = self._written(recorded_version(config))
+        lines = [{c.name: csv_value(c.get(line)) for c in columns} for line in self.lines(rows)]
+        return render_csv([c.name for c in columns], lines)
+
+    def ledger(self, rows: list[Record], config: Mapping[str, Any]) -> Ledger:
+        """The ledger analysis reads from the CSV of these rows."""
+        text = self.csv(rows, config)
+        lines = [line for line in csv.reader(io.StringIO(text)) if line]
+        return parse_ledger(self.csv_name(config), lines, self)
+
+    def _written(self, version: int) -> list[Column[Any]]:
+        return [c for c in self.columns if isinstance(c, Column) and c.since <= version]
+
+
+class LedgerError(KvreplayError, ValueError):
+    """A ledger that cannot be trusted; the message names file, row id and field."""
+
+    def __init__(
+        self, file: str, problem: str, row_id: str | None = None, field: str | None = None
+    ):
+        row = "header" if row_id == "header" else row_id and f"row {row_id}"
+        where = ", ".join(part for part in (file, row, field and f"field {field}") if part)
+        super().__init__(f"{where}: {problem}.")
+        self.file, self.row_id, self.field, self.problem = file, row_id, field, problem
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """One validated CSV as typed numpy columns (optional numbers hold NaN when empty),
+    with the table it was read as."""
+
+    file: str
+    table: Table
+    row_ids: np.ndarray
+    columns: Mapping[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return int(self.row_ids.shape[0])
+
+    def __getitem__(self, column: str) -> np.ndarray:
+        return self.columns[column]
+
+    def __contains__(self, column: object) -> bool:
+        return column in self.columns
+
+    def select(self, mask: np.ndarray) -> Ledger:
+        """Rows where mask is true, in file order."""
+        columns = {k: v[mask] for k, v in self.columns.items()}
+        return Ledger(self.file, self.table, self.row_ids[mask], columns)
+
+    def require(self, ok: np.ndarray, column: str, problem: str) -> None:
+        """Fail closed on the first row where ok is false."""
+        bad = np.flatnonzero(~ok)
+        if bad.size:
+            raise LedgerError(self.file, problem, str(self.row_ids[bad[0]]), column)
+
+
+_DTYPES: dict[str, type] = {
+    "bool": bool,
+    "int": np.int64,
+    "optional_int": np.float64,
+    "float": np.float64,
+    "optional_float": np.float64,
+    "text": str,
+    "sha256": str,
+}
+
+
+def _column_array(kind: Kind, values: list[object]) -> np.ndarray:
+    if kind in _DTYPES:
+        return np.array(values, dtype=_DTYPES[kind])
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
+
+
+def read_header(path: Path) -> list[str]:
+    """A CSV's header, or none if it cannot be read (read_ledger names the problem)."""
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            return next(csv.reader(handle), [])
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []
+
+
+def read_ledger(path: Path, table: Table) -> Ledger:
+    """Parse and validate one CSV file as ``table``; any defect raises LedgerError."""
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            lines = [line for line in csv.reader(handle) if line]
+    except UnicodeDecodeError:
+        raise LedgerError(path.name, "the file is not UTF-8 text") from None
+    except (OSError, csv.Error) as error:
+        raise LedgerError(path.name, f"the file cannot be read as CSV ({error})") from None
+    return parse_ledger(path.name, lines, table)
+
+
+def parse_ledger(name: str, lines: list[list[str]], table: Table) -> Ledger:
+    """Validate a CSV's lines as ``table``: its required columns, and its optional ones
+    where present; any defect raises LedgerError naming ``name``."""
+    if not lines:
+        raise LedgerError(name, "the file has no header row")
+    header, body = lines[0], lines[1:]
+    required = [c.name for c in table.columns if c.use == "required"]
+    for column in ["row_id", *required]:
+        if column not in header:
+            raise LedgerError(name, "the column is missing", "header", column)
+    if len(set(header)) != len(header):
+        repeated = next(c for c in header if header.count(c) > 1)
+        raise LedgerError(name, "the column appears twice", "header", repeated)
+    if not body:
+        raise LedgerError(name, "the ledger has a header but no rows")
+    kinds = {
+        c.name: c.kind
+        for c in table.columns
+        if c.use == "required" or (c.use == "optional" and c.name in header)
+    }
+    kinds.pop("row_id", None)
+    index = {column: header.index(column) for column in ["row_id", *kinds]}
+    parsed: dict[str, list[object]] = {column: [] for column in kinds}
+    row_ids: list[str] = []
+    seen: set[tuple[str, ...]] = set()
+    for line_number, cells in enumerate(body, start=2):
+        row_id = cells[index["row_id"]] if len(cells) > index["row_id"] else ""
+        label = row_id or f"at line {line_number}"
+        if len(cells) != len(header):
+            problem = f"the row has {len(cells)} fields but the header has {len(header)}"
+            raise LedgerError(name, problem, label, "row_id")
+        if not row_id:
+            raise LedgerError(name, "the row id is empty", label, "row_id")
+        for column, kind in kinds.items():
+            try:
+                parsed[column].append(parse_cell(kind, cells[index[column]]))
+            except ValueError as error:
+                raise LedgerError(name, f"the value {error}", row_id, column) from None
+        key = tuple(cells[index[c]] for c in table.key)
+        if key in seen:
+            raise LedgerError(name, "the row id appears twice", row_id, "row_id")
+        seen.add(key)
+        row_ids.append(row_id)
+    ledger = Ledger(
+        name,
+        table,
+        np.array(row_ids, dtype=str),
+        {column: _column_array(kind, parsed[column]) for column, kind in kinds.items()},
+    )
+    for check in table.checks:
+        check(ledger)
+    return ledger
+
+
+def check_equal_flag(flag: str, left: str, right: str, *, equal: bool = True) -> Check:
+    """Gate: a boolean column must say whether two hash columns agree."""
+    relation = "are equal" if equal else "differ"
+
+    def check(ledger: Ledger) -> None:
+        truth = (ledger[left] == ledger[right]) == equal
+        ledger.require(
+            ledger[flag] == truth,
+            flag,
+            f"it must be true exactly when {left} and {right} {relation}",
+        )
+
+    return check
+
+
+def check_same(column: str) -> Check:
+    """Gate: a column that describes the whole ledger holds one value on every row."""
+
+    def check(ledger: Ledger) -> None:
+        ledger.require(
+            ledger[column] == ledger[column][0], column, "it must be the same on every row"
+        )
+
+    return check

@@ -1,0 +1,60 @@
+"""The report's files: report.md beside figures/*.png, and report.html with the figures
+embedded; the claims come from the run's claims.json, or from a fresh analysis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvreplay.analysis.claims import SCHEMA, build_claims, write_claims
+from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
+from kvreplay.analysis.rates import Json
+from kvreplay.experiments.table import LedgerError
+from kvreplay.jsonio import JsonError, parse_json
+from kvreplay.report.document import Image, to_html, to_markdown
+from kvreplay.report.figures import Figures
+from kvreplay.report.sections import report_blocks
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Where build_report wrote its outputs."""
+
+    markdown: Path
+    html: Path
+    figures: tuple[Path, ...]
+
+
+def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Json:
+    """The run's claims.json, or a fresh analysis written to out_dir when there is none."""
+    path = run_dir / "claims.json"
+    if not path.is_file():
+        claims = build_claims(folder)
+        write_claims(claims, out_dir / "claims.json")
+        return claims
+    try:
+        claims = parse_json(path.read_bytes())
+    except JsonError as error:
+        raise LedgerError("claims.json", f"it is not valid JSON ({error})") from None
+    if not isinstance(claims, dict) or claims.get("schema") != SCHEMA:
+        raise LedgerError("claims.json", f"its schema is not {SCHEMA}", field="schema")
+    return claims
+
+
+def build_report(run_dir: Path, out_dir: Path | None = None) -> ReportPaths:
+    """Write report.md, report.html and figures/*.png for a run (or any folder of ledgers).
+
+    out_dir defaults to run_dir; pass another folder when run_dir is read-only.
+    """
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir
+    folder = load_ledger_dir(run_dir)
+    figures = Figures(out_dir / "figures")
+    figures.folder.mkdir(parents=True, exist_ok=True)
+    claims = _load_claims(run_dir, folder, out_dir)
+    blocks = report_blocks(run_dir, claims, folder, figures)
+    markdown, page = out_dir / "report.md", out_dir / "report.html"
+    markdown.write_text(to_markdown(blocks, out_dir), encoding="utf-8")
+    page.write_text(to_html(blocks), encoding="utf-8")
+    images = tuple(block.path for block in blocks if isinstance(block, Image))
+    return ReportPaths(markdown, page, images)

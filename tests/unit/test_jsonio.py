@@ -1,0 +1,37 @@
+"""Strict JSON (jsonio.py): what it refuses, whichever way the input reaches it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreplay.jsonio import MAX_DEPTH, JsonError, parse_json
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"a": "\\ud800"}', "lone surrogate"),  # an escape in the text
+        ('{"\\udfff": 1}', "lone surrogate"),  # in a key
+        ('["\ud800"]', "lone surrogate"),  # a string given that holds one itself
+        ("[1e400]", "too large for a float"),
+        ('{"a": [-1e999]}', "too large for a float"),
+        ("[NaN]", "NaN is not a JSON number"),
+        ("[" + "7" * 65 + "]", "an integer has 65 digits"),
+        ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "nested deeper than"),
+        ('{"a": ' * (MAX_DEPTH + 1) + "1" + "}" * (MAX_DEPTH + 1), "nested deeper than"),
+        (b"\xff[]", "not UTF-8"),
+    ],
+)
+def test_refused_with_its_reason(text: str | bytes, reason: str) -> None:
+    with pytest.raises(JsonError, match=reason):
+        parse_json(text)
+
+
+def test_accepted_as_written() -> None:
+    nested = "[" * MAX_DEPTH + "]" * MAX_DEPTH
+    assert parse_json(nested) is not None
+    assert parse_json('{"emoji": "\\ud83d\\ude00", "x": [1.5, -2, "ok"]}') == {
+        "emoji": "\U0001f600",
+        "x": [1.5, -2, "ok"],
+    }
+    assert parse_json(b'\xef\xbb\xbf{"bom": true}') == {"bom": True}

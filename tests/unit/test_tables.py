@@ -1,0 +1,80 @@
+"""Tables (experiments/table.py): one declaration per CSV, read and written alike; a run
+renders the columns of the schema version its config records (none recorded: 1)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvreplay.experiments.columns import Column, Field
+from kvreplay.experiments.table import SCHEMA_VERSION, Table, read_ledger, recorded_version
+from kvreplay.experiments.tables import recorded_table, table_for
+from kvreplay.experiments.tables.matrix import MATCHED_TABLE, SERVED_MATCHED_TABLE
+from kvreplay.ledger import GENESIS, Record
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+RUNS = sorted(p for p in RESULTS.iterdir() if (p / "manifest.json").is_file())
+
+
+def _versioned() -> Table:
+    """A table whose second version added a column."""
+    return Table(
+        "demo.csv",
+        (
+            Column("row_id", "text", get=lambda x: x["id"]),
+            Column("value", "int", get=lambda x: x["value"]),
+            Column("note", "optional_text", "written", since=2, get=lambda x: x.get("note")),
+        ),
+        "demo",
+        lambda rows: [r.data for r in rows],
+    )
+
+
+def _record(data: dict) -> Record:
+    return Record(0, "demo/a/bf16", "demo", data, "w0", {}, GENESIS, "0" * 64, "")
+
+
+def test_a_run_without_a_recorded_version_renders_version_1() -> None:
+    table, rows = _versioned(), [_record({"id": "a", "value": 3, "note": "later"})]
+    assert table.version == 2
+    assert recorded_version({}) == 1
+    assert table.header({}) == ["row_id", "value"]
+    assert table.csv(rows, {}) == "row_id,value\na,3\n"
+    assert table.csv(rows, {SCHEMA_VERSION: 2}) == "row_id,value,note\na,3,later\n"
+
+
+def test_a_new_run_records_the_latest_version_and_a_resumed_one_keeps_its_own() -> None:
+    table = _versioned()
+    assert table.stamp({"n": 1}, None) == {"n": 1, SCHEMA_VERSION: 2}
+    assert table.stamp({"n": 1}, {"n": 1, SCHEMA_VERSION: 1}) == {"n": 1, SCHEMA_VERSION: 1}
+    assert table.stamp({"n": 1}, {"n": 1}) == {"n": 1}  # recorded before versions: 1
+
+
+def test_a_column_added_later_cannot_be_required() -> None:
+    with pytest.raises(AssertionError, match="was added later"):
+        Field("note", "text", "required", since=2)
+
+
+def test_a_served_run_is_read_and_derived_as_the_served_table(tmp_path: Path) -> None:
+    header = ",".join(c.name for c in SERVED_MATCHED_TABLE.columns)
+    (tmp_path / MATCHED_TABLE.file).write_text(header + "\n")
+    assert table_for(tmp_path / MATCHED_TABLE.file) is SERVED_MATCHED_TABLE
+    assert table_for(Path(MATCHED_TABLE.file)) is MATCHED_TABLE
+    served = json.loads((RESULTS / "smollm2-http-n24-bf16" / "manifest.json").read_text())
+    assert recorded_table("matched", served) is SERVED_MATCHED_TABLE
+    assert recorded_table("matched", {"contract": {"run": {}}}) is MATCHED_TABLE
+    assert recorded_table("bridge", served) is None  # the bridge reads K/V
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
+def test_every_committed_csv_holds_its_declared_kinds_in_every_column(run: Path) -> None:
+    """Every column, read or only written, parses as its kind (the gates aside)."""
+    for path in sorted(run.glob("*.csv")):
+        table = table_for(path)
+        assert table is not None, path
+        every = tuple(replace(c, use="required") for c in table.columns if c.since == 1)
+        ledger = read_ledger(path, replace(table, columns=every, checks=()))
+        assert set(ledger.columns) == {c.name for c in every} - {"row_id"}
