@@ -320,12 +320,21 @@ def load_items(source: str) -> list[Item]:
     return load_jsonl(path)
 
 
+def chat_messages(tokenizer: Any, prompt: Prompt, chat: bool | None = None) -> list | None:
+    """The messages a prompt goes through the chat template as (a string becomes a user
+    turn), or None when it is encoded as plain text: the template is used when the
+    tokenizer has one, unless ``chat`` says otherwise."""
+    use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+    if not use_chat:
+        return None
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool | None = None) -> list[int]:
     """Token ids of a prompt; chat messages (or a string, wrapped as a user turn) go through
     the tokenizer's chat template when it has one, unless ``chat`` is False."""
-    use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
-    if use_chat:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    messages = chat_messages(tokenizer, prompt, chat)
+    if messages is not None:
         encoded = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )

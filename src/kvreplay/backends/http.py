@@ -428,14 +428,15 @@ class HttpBackend(Backend):
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """kvreplay's token ids must be the server's: every prompt is tokenized by both."""
-        from kvreplay.items import encode_prompt
+        from kvreplay.items import chat_messages, encode_prompt
 
         self.check_ready()
         for prompt in prompts:
             ours = encode_prompt(tokenizer, prompt, chat)
-            use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            theirs = self.adapter.tokenize(messages if use_chat else prompt, use_chat)
+            messages = chat_messages(tokenizer, prompt, chat)
+            theirs = self.adapter.tokenize(
+                prompt if messages is None else messages, messages is not None
+            )
             if theirs != ours:
                 raise KvreplayError(
                     f"The server at {self.url} tokenizes a prompt differently from --model's "

@@ -127,24 +127,21 @@ class LlamaCppBackend(Backend):
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """The token ids kvreplay feeds must be those llama.cpp makes of the same text."""
-        from kvreplay.items import encode_prompt
+        from kvreplay.items import chat_messages, encode_prompt
         from kvreplay.models import gguf_file
 
         runtime = Runtime(gguf_file(spec), self, threads=1, kv="fp16", vocab_only=True)
         for prompt in prompts:
-            use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
-            if use_chat:
-                messages = (
-                    [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                )
-                text = tokenizer.apply_chat_template(
+            messages = chat_messages(tokenizer, prompt, chat)
+            text = (
+                prompt
+                if messages is None
+                else tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=False
                 )
-            else:
-                text = prompt
-            if runtime.tokenize(text, add_special=not use_chat) != encode_prompt(
-                tokenizer, prompt, chat
-            ):
+            )
+            theirs = runtime.tokenize(text, add_special=messages is None)
+            if theirs != encode_prompt(tokenizer, prompt, chat):
                 raise KvreplayError(
                     f"llama.cpp tokenizes a prompt of {spec!r} otherwise than the model's "
                     "tokenizer does, so its rows would feed ids llama.cpp never makes."
