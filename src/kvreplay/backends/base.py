@@ -81,6 +81,9 @@ class Backend:
     parallel_workers: ClassVar[bool] = True
     # The precisions (``--dtypes``) this backend runs.
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")
+    # The precision whose live rows give fixed prefixes (fixed-prefix, panels): the
+    # paper's bf16, unless a backend's own default differs.
+    prefix_precision: ClassVar[str] = "bf16"
     # Settings that say where the backend is, not what it computes: left out of the
     # contract, and given again to resume or audit a run (e.g. a server's address).
     connection: ClassVar[tuple[str, ...]] = ()

@@ -68,6 +68,7 @@ class LlamaCppBackend(Backend):
     summary = "llama.cpp in this process on the GGUF as shipped; K/V from sequence state"
     capabilities = Capabilities(kv_access=True, seeded_sampling=True)
     precisions = tuple(KV_TYPES)
+    prefix_precision = "fp16"  # llama.cpp's default KV-cache type
     libraries = {"llama_cpp_python": ("llama-cpp-python", "llama_cpp_python")}
     n_ctx: int = field(
         default=2048,

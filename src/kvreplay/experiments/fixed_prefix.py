@@ -1,5 +1,6 @@
-"""``fixed-prefix``: prefixes taken once (from this run's bf16 ``matched`` live rows, a
-``--prefix-from`` run, or a fresh bf16 live generation), then held identical at every
+"""``fixed-prefix``: prefixes taken once (from this run's ``matched`` live rows at the
+backend's prefix precision, bf16 unless it says otherwise, a ``--prefix-from`` run, or a
+fresh live generation at that precision), then held identical at every
 precision: ``replay`` ("incremental") vs ``prefill`` (``fixed_prefix_2x2.csv``).
 
 Phase 0 records one prefix row per item; phase 1 runs the matrix per item and precision.
@@ -13,7 +14,6 @@ from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_panel, run_matrix
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import PREFIX_DTYPE
 from kvreplay.experiments.tables.matrix import FIXED_PREFIX, FIXED_PREFIX_TABLE, MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
@@ -36,7 +36,7 @@ class FixedPrefix(Experiment):
         return {
             "dtypes": list(scope.dtypes),
             "item_ids": [item.id for item in selection.items],
-            "prefix_dtype": PREFIX_DTYPE,
+            "prefix_dtype": scope.config.backend.prefix_precision,
             "prefix_from": scope.source.contract_hash if scope.source else None,
         }
 
@@ -45,12 +45,13 @@ class FixedPrefix(Experiment):
     ) -> list[Unit]:
         if phase == 0:
             sources = {**scope.source_rows(), **rows}
+            precision = scope.config.backend.prefix_precision
             return [
                 prefix_unit(
                     UnitKey.prefix(self.name, item.id),
                     item,
-                    PREFIX_DTYPE,
-                    _source_for(item, PREFIX_DTYPE, sources),
+                    precision,
+                    _source_for(item, precision, sources),
                 )
                 for item in selection.items
             ]

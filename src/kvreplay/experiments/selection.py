@@ -29,7 +29,6 @@ BASIS = {
     "divergent": "prior_outcome_divergent_length_spread",
 }
 DEFAULT_DIVERGENT, DEFAULT_CONTROLS, DEFAULT_BLIND_N = 24, 8, 48
-PREFIX_DTYPE = "bf16"  # the precision whose live rows give a panel its prefixes
 # Where a prior row's outcome (suffix of replay/live vs prefill) can be read, preferred first.
 OUTCOME_SOURCES = ("fixed-prefix", "matched")
 
@@ -208,7 +207,7 @@ def select_panel(
     }
     entries: list[dict[str, Any]] = []
     if panel == "blind":
-        prefixes = prefix_rows(rows, PREFIX_DTYPE) if contract else {}
+        prefixes = prefix_rows(rows, scope.config.backend.prefix_precision) if contract else {}
         lengths, selection["length_basis"] = _blind_lengths(scope, prefixes)
         n = scope.n if scope.n is not None else min(DEFAULT_BLIND_N, len(lengths))
         if n < 1 or n > len(lengths):

@@ -32,7 +32,7 @@ from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Transplanted, run_panel
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import PREFIX_DTYPE, PanelOptions, select_panel
+from kvreplay.experiments.selection import PanelOptions, select_panel
 from kvreplay.experiments.table import RUN_NAME
 from kvreplay.experiments.tables.transplant import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
@@ -72,7 +72,7 @@ class Transplant(Experiment):
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         return {
             "precision": scope.dtypes[0],
-            "prefix_dtype": PREFIX_DTYPE,
+            "prefix_dtype": scope.config.backend.prefix_precision,
             "arms": self.panel.arm_names,
             "csv_name": self.table.file.format(name=selection.rule["name"]),
             "selection": selection.rule,
@@ -90,7 +90,7 @@ class Transplant(Experiment):
             key = UnitKey.prefix(self.name, item.id)
             if phase == 0:
                 source = sources.get(entry["source_key"])
-                units.append(prefix_unit(key, item, PREFIX_DTYPE, source))
+                units.append(prefix_unit(key, item, scope.config.backend.prefix_precision, source))
                 continue
             prefix = rows[str(key)]
             if prefix.data["status"] != "ok":
