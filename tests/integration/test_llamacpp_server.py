@@ -2,14 +2,17 @@
 setup-llamacpp``) on the embedded SmolLM2 GGUF, with the server's own defaults beside
 four slots: the probe, matched rows whose hit read every computed token and whose miss
 read none, companions on their own slots, audit against the server, a forged row caught,
-and a server that went away."""
+and a server that went away; and a server that saves slots, whose hit replica continues
+from the live state saved and restored."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,26 +27,32 @@ SERVER = (
 )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def llama_server(folder: Path, *flags: str) -> Iterator[str]:
+    """A llama-server on the embedded SmolLM2 GGUF on a free loopback port, stopped after."""
     if not SERVER.is_file():
         pytest.fail("llama-server is not built here; run `make setup-llamacpp`.")
     gguf = EMBEDDED["smollm2-135m"].part_paths()[0]
     port = free_port()
-    log = (tmp_path_factory.mktemp("llama-server") / "server.log").open("w")
-    process = subprocess.Popen(
-        [SERVER, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-         "--ctx-size", "4096", "--parallel", "4"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url, process, limit=120)
+    with (folder / "server.log").open("w") as log:
+        process = subprocess.Popen(
+            [SERVER, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+             "--ctx-size", "4096", *flags],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_up(url, process, limit=120)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with llama_server(tmp_path_factory.mktemp("llama-server"), "--parallel", "4") as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +74,7 @@ def test_probe_names_the_server_and_what_it_offers(server: str) -> None:
     assert "llamacpp" in result.stdout
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout
     assert "kvreplay can audit this server" in result.stdout
+    assert re.search(r"restores a saved slot state +no\n", result.stdout)
 
 
 def test_hit_reads_every_computed_token_and_miss_none(matched: Path) -> None:
@@ -120,3 +130,36 @@ def test_a_server_that_went_away_is_named_in_one_sentence(
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert gone in result.stderr and result.stderr.strip().count("\n") == 0
+
+
+def test_a_server_that_saves_slots_replicates_the_hit_from_its_restored_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_cache: Path
+) -> None:
+    """With --slot-save-path the hit's replica is the live state saved, erased and loaded
+    back into its slot: the row names that construction, and its gate holds it to the
+    hit's suffix, first-step logprobs and cached tokens; audit re-executes it."""
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    with llama_server(tmp_path, "--parallel", "1", "--slot-save-path", f"{slots}/") as url:
+        probe = invoke("probe", "--url", url)
+        assert re.search(r"restores a saved slot state +yes\n", probe.stdout), probe.output
+        out = tmp_path / "restored"
+        result = invoke(
+            "run", "matched", "--backend", "http", "--url", url, "--plan", "short",
+            "--n", "2", "--dtypes", "fp16", "--companions", "0", "--out", out,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert [p.name for p in slots.iterdir()] == ["kvreplay-slot0.bin"]
+        assert audit(out, "--url", url).exit_code == 0
+    records = [r for r in read_rows(out) if "arms" in r["data"]]
+    assert len(records) == 2
+    for record in records:
+        arms = record["data"]["arms"]
+        assert arms["left_replica"]["construction"] == "cache-hit-restored"
+        assert arms["prefill_replica"]["construction"] == "cache-miss"
+        assert (
+            arms["left_replica"]["served"]["cached_tokens"]
+            == (arms["left"]["served"]["cached_tokens"])
+        )
+        print("restored replica gate:", record["data"]["replicas"]["left"])

@@ -108,6 +108,7 @@ class Probe:
     can_reset: bool  # vLLM: dev mode
     reports_cached_tokens: bool  # vLLM: --enable-prompt-tokens-details
     tokenizes: bool
+    restores: bool = False  # saves a slot's state and loads it back (llama.cpp: --slot-save-path)
 
     def table(self) -> list[tuple[str, str]]:
         settings = self.identity.get("settings", {})
@@ -122,6 +123,7 @@ class Probe:
             ("resets its prefix cache", yes[self.can_reset]),
             ("reports cached prompt tokens", yes[self.reports_cached_tokens]),
             ("tokenizes (/tokenize)", yes[self.tokenizes]),
+            ("restores a saved slot state", yes[self.restores]),
         ]
 
     def missing(self, url: str) -> str | None:
@@ -185,6 +187,9 @@ class VllmServer:
     def reset(self) -> None:
         self.client.ok("POST", "/reset_prefix_cache")
 
+    def round_trip(self, slot: int) -> None:
+        raise KvreplayError(f"The server at {self.client.url} cannot restore a saved state.")
+
     def tokenize(self, text_or_messages: str | list[dict[str, str]], chat: bool) -> list[int]:
         body: dict[str, Any] = (
             {"messages": text_or_messages, "add_generation_prompt": True}
@@ -238,7 +243,12 @@ class LlamaServer:
     Stop strings are not sent: llama-server drops the logprobs of a stop string's tokens,
     so a stage runs to its cap or EOS and the plan's stops cut it here. The slot then holds
     a stop token it decoded, so a plan whose prefix stages end at a stop string fails the
-    hit guard (named in each row), never passes it silently."""
+    hit guard (named in each row), never passes it silently.
+
+    A server started with ``--slot-save-path`` can save a slot's state to a file and load
+    it back: the hit's replica is then the live state the arm's own requests left, saved,
+    erased and restored in place (a copy of that state, as an in-process replica is),
+    rather than the whole arm served again."""
 
     name: ClassVar[str] = "llamacpp"
 
@@ -269,11 +279,22 @@ class LlamaServer:
         answer = self.client.ok("POST", "/completion", {"prompt": [0], "n_predict": 1})
         reports = "cache_n" in (answer.get("timings") or {})
         tokenizes = self.client.call("POST", "/tokenize", {"content": "a"})[0] == 200
-        return Probe(self.name, identity, True, True, reports, tokenizes)
+        # An empty file name is refused (400) by a server that saves slots, before it
+        # touches one; a server without --slot-save-path refuses every slot action (501).
+        restores = self.client.call("POST", "/slots/0?action=save", {"filename": ""})[0] == 400
+        if restores:  # said only when on, so that a server without it keeps its identity
+            settings["slot_save"] = True
+        return Probe(self.name, identity, True, True, reports, tokenizes, restores)
 
     def reset(self) -> None:
         with self._lock:
             self._used.clear()
+
+    def round_trip(self, slot: int) -> None:
+        """Save the slot's state to the server's slot folder, erase the slot, load it back."""
+        file = {"filename": f"kvreplay-slot{slot}.bin"}
+        for action in ("save", "erase", "restore"):
+            self.client.ok("POST", f"/slots/{slot}?action={action}", file)
 
     def tokenize(self, text_or_messages: str | list[dict[str, str]], chat: bool) -> list[int]:
         if chat:
@@ -471,6 +492,7 @@ class HttpBackend(Backend):
             tokenizer,
             eos_ids(tokenizer, generation_config(folder)),
             self.context_window(0),
+            self.probe.restores,
         )
 
 
@@ -483,9 +505,14 @@ class HttpServed:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     context_length: int
+    restores: bool
 
     def reset_cache(self) -> None:
         self.adapter.reset()
+
+    def round_trip(self) -> None:
+        """The arm's slot (0) saved and loaded back in place (only where ``restores``)."""
+        self.adapter.round_trip(0)
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Requests together: sent concurrently, so the server may batch them (it decides)."""

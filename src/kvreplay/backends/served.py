@@ -47,9 +47,14 @@ class ServedModel(Protocol):
     """A model behind a serving engine, for one precision."""
 
     context_length: int
+    restores: bool  # whether round_trip works: the hit's replica is then a restored state
 
     def reset_cache(self) -> None:
         """Drop every prefix-cache block, so that the next request is a miss."""
+
+    def round_trip(self) -> None:
+        """Save the state the arm's requests left in the engine and load it back in its
+        place, so that the next request continues from a copy of the live state."""
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Serve requests together, so that they may share batches."""

@@ -137,11 +137,15 @@ class VllmServed:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     context_length: int
+    restores = False  # vLLM's engine cannot save and load back one sequence's blocks
 
     def reset_cache(self) -> None:
         """Drop every prefix-cache block, so that the next request is a miss."""
         if not self.engine.reset_prefix_cache():
             raise KvreplayError("vLLM refused to reset its prefix cache.")
+
+    def round_trip(self) -> None:
+        raise KvreplayError("vLLM's engine cannot save and restore a sequence's state.")
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Serve requests together: one ``generate`` call, so they may share batches."""

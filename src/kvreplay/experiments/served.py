@@ -19,6 +19,11 @@ each arm once per seed (the engine's per-request seeded sampler), each from a re
 cache. :func:`run_served_panel` is the executor; declarations are data, as for
 :func:`~kvreplay.experiments.panel.run_panel`.
 
+A replica is its arm served again under the same condition; where the engine can save
+and load back the state an arm's requests left (``ServedModel.restores``: llama.cpp's
+slot files), the hit's replica continues from that state restored in place instead
+(``cache-hit-restored``): a copy of the live state, as an in-process replica is.
+
 Integrity: a replica must reproduce its arm's suffix, first-step logprobs (bit for bit)
 and cached-token counts; a hit must read every full block of the P its rewrite computed
 (and the rewrite must reproduce P), a miss none.
@@ -181,9 +186,11 @@ def serve_arm(
     config: RunConfig,
     sampler: Sampler,
     companions: Sequence[list[int]],
+    restored: bool = False,
 ) -> ServedArmRun:
     """One arm under its cache condition, from a reset cache; ``sampler`` is the arm's
-    (a resampled arm's seed), the prefix rewrite uses the run's."""
+    (a resampled arm's seed), the prefix rewrite uses the run's. ``restored``: a hit
+    continues from its rewritten state saved and loaded back."""
     served.reset_cache()
     plan = config.plan
     if arm.condition == "uninterrupted":
@@ -194,6 +201,8 @@ def serve_arm(
             prefix.token_ids
         )
         expected = config.backend.expected_hit(computed_tokens(prefix))
+        if restored:
+            served.round_trip()
     run = serve_stages(
         served,
         prefix.token_ids,
@@ -214,6 +223,7 @@ def _arm_result(
     run: ServedArmRun,
     prefix: Prefix,
     companions: list[str],
+    construction: str,
 ) -> ArmResult:
     from kvreplay.backends.served import logprobs_fingerprint
 
@@ -222,7 +232,7 @@ def _arm_result(
     first_logprobs = run.steps[0] if run.steps else []
     outcome = score(served.tokenizer, suffix, unit.item.answer, worker.config.extractor)
     return ArmResult(
-        construction=arm.construction,
+        construction=construction,
         cache_fingerprint=None,
         logits_fingerprint=logprobs_fingerprint(first_logprobs),
         boundary_argmax=first[0] if first else -1,
@@ -286,14 +296,18 @@ def run_served_panel(
         if arm.companions and not mates:
             continue
         for name in [arm.name] + ([replica_name(arm.name)] if arm.replica else []):
+            restored = name != arm.name and arm.condition == "hit" and served.restores
+            construction = f"{arm.construction}-restored" if restored else arm.construction
             seeds = panel.samples.of(name) if panel.samples else (config.sampler.seed,)
             results[name] = []
             for seed in seeds:
                 sampler = replace(config.sampler, seed=seed)
                 with clock.model():
-                    run = serve_arm(served, arm, ids, prefix, config, sampler, companion_ids)
+                    run = serve_arm(
+                        served, arm, ids, prefix, config, sampler, companion_ids, restored
+                    )
                 results[name].append(
-                    _arm_result(worker, served, unit, arm, run, prefix, companions)
+                    _arm_result(worker, served, unit, arm, run, prefix, companions, construction)
                 )
     gates = {
         arm.name: _gate(results[arm.name], results[replica_name(arm.name)])
