@@ -2,7 +2,9 @@
 # The llama.cpp server's prefix-cache hit vs miss over HTTP on the same 24 items and plan
 # as results/smollm2-vllm-n24: llama-server (built by make setup-llamacpp) on the embedded
 # SmolLM2 GGUF with its own defaults except one thread (a shared 2-core box) and the
-# KV-cache type, fp16 (its default) then fp32. Each run is audited against its server.
+# KV-cache type, fp16 (its default) then fp32, and --slot-save-path, so that the hit's
+# replica continues from its live state saved and restored in the slot (cache-hit-restored).
+# Each run is audited against its server.
 # No companions: concurrent requests on other slots made the hit's later requests read
 # no cached token on some items, and such rows do not re-execute identically.
 set -euo pipefail
@@ -11,10 +13,11 @@ export OMP_NUM_THREADS=1
 SERVER=build/llamacpp/cmake/bin/llama-server
 GGUF=$(python -c "from kvreplay.models import EMBEDDED; print(EMBEDDED['smollm2-135m'].part_paths()[0])")
 PORT=${PORT:-18300}
+SLOTS=$(mktemp -d)
 for dtype in fp16 fp32; do
   case $dtype in fp16) kv=f16;; fp32) kv=f32;; esac
   "$SERVER" -m "$GGUF" --host 127.0.0.1 --port "$PORT" --threads 1 -ctk "$kv" -ctv "$kv" \
-    > "/tmp/llama-server-$dtype.log" 2>&1 &
+    --slot-save-path "$SLOTS/" > "/tmp/llama-server-$dtype.log" 2>&1 &
   pid=$!
   until curl -s -m 2 "http://127.0.0.1:$PORT/health" | grep -q ok; do sleep 1; done
   kvreplay probe --url "http://127.0.0.1:$PORT"
@@ -24,3 +27,4 @@ for dtype in fp16 fp32; do
   kvreplay analyze "$ROOT-$dtype" && kvreplay report "$ROOT-$dtype"
   kill "$pid"; wait "$pid" || true
 done
+rm -rf "$SLOTS"
