@@ -18,6 +18,9 @@ from forgery import assert_named, audit, read_rows, rechain
 from helpers import invoke
 
 from kvreplay.backends.llamacpp import LlamaCppBackend
+from kvreplay.backends.llamacpp_runtime import LlamaState, Runtime
+from kvreplay.models import gguf_file
+from kvreplay.state import bit_equal
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +105,36 @@ def test_a_transplant_recovers_its_donor(matched: Path, tmp_path: Path) -> None:
         assert line["all_48_layer_pairs_transplanted"] == "true"
         assert line["bidirectional_donor_recovery"] == "true"
         assert line["integrity_pass"] == "true"
+
+
+def test_a_states_kv_follow_every_change_of_its_context() -> None:
+    """A context parses its sequence state once per change: advancing, splicing a donor's
+    rows in and restoring a snapshot must each show the new K/V, not the parsed ones."""
+    runtime = Runtime(gguf_file("smollm2-135m"), LlamaCppBackend(), threads=1, kv="fp16")
+    ids = runtime.tokenize("Compute 3 + 4 * 5 step by step.", add_special=True)
+    state, donor = LlamaState.empty(runtime, "live"), LlamaState.empty(runtime, "donor")
+    state.advance(runtime, ids)
+    donor.advance(runtime, ids[::-1] + ids[:1])
+    before = state.layer_tensors()
+    assert state.layer_lengths() == [len(ids)] * len(before)
+
+    state.advance(runtime, ids[:1])
+    assert state.layer_lengths() == [len(ids) + 1] * len(before)
+    keys, values = state.layer_tensors()[0]
+    assert keys.shape[0] == values.shape[0] == len(ids) + 1
+    assert bit_equal(keys[: len(ids)], before[0][0])
+
+    state.take_layers(donor, [0], "k")
+    spliced_keys, spliced_values = state.layer_tensors()[0]
+    assert bit_equal(spliced_keys, donor.layer_tensors()[0][0])
+    assert not bit_equal(spliced_keys, keys) and bit_equal(spliced_values, values)
+
+    donor.cache.restore(state.cache.snapshot())
+    assert all(
+        bit_equal(a, b)
+        for pair_a, pair_b in zip(donor.layer_tensors(), state.layer_tensors(), strict=True)
+        for a, b in zip(pair_a, pair_b, strict=True)
+    )
 
 
 def _one_sentence(args: list[object]) -> str:

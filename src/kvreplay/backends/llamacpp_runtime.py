@@ -89,6 +89,7 @@ class Context:
     def __init__(self, runtime: Runtime, handle: Any):
         self.runtime, self.handle = runtime, handle
         self._finalizer = weakref.finalize(self, runtime.lib.llama_free, handle)
+        self._layers: tuple[bytes, list[tuple[Rows, Rows]]] | None = None
 
     @property
     def address(self) -> int:
@@ -97,6 +98,7 @@ class Context:
     def decode(self, ids: Sequence[int], position: int) -> torch.Tensor:
         """Feed ``ids`` from ``position`` as one micro-batch; the last position's logits."""
         lib, count = self.runtime.lib, len(ids)
+        self._layers = None
         batch = lib.llama_batch_init(count, 0, 1)
         try:
             for i, token in enumerate(ids):
@@ -111,6 +113,15 @@ class Context:
             raise KvreplayError(f"llama.cpp could not decode {count} tokens (status {status}).")
         row = lib.llama_get_logits_ith(self.handle, -1)
         return torch.from_numpy(numpy.ctypeslib.as_array(row, (self.runtime.n_vocab,)).copy())
+
+    def layers(self) -> tuple[bytes, list[tuple[Rows, Rows]]]:
+        """The sequence's state bytes and each layer's K and V rows in them. Read and
+        parsed once per change of the context (a panel asks several times per state):
+        every method that changes it (decode, restore, write) drops them first."""
+        if self._layers is None:
+            data = self.read()
+            self._layers = data, parse_state(data)
+        return self._layers
 
     def read(self) -> bytes:
         """The sequence's state: its cells and every layer's K and V rows."""
@@ -130,6 +141,7 @@ class Context:
 
     def restore(self, data: bytes) -> None:
         """Become the context :meth:`snapshot` saw, cell for cell."""
+        self._layers = None
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if not self.runtime.lib.llama_state_set_data(self.handle, buffer, len(data)):
             raise KvreplayError("llama.cpp refused a context state it wrote itself.")
@@ -137,6 +149,7 @@ class Context:
     def write(self, data: bytes) -> None:
         """Replace the sequence by ``data`` (from :meth:`read`)."""
         lib = self.runtime.lib
+        self._layers = None
         lib.llama_memory_clear(lib.llama_get_memory(self.handle), True)
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if lib.llama_state_seq_set_data(self.handle, buffer, len(data), 0) != len(data):
@@ -227,7 +240,7 @@ def _parse_stream(data: bytes, offset: int, cells: int) -> tuple[int, list[tuple
 @dataclass
 class LlamaState(BoundaryState):
     """A boundary state held by a llama.cpp context (``cache``); its K/V are read from
-    the sequence's state bytes whenever asked (they change as the state advances)."""
+    the sequence's state bytes (:meth:`Context.layers`)."""
 
     cache: Context
 
@@ -239,20 +252,16 @@ class LlamaState(BoundaryState):
         self.logits = self.cache.decode(ids, self.position)
         self.token_ids.extend(int(t) for t in ids)
 
-    def _layers(self) -> tuple[bytes, list[tuple[Rows, Rows]]]:
-        data = self.cache.read()
-        return data, parse_state(data)
-
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        data, layers = self._layers()
+        data, layers = self.cache.layers()
         return [(k.tensor(data), v.tensor(data)) for k, v in layers]
 
     def layer_lengths(self) -> list[int]:
-        _, layers = self._layers()
+        _, layers = self.cache.layers()
         return [k.count for k, _ in layers]
 
     def layer_kinds(self) -> list[str]:
-        _, layers = self._layers()
+        _, layers = self.cache.layers()
         return [f"llama.cpp:{k.ggml_type}:{v.ggml_type}:{int(v.transposed)}" for k, v in layers]
 
     def storages(self) -> set[int]:
@@ -272,8 +281,8 @@ class LlamaState(BoundaryState):
     def take_layers(self, donor: BoundaryState, layers: list[int], component: Component) -> None:
         """Splice the donor's K and/or V rows of ``layers`` into this sequence's bytes."""
         assert isinstance(donor, LlamaState)
-        mine, rows = self._layers()
-        theirs, donor_rows = donor._layers()
+        mine, rows = self.cache.layers()
+        theirs, donor_rows = donor.cache.layers()
         spliced = bytearray(mine)
         for index in layers:
             for part, ours, source in zip("kv", rows[index], donor_rows[index], strict=True):
