@@ -70,9 +70,10 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 class WithBackends(click.Command):
     """A command that also takes options made from the registered backends' classes,
-    last. They are made when the command is first parsed or shown: importing a backend's
-    class may load its inference library (llamacpp's loads torch), which every other
-    command, ``kvreplay analyze`` among them, must not pay."""
+    last. They are made when the command is first parsed or shown: making them reads every
+    installed distribution's entry points and imports every backend's class (a package's
+    may load its inference library), which every other command, ``kvreplay analyze``
+    among them, must not pay."""
 
     def __init__(
         self, *args: Any, backends: Callable[[], tuple[click.Option, ...]], **kwargs: Any

@@ -1,7 +1,7 @@
 """`kvreplay analyze` and `kvreplay report` on a run folder load no torch or transformers
 (the tables, typed rows and sections they read are plain data), and neither does the
 command line itself: a command that takes the backends' options makes them only when it
-is used."""
+is used, and making them (importing every backend's class) loads no torch either."""
 
 from __future__ import annotations
 
@@ -47,3 +47,8 @@ def test_help_loads_no_torch_and_a_run_command_still_takes_every_backends_option
         text = invoke(*argv).output
         assert "--backend" in text and "--url" in text, argv
     assert "--url" in invoke("audit", "--help").output
+
+
+@pytest.mark.parametrize("argv", [["backends"], ["run", "matched", "--help"]])
+def test_naming_the_backends_loads_no_torch(argv: list[str]) -> None:
+    assert loaded(*argv) == ""

@@ -1,9 +1,10 @@
 """The llamacpp backend end to end through the CLI, on the embedded SmolLM2 GGUF as
-shipped (Q4_1 weights) with the ``short`` plan, KV caches in bf16 and fp32 (panels take
-their prefixes from bf16 rows): matched rows whose replicas are exact and
-whose states share no memory, the live-teacher bridge bit-exact, a K/V transplant that
-recovers its donor, audit passing and a forged row caught, and bad input refused in one
-sentence. Needs ``make setup-llamacpp`` (``make test`` runs it)."""
+shipped (Q4_1 weights) with the ``short`` plan, KV caches in fp16 and fp32 (panels take
+their prefixes from fp16 rows, llama.cpp's default KV type): matched rows whose replicas
+are exact and whose states share no memory, the live-teacher bridge bit-exact, a K/V
+transplant that recovers its donor, localize on a divergent row, audit passing and a
+forged row caught, and bad input refused in one sentence. Needs ``make setup-llamacpp``
+(``make test`` runs it)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from forgery import assert_named, audit, read_rows, rechain
 from helpers import invoke
 
 from kvreplay.backends.llamacpp import LlamaCppBackend
+from kvreplay.backends.llamacpp_runtime import LlamaState, Runtime
+from kvreplay.models import gguf_file
+from kvreplay.state import bit_equal
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +51,13 @@ def matched(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: Path) -> Pa
     out = tmp_path_factory.mktemp("llamacpp") / "matched"
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
-        run(out, "matched", "--n", "3", "--dtypes", "bf16,fp32")
+        run(out, "matched", "--n", "3", "--dtypes", "fp16,fp32")
     return out
 
 
 def test_matched_rows_have_exact_disjoint_replicas_and_record_the_gguf(matched: Path) -> None:
     lines = rows(matched / "matched_live_prefill.csv")
-    assert [line["precision"] for line in lines] == ["bf16"] * 3 + ["fp32"] * 3
+    assert [line["precision"] for line in lines] == ["fp16"] * 3 + ["fp32"] * 3
     for line in lines:
         for arm in ("live", "prefill"):
             for gate in ("cache_exact", "logits_exact", "suffix_exact"):
@@ -102,6 +106,75 @@ def test_a_transplant_recovers_its_donor(matched: Path, tmp_path: Path) -> None:
         assert line["all_48_layer_pairs_transplanted"] == "true"
         assert line["bidirectional_donor_recovery"] == "true"
         assert line["integrity_pass"] == "true"
+
+
+def test_localize_sweeps_the_layers_of_a_divergent_row(matched: Path, tmp_path: Path) -> None:
+    """Localize takes the matched run's divergent fp16 rows; its probes, claims, report
+    and audit are those of any backend with K/V access."""
+    divergent = {
+        line["row_id"]
+        for line in rows(matched / "matched_live_prefill.csv")
+        if line["precision"] == "fp16" and line["suffix_equal"] == "false"
+    }
+    if not divergent:
+        pytest.fail("No fp16 row of the matched run diverges on this CPU; localize needs one.")
+    out = tmp_path / "localize"
+    run(out, "localize", "--from", matched, "--dtypes", "fp16")
+    probes = rows(out / "localize.csv")
+    assert {p["row_id"] for p in probes} == divergent
+    assert {p["direction"] for p in probes} == {"incremental_cache_into_prefill"}
+    layers = int(probes[0]["num_layers"])
+    singles = sorted(int(p["layers"]) for p in probes if p["sweep"] == "single")
+    assert singles == sorted(list(range(layers)) * len(divergent))
+    assert {p["component"] for p in probes if p["sweep"] == "component"} == {"k", "v"}
+    for probe in probes:
+        recovers = probe["recovers_donor"] == "true"
+        assert recovers == (probe["first_divergence_index"] == "") == (probe["suffix_sha256"] != "")
+        if probe["sweep"] == "prefix" and probe["layer_count"] == str(layers):
+            assert recovers, "the full transplant is the donor's cache, bit for bit"
+    assert (out / "figures" / "localize.png").is_file()
+
+    analysed = invoke("analyze", out)
+    assert analysed.exit_code == 0, analysed.output
+    section = json.loads((out / "claims.json").read_text())["localize"]
+    assert (section["precision"], section["num_layers"]) == ("fp16", layers)
+    assert section["rows"] == len(divergent)
+    report = invoke("report", out, "-o", tmp_path / "report")
+    assert report.exit_code == 0, report.output
+    assert "## Localize" in (tmp_path / "report" / "report.md").read_text()
+    result = audit(out)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.stdout
+
+
+def test_a_states_kv_follow_every_change_of_its_context() -> None:
+    """A context parses its sequence state once per change: advancing, splicing a donor's
+    rows in and restoring a snapshot must each show the new K/V, not the parsed ones."""
+    runtime = Runtime(gguf_file("smollm2-135m"), LlamaCppBackend(), threads=1, kv="fp16")
+    ids = runtime.tokenize("Compute 3 + 4 * 5 step by step.", add_special=True)
+    state, donor = LlamaState.empty(runtime, "live"), LlamaState.empty(runtime, "donor")
+    state.advance(runtime, ids)
+    donor.advance(runtime, ids[::-1] + ids[:1])
+    before = state.layer_tensors()
+    assert state.layer_lengths() == [len(ids)] * len(before)
+
+    state.advance(runtime, ids[:1])
+    assert state.layer_lengths() == [len(ids) + 1] * len(before)
+    keys, values = state.layer_tensors()[0]
+    assert keys.shape[0] == values.shape[0] == len(ids) + 1
+    assert bit_equal(keys[: len(ids)], before[0][0])
+
+    state.take_layers(donor, [0], "k")
+    spliced_keys, spliced_values = state.layer_tensors()[0]
+    assert bit_equal(spliced_keys, donor.layer_tensors()[0][0])
+    assert not bit_equal(spliced_keys, keys) and bit_equal(spliced_values, values)
+
+    donor.cache.restore(state.cache.snapshot())
+    assert all(
+        bit_equal(a, b)
+        for pair_a, pair_b in zip(donor.layer_tensors(), state.layer_tensors(), strict=True)
+        for a, b in zip(pair_a, pair_b, strict=True)
+    )
 
 
 def _one_sentence(args: list[object]) -> str:
