@@ -10,7 +10,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import Stage
@@ -102,7 +102,7 @@ def served_stage(
     )
 
 
-def logprobs_fingerprint(first_logprobs: list[tuple[int, float]]) -> str:
+def logprobs_fingerprint(first_logprobs: Sequence[Sequence[Any]]) -> str:
     """sha256 of a step's top logprobs, exact to the bit (floats as their hex)."""
     text = json.dumps([[t, float(lp).hex()] for t, lp in first_logprobs])
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

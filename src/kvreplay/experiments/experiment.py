@@ -24,7 +24,7 @@ class Experiment(ABC):
     and figures."""
 
     name: str
-    panel: Panel
+    panel: Panel[Any]  # its arms: built in process (Arm) or served (ServedArm)
     table: Table  # the CSV, declared once
     phases: int = 1
 

@@ -9,8 +9,9 @@ from typing import Any
 
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_panel, run_matrix
+from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.served import ServedArm, ServedPanel, run_served_panel
+from kvreplay.experiments.served import ServedArm, run_served_panel
 from kvreplay.experiments.tables.matrix import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
@@ -51,12 +52,12 @@ class ServedMatched(Matched):
     the hit co-scheduled with companions (see :mod:`kvreplay.experiments.served`). Its
     rows fill the matched ledger's columns where they apply and leave the K/V ones empty."""
 
-    panel = ServedPanel(  # type: ignore[assignment]
+    panel = Panel(
         (
             ServedArm("left", "hit"),
             ServedArm("prefill", "miss"),
-            ServedArm("uninterrupted", "uninterrupted", replica=False),
-            ServedArm("batched", "hit", replica=False, companions=True),
+            ServedArm("uninterrupted", "uninterrupted", replica="none"),
+            ServedArm("batched", "hit", replica="none", companions=True),
         )
     )
     table = SERVED_MATCHED_TABLE

@@ -12,12 +12,12 @@ from kvreplay.experiments.panel import Arm, Panel, run_panel
 from kvreplay.experiments.units import Clock, Unit, Workbench
 
 
-def matrix_panel(left: str) -> Panel:
+def matrix_panel(left: str) -> Panel[Arm]:
     """The matrix's arms: ``left`` (``live`` or ``replay``) and ``prefill``, replicated."""
     return Panel((Arm("left", left), Arm("prefill", "prefill")))
 
 
-def run_matrix(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> dict[str, Any]:
+def run_matrix(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) -> dict[str, Any]:
     """One (item, precision) row, or an unreached one when live generation stopped short."""
     result = run_panel(worker, unit, clock, panel)
     row = result.row

@@ -10,7 +10,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from kvreplay.construct import build, live
 from kvreplay.decode import Sampler, continue_from
@@ -39,7 +39,7 @@ class Arm:
 
     name: str
     construction: str
-    replica: Literal["replica", "clone", "none"] = "replica"
+    replica: Replica = "replica"
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,33 @@ class Samples:
         return self.seeds[: self.replica] if is_replica(name) else self.seeds
 
 
+Replica = Literal["replica", "clone", "none"]
+
+
+class Declared(Protocol):
+    """What a panel needs of an arm's declaration, in-process (:class:`Arm`) or served
+    (:class:`~kvreplay.experiments.served.ServedArm`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def construction(self) -> str: ...
+    @property
+    def replica(self) -> Replica: ...
+
+
+A = TypeVar("A", bound=Declared)
+
+
 @dataclass(frozen=True)
-class Panel:
+class Panel(Generic[A]):
     """What a unit runs: its arms (the first two are the compared pair) and transplants.
     With ``keep_states`` the arms continue copies and the boundary states stay for the
-    experiment's own probes; with ``samples`` each arm is continued once per seed."""
+    experiment's own probes; with ``samples`` each arm is continued once per seed. A
+    served experiment's panel declares served arms (:func:`run_panel` builds ``Arm``s,
+    :func:`~kvreplay.experiments.served.run_served_panel` serves ``ServedArm``s)."""
 
-    arms: tuple[Arm, ...]  # the first two are the compared pair (left, right)
+    arms: tuple[A, ...]  # the first two are the compared pair (left, right)
     transplants: tuple[Transplanted, ...] = ()
     keep_states: bool = False
     samples: Samples | None = None
@@ -92,10 +112,11 @@ class Panel:
 
 
 @dataclass
-class PanelRun:
+class PanelOutcome:
     """What :func:`run_panel` returns: the row (None when live generation did not reach
-    the boundary), the prefix as rows record it, the model, the boundary states (as
-    built: kept intact only with ``keep_states``) and the boundary cache length."""
+    the boundary), the prefix as rows record it, the model, and for the experiment's own
+    probes the boundary states (as built: kept intact only with ``keep_states``) and
+    the boundary cache length."""
 
     row: PanelRow | None
     prefix: dict[str, Any]
@@ -197,7 +218,7 @@ def holds_donor(result: BoundaryState, donor: BoundaryState) -> bool:
 
 
 def _construct(
-    worker: Workbench, lm: LoadedModel, unit: Unit, panel: Panel, clock: Clock
+    worker: Workbench, lm: LoadedModel, unit: Unit, panel: Panel[Arm], clock: Clock
 ) -> tuple[dict[str, BoundaryState], dict[str, Any]]:
     """Every arm's boundary state over one prefix: generated live when an arm is
     ``live`` (then the prefix is the generation's), else the unit's recorded prefix."""
@@ -232,13 +253,13 @@ def _replica_suffix_exact(
     return arms[arm].suffix_sha256 == arms[replica_name(arm)].suffix_sha256
 
 
-def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> PanelRun:
+def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) -> PanelOutcome:
     """Build every declared arm, compare the compared pair, check every replica and the
     storage of every state against every other, then continue and score each arm."""
     lm = worker.model(unit.precision)
     states, record = _construct(worker, lm, unit, panel, clock)
     if not states:
-        return PanelRun(None, record, lm)
+        return PanelOutcome(None, record, lm)
     transplants = {
         t.name: transplant(states[t.donor], states[t.recipient]) for t in panel.transplants
     }
@@ -307,4 +328,4 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel) -> Pane
         compared=panel.compared,
         all_layers_transplanted=all(full) if panel.transplants else None,
     )
-    return PanelRun(row, record, lm, states, boundary_cache_len)
+    return PanelOutcome(row, record, lm, states, boundary_cache_len)

@@ -24,7 +24,7 @@ from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Samples, run_panel
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection, own_options
-from kvreplay.experiments.served import ServedArm, ServedPanel, run_served_panel
+from kvreplay.experiments.served import ServedArm, run_served_panel
 from kvreplay.experiments.tables.resample import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
@@ -138,7 +138,7 @@ class ServedResample(Resample):
     per-request seeded sampler (see :mod:`kvreplay.experiments.served`); the K/V
     columns stay empty and ``backend`` names the engine."""
 
-    panel = ServedPanel((ServedArm("live", "hit"), ServedArm("prefill", "miss")))  # type: ignore[assignment]
+    panel = Panel((ServedArm("live", "hit"), ServedArm("prefill", "miss")))
     table = SERVED_RESAMPLE_TABLE
 
     def run_row(

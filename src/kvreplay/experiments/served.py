@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvreplay.config import RunConfig
 from kvreplay.construct import Prefix, generated_prefix
 from kvreplay.decode import Sampler, opener_ids
-from kvreplay.experiments.panel import Samples
+from kvreplay.experiments.panel import Panel, Replica
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
@@ -57,42 +57,18 @@ Condition = Literal["hit", "miss", "uninterrupted"]
 @dataclass(frozen=True)
 class ServedArm:
     """A declared served arm: its cache condition, whether it has a replica served
-    under the same condition, and whether its requests share batches with companions."""
+    under the same condition (``replica`` or ``none``), and whether its requests share
+    batches with companions."""
 
     name: str
     condition: Condition
-    replica: bool = True
+    replica: Replica = "replica"
     companions: bool = False
 
     @property
     def construction(self) -> str:
         name = "uninterrupted" if self.condition == "uninterrupted" else f"cache-{self.condition}"
         return f"{name}-batched" if self.companions else name
-
-
-@dataclass(frozen=True)
-class ServedPanel:
-    """What a served unit runs: its arms, the first two being the compared pair."""
-
-    arms: tuple[ServedArm, ...]
-    samples: Samples | None = None  # as for a panel: each arm continued once per seed
-
-    @property
-    def compared(self) -> tuple[str, str]:
-        return self.arms[0].name, self.arms[1].name
-
-
-@dataclass
-class ServedArmRun:
-    """An arm as served, before it is scored: its suffix, the cached tokens per request,
-    every step's top logprobs of its first request, the cached tokens its condition
-    implies and whether its own generation of P reproduced P (hit, uninterrupted)."""
-
-    segments: list[Segment]
-    cached_tokens: list[int]
-    steps: list[list[tuple[int, float]]]
-    expected_cached_tokens: int | None = None
-    prefix_reproduced: bool | None = None
 
 
 def straight_through(plan: StagePlan, prefix: Prefix) -> bool:
@@ -118,12 +94,14 @@ def serve_stages(
     sampler: Sampler,
     first_opener_fed: bool,
     companions: Sequence[list[int]] = (),
-) -> ServedArmRun:
+) -> tuple[list[Segment], ServedReport]:
     """Serve ``stages`` in order from ``context``, one request per stage, each sharing
-    its batch with a request per companion prompt."""
+    its batch with a request per companion prompt: their segments, and the report of
+    the cached tokens per request and the first step's top logprobs."""
     from kvreplay.backends.served import Request
 
-    run = ServedArmRun([], [], [])
+    segments: list[Segment] = []
+    report = ServedReport(cached_tokens=[], first_logprobs=[])
     for index, stage in enumerate(stages):
         forced = opener_ids(served.tokenizer, stage)
         if not (index == 0 and first_opener_fed):
@@ -131,41 +109,44 @@ def serve_stages(
         requests = [Request(context, stage, sampler, tuple(forced))]
         requests += [Request(list(c), stage, sampler) for c in companions]
         result = served.serve(requests)[0]
-        run.segments.append(result.segment)
-        run.cached_tokens.append(result.cached_tokens)
-        run.steps = run.steps or result.steps
+        segments.append(result.segment)
+        report.cached_tokens.append(result.cached_tokens)
+        if not report.first_logprobs and result.steps:
+            report.first_logprobs = [[t, lp] for t, lp in result.steps[0]]
         context = context + result.segment.token_ids
-    return run
+    return segments, report
 
 
 def _generate_prefix(
     served: ServedModel, ids: list[int], plan: StagePlan, sampler: Sampler
 ) -> Prefix:
-    run = serve_stages(served, ids, plan.prefix_stages, sampler, first_opener_fed=False)
+    segments, _ = serve_stages(served, ids, plan.prefix_stages, sampler, first_opener_fed=False)
     next_opener = opener_ids(served.tokenizer, plan.suffix_stages[0])
-    return generated_prefix(ids, Trajectory(run.segments), plan, next_opener)
+    return generated_prefix(ids, Trajectory(segments), plan, next_opener)
 
 
 def _uninterrupted(
     served: ServedModel, ids: list[int], prefix: Prefix, plan: StagePlan, sampler: Sampler
-) -> ServedArmRun:
+) -> tuple[list[Segment], ServedReport]:
     """One request from the prompt through the boundary and the first suffix stage,
     then the remaining suffix stages from what it wrote."""
+    from kvreplay.backends.served import Request
+
     boundary, first = plan.prefix_stages[0], plan.suffix_stages[0]
     through = Stage(first.name, boundary.max_new_tokens + first.max_new_tokens)
-    straight = serve_stages(served, ids, [through], sampler, first_opener_fed=False)
-    segment = straight.segments[0]
+    straight = served.serve([Request(ids, through, sampler)])[0]
+    segment = straight.segment
     cut = len(prefix.token_ids) - prefix.prompt_len
     head = Segment(
         first.name, [], segment.token_ids[cut:], segment.stop_reason, segment.margins[cut:]
     )
-    rest = serve_stages(
+    rest, report = serve_stages(
         served, ids + segment.token_ids, plan.suffix_stages[1:], sampler, first_opener_fed=False
     )
-    return ServedArmRun(
-        [head, *rest.segments],
-        straight.cached_tokens + rest.cached_tokens,
-        straight.steps[cut:],
+    steps = straight.steps[cut:]
+    return [head, *rest], ServedReport(
+        cached_tokens=[straight.cached_tokens, *report.cached_tokens],
+        first_logprobs=[[t, lp] for t, lp in steps[0]] if steps else [],
         prefix_reproduced=ids + segment.token_ids[:cut] == prefix.token_ids,
     )
 
@@ -187,7 +168,7 @@ def serve_arm(
     sampler: Sampler,
     companions: Sequence[list[int]],
     restored: bool = False,
-) -> ServedArmRun:
+) -> tuple[list[Segment], ServedReport]:
     """One arm under its cache condition, from a reset cache; ``sampler`` is the arm's
     (a resampled arm's seed), the prefix rewrite uses the run's. ``restored``: a hit
     continues from its rewritten state saved and loaded back."""
@@ -203,7 +184,7 @@ def serve_arm(
         expected = config.backend.expected_hit(computed_tokens(prefix))
         if restored:
             served.round_trip()
-    run = serve_stages(
+    segments, report = serve_stages(
         served,
         prefix.token_ids,
         plan.suffix_stages,
@@ -211,8 +192,8 @@ def serve_arm(
         first_opener_fed=True,
         companions=companions if arm.companions else (),
     )
-    run.prefix_reproduced, run.expected_cached_tokens = reproduced, expected
-    return run
+    report.prefix_reproduced, report.expected_cached_tokens = reproduced, expected
+    return segments, report
 
 
 def _arm_result(
@@ -220,21 +201,21 @@ def _arm_result(
     served: ServedModel,
     unit: Unit,
     arm: ServedArm,
-    run: ServedArmRun,
+    served_arm: tuple[list[Segment], ServedReport],
     prefix: Prefix,
     companions: list[str],
     construction: str,
 ) -> ArmResult:
     from kvreplay.backends.served import logprobs_fingerprint
 
-    suffix = Trajectory(run.segments)
-    first = run.segments[0].token_ids
-    first_logprobs = run.steps[0] if run.steps else []
+    segments, report = served_arm
+    suffix = Trajectory(segments)
+    first = segments[0].token_ids
     outcome = score(served.tokenizer, suffix, unit.item.answer, worker.config.extractor)
     return ArmResult(
         construction=construction,
         cache_fingerprint=None,
-        logits_fingerprint=logprobs_fingerprint(first_logprobs),
+        logits_fingerprint=logprobs_fingerprint(report.first_logprobs),
         boundary_argmax=first[0] if first else -1,
         suffix=suffix,
         suffix_sha256=sha256_tokens(suffix.token_ids),
@@ -242,13 +223,7 @@ def _arm_result(
         answer=outcome["extracted"],
         answer_parsed=outcome["parsed"],
         correct=outcome["correct"],
-        served=ServedReport(
-            cached_tokens=run.cached_tokens,
-            first_logprobs=[[t, lp] for t, lp in first_logprobs],
-            expected_cached_tokens=run.expected_cached_tokens,
-            prefix_reproduced=run.prefix_reproduced,
-            companions=companions if arm.companions else None,
-        ),
+        served=replace(report, companions=companions if arm.companions else None),
     )
 
 
@@ -273,7 +248,7 @@ def _gate(arm: list[ArmResult], replica: list[ArmResult]) -> ReplicaGate:
 
 
 def run_served_panel(
-    worker: Workbench, unit: Unit, clock: Clock, panel: ServedPanel
+    worker: Workbench, unit: Unit, clock: Clock, panel: Panel[ServedArm]
 ) -> tuple[PanelRow | None, dict[str, Any]]:
     """Serve every declared arm (and replica) over one generated prefix; the row is None
     when generation did not reach the boundary."""
@@ -295,7 +270,7 @@ def run_served_panel(
             continue
         if arm.companions and not mates:
             continue
-        for name in [arm.name] + ([replica_name(arm.name)] if arm.replica else []):
+        for name in [arm.name] + ([replica_name(arm.name)] if arm.replica == "replica" else []):
             restored = name != arm.name and arm.condition == "hit" and served.restores
             construction = f"{arm.construction}-restored" if restored else arm.construction
             seeds = panel.samples.of(name) if panel.samples else (config.sampler.seed,)
@@ -312,7 +287,7 @@ def run_served_panel(
     gates = {
         arm.name: _gate(results[arm.name], results[replica_name(arm.name)])
         for arm in panel.arms
-        if arm.replica
+        if arm.replica == "replica"
     }
     row = PanelRow(
         item_id=unit.item.id,
