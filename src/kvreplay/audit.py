@@ -23,7 +23,7 @@ from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import recorded_experiment
 from kvreplay.experiments.prefixes import trajectory_inputs
-from kvreplay.experiments.rows import PREFIX_FIELDS
+from kvreplay.experiments.rows import PREFIX_FIELDS, row_as_written
 from kvreplay.experiments.tables import recorded_table
 from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
@@ -337,7 +337,7 @@ def _audit(
     by_key = {r.key: r for r in chosen}
     try:
         for unit, data, _, _ in runner.run(units):
-            recorded = by_key[str(unit.key)].data
+            recorded = row_as_written(by_key[str(unit.key)].data)
             fresh = {**data, "inputs": recorded.get("inputs", {})}
             for path in diff_fields(_strip(recorded), _strip(fresh)):
                 result.problems.append(f"row {unit.key}: field {path} differs on re-execution")

@@ -8,6 +8,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+RETIRED = "first_suffix_divergence_index"
+"""A field rows recorded before it was dropped: a comparison of boundary states never
+knew where the suffixes part (the pair's labels say it), so it was always null."""
+
 
 @dataclass
 class Comparison:
@@ -20,7 +24,6 @@ class Comparison:
     logits: dict[str, float | bool]
     boundary_argmax_equal: bool
     layer_lengths_equal: bool
-    first_suffix_divergence_index: int | None = None
 
     @property
     def cache_exact(self) -> bool:
@@ -36,6 +39,18 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Comparison:
+        return cls(**as_written(data))
+
+
+def as_written(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A recorded comparison as kvreplay writes it now: an earlier row's null
+    :data:`RETIRED` field dropped (any other value is kept, for readers to refuse)."""
+    if RETIRED in recorded and recorded[RETIRED] is None:
+        return {k: v for k, v in recorded.items() if k != RETIRED}
+    return recorded
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

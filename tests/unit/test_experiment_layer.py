@@ -91,3 +91,26 @@ def test_every_experiment_writes_the_table_analysis_reads() -> None:
     for table in TABLES:
         required = {c.name for c in table.columns if c.use == "required"}
         assert set(table.key) - {"row_id"} <= required, table.file
+
+
+def test_a_row_recorded_with_the_retired_comparison_field_reads_as_it_is_written_now() -> None:
+    """Rows before the field was dropped carry ``comparison.first_suffix_divergence_index``
+    as null: they read, and the audit compares a re-execution with the row written now."""
+    import json
+    from pathlib import Path
+
+    from kvreplay.comparison import RETIRED, Comparison
+    from kvreplay.experiments.rows import PanelRow, row_as_written
+    from kvreplay.ledger import diff_fields
+
+    rows = Path(__file__).parents[2] / "results" / "smollm2-n24" / "rows.jsonl"
+    records = [json.loads(line) for line in rows.read_text().splitlines()]
+    data = next(r["data"] for r in records if r["experiment"] == "matched")
+    assert data["comparison"][RETIRED] is None
+    row = PanelRow.from_dict(data, ("left", "prefill"))
+    assert RETIRED not in row.to_dict()["comparison"]
+    assert diff_fields(row_as_written(data), row.to_dict()) == []
+    forged = {**data["comparison"], RETIRED: 3}  # a value it never had stays, to be refused
+    assert row_as_written({**data, "comparison": forged})["comparison"][RETIRED] == 3
+    with pytest.raises(TypeError):
+        Comparison.from_dict(forged)

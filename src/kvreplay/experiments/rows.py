@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.comparison import Comparison, first_divergence
+from kvreplay.comparison import Comparison, as_written, first_divergence
 from kvreplay.scoring import pair_labels
 from kvreplay.trajectory import Trajectory
 
@@ -327,7 +327,7 @@ class PanelRow:
             prefix={k: data[k] for k in PREFIX_FIELDS if k in data},
             arms=arms,
             replicas=replicas,
-            comparison=Comparison(**data["comparison"]) if "comparison" in data else None,
+            comparison=Comparison.from_dict(data["comparison"]) if "comparison" in data else None,
             functional_state_equal=data["functional_state_equal"],
             all_storage_disjoint=data["all_storage_disjoint"],
             compared=compared,
@@ -335,3 +335,11 @@ class PanelRow:
             fields={k: v for k, v in data.items() if k not in known and k not in PREFIX_FIELDS},
             samples=samples,
         )
+
+
+def row_as_written(data: dict[str, Any]) -> dict[str, Any]:
+    """A recorded row as kvreplay writes it now, which a re-execution is compared with:
+    its comparison without the retired null field (:func:`~kvreplay.comparison.as_written`)."""
+    if isinstance(data.get("comparison"), dict):
+        return {**data, "comparison": as_written(data["comparison"])}
+    return data
