@@ -37,20 +37,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     args = parser.parse_args()
 
-    from kvreplay.backends import http
+    from kvreplay.backends import server
     from kvreplay.cli import main as cli
 
     calls: list[tuple[str, float]] = []
-    original = http.Client.call
+    original = server.Client.call
 
-    def timed(self: http.Client, method: str, path: str, body: object = None) -> object:
+    def timed(self: server.Client, method: str, path: str, body: object = None) -> object:
         began = time.perf_counter()
         try:
             return original(self, method, path, body)
         finally:
             calls.append((path.split("?")[0], time.perf_counter() - began))
 
-    http.Client.call = timed  # type: ignore[method-assign]
+    server.Client.call = timed  # type: ignore[method-assign]
     out = Path(tempfile.mkdtemp(prefix="http-overhead-")) / "run"
     argv = ["run", "matched", "--backend", args.backend, "--n", str(args.n),
             "--dtypes", args.dtype, "--companions", "0", "--out", str(out)]  # fmt: skip
@@ -70,7 +70,7 @@ def main() -> None:
     }
     if args.backend == "http":
         in_rows = [(p, s) for p, s in calls if p in ("/v1/completions", "/reset_prefix_cache")]
-        client = http.Client(args.url, 60.0, None)
+        client = server.Client(args.url, 60.0, None)
         health = []
         for _ in range(20):
             began = time.perf_counter()

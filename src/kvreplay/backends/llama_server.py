@@ -1,0 +1,119 @@
+"""The http backend's adapter for llama.cpp's server (``llama-server``): identity from
+``/props``, a miss as a request with ``cache_prompt`` off on its pinned slot, a hit's
+cached tokens from ``timings.cache_n``, and slot save/restore where the server was started
+with ``--slot-save-path``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
+from kvreplay.backends.server import Client, Probe
+
+
+class LlamaServer:
+    """llama.cpp's server (``llama-server``). A slot keeps the K/V of its last request and
+    a request with ``cache_prompt`` reuses their common prefix (``timings.cache_n``); one
+    without reuses nothing. kvreplay pins an arm's requests to slot 0 and a companion's to
+    slot i, and a reset makes each slot's next request one without: so a hit reads exactly
+    what the arm's own earlier requests computed (every token but the last sampled), a
+    miss nothing, and companions start from nothing too. The server needs ``--parallel``
+    above the companions.
+
+    Stop strings are not sent: llama-server drops the logprobs of a stop string's tokens,
+    so a stage runs to its cap or EOS and the plan's stops cut it here. The slot then holds
+    a stop token it decoded, so a plan whose prefix stages end at a stop string fails the
+    hit guard (named in each row), never passes it silently.
+
+    A server started with ``--slot-save-path`` can save a slot's state to a file and load
+    it back: the hit's replica is then the live state the arm's own requests left, saved,
+    erased and restored in place (a copy of that state, as an in-process replica is),
+    rather than the whole arm served again."""
+
+    name: ClassVar[str] = "llamacpp"
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._used: set[int] = set()  # slots that served a request since the last reset
+
+    @classmethod
+    def recognises(cls, client: Client) -> bool:
+        status, payload = client.call("GET", "/props")
+        return status == 200 and isinstance(payload, dict) and "build_info" in payload
+
+    def probe(self) -> Probe:
+        props = self.client.ok("GET", "/props")
+        generation = props.get("default_generation_settings") or {}
+        settings = {
+            "block_size": 1,  # a hit reuses the common prefix token by token
+            "max_model_len": generation.get("n_ctx"),
+            "total_slots": props.get("total_slots"),
+            "model_ftype": props.get("model_ftype"),
+        }
+        identity = {
+            "version": props.get("build_info"),
+            "model": Path(str(props.get("model_path"))).name,
+            "settings": settings,
+        }
+        answer = self.client.ok("POST", "/completion", {"prompt": [0], "n_predict": 1})
+        reports = "cache_n" in (answer.get("timings") or {})
+        tokenizes = self.client.call("POST", "/tokenize", {"content": "a"})[0] == 200
+        # An empty file name is refused (400) by a server that saves slots, before it
+        # touches one; a server without --slot-save-path refuses every slot action (501).
+        restores = self.client.call("POST", "/slots/0?action=save", {"filename": ""})[0] == 400
+        if restores:  # said only when on, so that a server without it keeps its identity
+            settings["slot_save"] = True
+        return Probe(self.name, identity, True, True, reports, tokenizes, restores)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._used.clear()
+
+    def round_trip(self, slot: int) -> None:
+        """Save the slot's state to the server's slot folder, erase the slot, load it back."""
+        file = {"filename": f"kvreplay-slot{slot}.bin"}
+        for action in ("save", "erase", "restore"):
+            self.client.ok("POST", f"/slots/{slot}?action={action}", file)
+
+    def tokenize(self, text_or_messages: str | list[dict[str, str]], chat: bool) -> list[int]:
+        if chat:
+            body = {"messages": text_or_messages, "add_generation_prompt": True}
+            text = self.client.ok("POST", "/apply-template", body)["prompt"]
+        else:
+            text = text_or_messages
+        body = {"content": text, "add_special": not chat, "parse_special": True}
+        return [int(t) for t in self.client.ok("POST", "/tokenize", body)["tokens"]]
+
+    def complete(
+        self, model: str, request: Request, eos: Sequence[int], slot: int
+    ) -> tuple[list[int], list[list[tuple[int, float]]], Completion, int]:
+        with self._lock:
+            fresh = slot not in self._used
+            self._used.add(slot)
+        sampler = request.sampler
+        body: dict[str, Any] = {
+            "prompt": list(request.context),
+            "n_predict": request.stage.max_new_tokens,
+            "temperature": sampler.temperature,
+            "top_p": sampler.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "seed": sampler.seed,
+            "n_probs": TOP_LOGPROBS,
+            "cache_prompt": not fresh,
+            "return_tokens": True,
+            "id_slot": slot,
+        }
+        answer = self.client.ok("POST", "/completion", body)
+        steps = [
+            sorted(((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", [])),
+                   key=lambda x: -x[1])
+            for step in answer.get("completion_probabilities") or []
+        ]  # fmt: skip
+        completion = Completion("length" if answer.get("stop_type") == "limit" else "stop")
+        tokens = [int(t) for t in answer.get("tokens") or []]
+        return tokens, steps, completion, int((answer.get("timings") or {}).get("cache_n") or 0)
