@@ -14,34 +14,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import Backend, Capabilities, option
+from kvreplay.backends.llamacpp_binding import KV_TYPES, binding
 from kvreplay.errors import KvreplayError
 
 if TYPE_CHECKING:
-    from kvreplay.backends.llamacpp_runtime import LlamaModel
+    from pathlib import Path
 
-LLAMACPP_SETUP = (
-    "The llamacpp backend needs llama.cpp, which is not built in this environment; run "
-    "`make setup-llamacpp` (see the README)."
-)
-# A run's precision names the KV-cache type: its GGML type id.
-KV_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30, "q8_0": 8}
-
-
-def binding() -> Any:
-    """llama-cpp-python's ctypes module, with llama.cpp's own log kept to errors."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise KvreplayError(LLAMACPP_SETUP)
-    try:
-        import llama_cpp.llama_cpp as lib
-    except (OSError, RuntimeError, FileNotFoundError) as exc:  # the library is not built
-        raise KvreplayError(LLAMACPP_SETUP) from exc
-    logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
-    return lib
+    from kvreplay.backends.llamacpp_runtime import LlamaModel, Runtime
 
 
 @dataclass(frozen=True)
@@ -97,27 +80,31 @@ class LlamaCppBackend(Backend):
         identity = gguf_identity(spec, tokenizer)
         return describe_source(spec, trust_remote_code, scheme, tokenizer, identity)
 
+    def _runtime(self, path: Path, threads: int, kv: str, vocab_only: bool = False) -> Runtime:
+        """llama.cpp's model in ``path``, making its contexts at this backend's settings."""
+        from kvreplay.backends.llamacpp_runtime import Runtime
+
+        return Runtime(path, self.n_ctx, self.flash_attn == "on", threads, kv, vocab_only)
+
     def check_model(
         self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
     ) -> None:
-        from kvreplay.backends.llamacpp_runtime import Runtime
         from kvreplay.models import gguf_file
 
         if device != "cpu":
             raise KvreplayError("The llamacpp backend runs on --device cpu (its CPU build).")
         if "q8_0" in dtypes and self.flash_attn != "on":
             raise KvreplayError("llama.cpp quantizes the V cache only with --flash-attn on.")
-        Runtime(gguf_file(spec), self, threads=1, kv="fp16")  # refuses what llama.cpp cannot load
+        self._runtime(gguf_file(spec), threads=1, kv="fp16")  # refuses what llama.cpp cannot load
 
     def check_tokenization(
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """The token ids kvreplay feeds must be those llama.cpp makes of the same text."""
-        from kvreplay.backends.llamacpp_runtime import Runtime
         from kvreplay.items import chat_messages, encode_prompt
         from kvreplay.models import gguf_file
 
-        runtime = Runtime(gguf_file(spec), self, threads=1, kv="fp16", vocab_only=True)
+        runtime = self._runtime(gguf_file(spec), threads=1, kv="fp16", vocab_only=True)
         for prompt in prompts:
             messages = chat_messages(tokenizer, prompt, chat)
             text = (
@@ -137,7 +124,7 @@ class LlamaCppBackend(Backend):
     def load_model(self, config: Any, precision: str, device_map: str | None = None) -> LlamaModel:
         import torch
 
-        from kvreplay.backends.llamacpp_runtime import LlamaModel, Runtime
+        from kvreplay.backends.llamacpp_runtime import LlamaModel
         from kvreplay.models import describe_source, gguf_file, load_tokenizer
 
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
@@ -145,8 +132,9 @@ class LlamaCppBackend(Backend):
         info = describe_source(
             config.model, config.trust_remote_code, tokenizer=tokenizer, identity=identity
         )
-        runtime = Runtime(gguf_file(config.model), self, torch.get_num_threads(), precision)
-        return LlamaModel(runtime, tokenizer, config.model, precision, identity, info)
+        runtime = self._runtime(gguf_file(config.model), torch.get_num_threads(), precision)
+        window = self.context_window(int(info["context_length"]))
+        return LlamaModel(runtime, tokenizer, config.model, precision, identity, info, window)
 
 
 def gguf_identity(spec: str, tokenizer: Any) -> Any:

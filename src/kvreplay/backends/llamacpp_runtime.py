@@ -24,7 +24,7 @@ from typing import Any
 import numpy
 import torch
 
-from kvreplay.backends.llamacpp import KV_TYPES, LlamaCppBackend, binding
+from kvreplay.backends.llamacpp_binding import KV_TYPES, binding
 from kvreplay.errors import KvreplayError
 from kvreplay.state import BoundaryState, Component
 
@@ -41,7 +41,8 @@ class Runtime:
     def __init__(
         self,
         path: Path,
-        backend: LlamaCppBackend,
+        n_ctx: int,
+        flash_attn: bool,
         threads: int,
         kv: str,
         vocab_only: bool = False,
@@ -57,18 +58,18 @@ class Runtime:
         weakref.finalize(self, lib.llama_model_free, self.model)
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
-        self.backend, self.threads, self.kv = backend, threads, kv
+        self.n_ctx, self.flash_attn, self.threads, self.kv = n_ctx, flash_attn, threads, kv
         self.generation_config = None  # EOS comes from the tokenizer (decode.eos_ids)
 
     def context(self) -> Context:
         """A fresh context with one empty sequence."""
         lib = self.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = self.backend.n_ctx
+        params.n_ctx = params.n_batch = params.n_ubatch = self.n_ctx
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
         params.type_k = params.type_v = KV_TYPES[self.kv]
-        params.flash_attn_type = 1 if self.backend.flash_attn == "on" else 0
+        params.flash_attn_type = 1 if self.flash_attn else 0
         params.no_perf = True
         handle = lib.llama_init_from_model(self.model, params)
         if not handle:
@@ -305,19 +306,16 @@ class LlamaModel:
     dtype_name: str
     identity: Any
     info: dict[str, Any]
+    context_length: int  # the backend's context window over the model's
     device: str = "cpu"
 
     @property
     def attn_implementation(self) -> str:
-        return f"llama.cpp(flash_attn={self.model.backend.flash_attn})"
+        return f"llama.cpp(flash_attn={'on' if self.model.flash_attn else 'off'})"
 
     @property
     def num_layers(self) -> int:
         return int(self.info["num_layers"])
-
-    @property
-    def context_length(self) -> int:
-        return self.model.backend.context_window(int(self.info["context_length"]))
 
     @property
     def model_digest(self) -> str:
