@@ -28,7 +28,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
-from kvreplay.backends.served import Request, Served, served_stage
+from kvreplay.backends.served import Reply, Request, served_stage
 from kvreplay.backends.server import Client, Probe, ServerAdapter
 from kvreplay.errors import KvreplayError
 
@@ -221,11 +221,11 @@ class HttpServed:
         """The arm's slot (0) saved and loaded back in place (only where ``restores``)."""
         self.adapter.round_trip(0)
 
-    def serve(self, requests: Sequence[Request]) -> list[Served]:
+    def serve(self, requests: Sequence[Request]) -> list[Reply]:
         """Requests together: sent concurrently, so the server may batch them (it decides)."""
         from kvreplay.stages import StopDetector
 
-        def one(slot: int, request: Request) -> Served:
+        def one(slot: int, request: Request) -> Reply:
             tokens, steps, completion, cached = self.adapter.complete(
                 self.model, request, self.eos_token_ids, slot
             )

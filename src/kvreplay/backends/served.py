@@ -1,6 +1,6 @@
 """What a served backend exchanges with the experiments: a request (one stage from a
-context of token ids), what it serves back (the stage's tokens, the cached prompt tokens
-the server reported, each step's top logprobs), and the served-model interface every
+context of token ids), its reply (the stage's tokens, the cached prompt tokens the server
+reported, each step's top logprobs), and the served-model interface every
 backend without K/V access implements (reset its prefix cache, serve requests together).
 """
 
@@ -33,10 +33,10 @@ class Request:
 
 
 @dataclass
-class Served:
-    """A served stage: its segment, the cached context tokens the engine reported, and
-    each step's top logprobs (token id, logprob), best first: the top two and the
-    sampled token."""
+class Reply:
+    """A request's reply, the stage as served: its segment, the cached context tokens the
+    engine reported, and each step's top logprobs (token id, logprob), best first: the
+    top two and the sampled token."""
 
     segment: Segment
     cached_tokens: int
@@ -56,7 +56,7 @@ class ServedModel(Protocol):
         """Save the state the arm's requests left in the engine and load it back in its
         place, so that the next request continues from a copy of the live state."""
 
-    def serve(self, requests: Sequence[Request]) -> list[Served]:
+    def serve(self, requests: Sequence[Request]) -> list[Reply]:
         """Serve requests together, so that they may share batches."""
 
 
@@ -77,7 +77,7 @@ def served_stage(
     cached_tokens: int,
     detector: StopDetector,
     server: str,
-) -> Served:
+) -> Reply:
     """A served stage as the hf backend would record it: cut where the plan's stop rule
     (:class:`~kvreplay.stages.StopDetector`) first fires, the reason named, and each
     step's top-1/top-2 logprob difference as its margin."""
@@ -95,7 +95,7 @@ def served_stage(
     if len(steps) != len(tokens) or any(len(step) < TOP_LOGPROBS for step in steps):
         raise KvreplayError(f"{server} returned fewer than two logprobs for a step.")
     margins = [step[0][1] - step[1][1] for step in steps]
-    return Served(
+    return Reply(
         Segment(request.stage.name, list(request.opener), tokens, reason, margins),
         cached_tokens,
         steps,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
-from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request, Served, served_stage
+from kvreplay.backends.served import TOP_LOGPROBS, Completion, Reply, Request, served_stage
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import StopDetector
 
@@ -147,7 +147,7 @@ class VllmServed:
     def round_trip(self) -> None:
         raise KvreplayError("vLLM's engine cannot save and restore a sequence's state.")
 
-    def serve(self, requests: Sequence[Request]) -> list[Served]:
+    def serve(self, requests: Sequence[Request]) -> list[Reply]:
         """Serve requests together: one ``generate`` call, so they may share batches."""
         from vllm import SamplingParams
 
@@ -174,9 +174,9 @@ class VllmServed:
         ]
         prompts = [{"prompt_token_ids": list(r.context)} for r in requests]
         outputs = self.engine.generate(prompts, params, use_tqdm=False)
-        return [self._served(r, out) for r, out in zip(requests, outputs, strict=True)]
+        return [self._reply(r, out) for r, out in zip(requests, outputs, strict=True)]
 
-    def _served(self, request: Request, output: Any) -> Served:
+    def _reply(self, request: Request, output: Any) -> Reply:
         completion = output.outputs[0]
         steps = [
             sorted(((int(t), float(lp.logprob)) for t, lp in step.items()), key=lambda x: -x[1])
