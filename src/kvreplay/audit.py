@@ -26,6 +26,7 @@ from kvreplay.experiments.prefixes import trajectory_inputs
 from kvreplay.experiments.rows import PREFIX_FIELDS, row_as_written
 from kvreplay.experiments.tables import recorded_table
 from kvreplay.experiments.units import Unit, UnitKey
+from kvreplay.identity import file_digests
 from kvreplay.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
 from kvreplay.ledger import (
     ITEMS,
@@ -38,7 +39,6 @@ from kvreplay.ledger import (
     parse_rows,
 )
 from kvreplay.lock import check_libraries
-from kvreplay.models import file_digests
 from kvreplay.state import read_state_metadata, snapshot_fingerprints
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 

@@ -42,13 +42,13 @@ def _parsed(parse: Callable[[Any], Any]) -> Callable[[click.Context, click.Param
 def _dtypes(value: str) -> tuple[str, ...]:
     """Precisions some backend runs; the run's backend refuses those it does not."""
     from kvreplay.backends import precisions
-    from kvreplay.models import parse_dtypes
+    from kvreplay.precision import parse_dtypes
 
     return parse_dtypes((v.strip() for v in value.split(",") if v.strip()), precisions())
 
 
 def _device(value: str) -> str:
-    from kvreplay.models import parse_device
+    from kvreplay.precision import parse_device
 
     return parse_device(value)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
+from kvreplay.embedded import DEFAULT_MODEL
 from kvreplay.engines import EngineSession
-from kvreplay.models import DEFAULT_MODEL
 from kvreplay.runner import RunRequest, run
 from kvreplay.threads import DEFAULT_THREADS
 

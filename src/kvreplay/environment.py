@@ -5,7 +5,7 @@ Contract scheme 1 (runs made before scheme 2) recorded ``platform``, whose kerne
 string changes between otherwise identical machines; scheme 2 records instead what
 chooses the kernels (machine, OS, libc, torch's CPU capability). A difference in a field
 listed in ``INFORMATIONAL`` is reported, never refused. Scheme 3 records the environment
-as scheme 2 does and the model under identity scheme 3 (see ``models.ModelIdentity``):
+as scheme 2 does and the model under identity scheme 3 (see ``identity.ModelIdentity``):
 a contract's scheme is also its model identity's.
 """
 

@@ -22,6 +22,13 @@ def exit_plainly(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (160 characters at most, no final
+    full stop), or its type's name when it has none: what a one-sentence refusal quotes."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:160].rstrip(".") if text else type(exc).__name__
+
+
 def plain_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a CLI command: a KvreplayError ends in one sentence on stderr and exit
     code 2, never a traceback."""

@@ -37,16 +37,11 @@ from kvreplay.ledger import (
     write_text_atomic,
 )
 from kvreplay.lock import installed
-from kvreplay.models import (
-    canonical_spec,
-    check_loadable,
-    load_tokenizer,
-    parse_device,
-    parse_dtypes,
-    text_config,
-)
+from kvreplay.models import check_loadable, load_tokenizer, text_config
 from kvreplay.paths import check_name
+from kvreplay.precision import parse_device, parse_dtypes
 from kvreplay.scoring import get_extractor
+from kvreplay.sources import canonical_spec
 from kvreplay.stages import StagePlan, get_plan
 from kvreplay.summary import format_summary, summarize
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvreplay.canonical import sha256_json
+from kvreplay.identity import file_digests
 from kvreplay.items import BUILTIN_ITEMS, items_digest
-from kvreplay.models import file_digests
 
 
 def assert_caught(folder: Path, *needles: str, exit_code: int = 1) -> None:

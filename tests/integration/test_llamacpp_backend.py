@@ -20,7 +20,7 @@ from helpers import invoke
 
 from kvreplay.backends.llamacpp import LlamaCppBackend
 from kvreplay.backends.llamacpp_runtime import LlamaState, Runtime
-from kvreplay.models import gguf_file
+from kvreplay.sources import gguf_file
 from kvreplay.state import bit_equal
 
 pytestmark = pytest.mark.slow

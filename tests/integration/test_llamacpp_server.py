@@ -19,7 +19,7 @@ import pytest
 from forgery import assert_named, audit, read_rows, rechain
 from helpers import free_port, invoke, wait_until_up
 
-from kvreplay.models import EMBEDDED
+from kvreplay.embedded import EMBEDDED
 
 pytestmark = pytest.mark.slow
 SERVER = (

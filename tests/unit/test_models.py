@@ -13,14 +13,9 @@ import pytest
 import torch
 
 from kvreplay import KvreplayError, load_model
-from kvreplay.models import (
-    CONVERSION_STAMP,
-    EMBEDDED,
-    EmbeddedModel,
-    cache_root,
-    describe_source,
-    parse_dtype,
-)
+from kvreplay.embedded import CONVERSION_STAMP, EMBEDDED, EmbeddedModel, cache_root
+from kvreplay.models import describe_source
+from kvreplay.precision import parse_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 

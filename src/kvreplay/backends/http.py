@@ -181,7 +181,8 @@ class HttpBackend(Backend):
 
     def open_served(self, config: RunConfig, precision: str) -> HttpServed:
         from kvreplay.decode import eos_ids
-        from kvreplay.models import generation_config, load_tokenizer, resolve_source
+        from kvreplay.models import generation_config, load_tokenizer
+        from kvreplay.sources import resolve_source
 
         fresh = connect(self.url, self.server, self.timeout, self.api_key_env).probe()
         if fresh.identity != (self.recorded or self.probe.identity):

@@ -89,7 +89,7 @@ class LlamaCppBackend(Backend):
     def check_model(
         self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
     ) -> None:
-        from kvreplay.models import gguf_file
+        from kvreplay.sources import gguf_file
 
         if device != "cpu":
             raise KvreplayError("The llamacpp backend runs on --device cpu (its CPU build).")
@@ -102,7 +102,7 @@ class LlamaCppBackend(Backend):
     ) -> None:
         """The token ids kvreplay feeds must be those llama.cpp makes of the same text."""
         from kvreplay.items import chat_messages, encode_prompt
-        from kvreplay.models import gguf_file
+        from kvreplay.sources import gguf_file
 
         runtime = self._runtime(gguf_file(spec), threads=1, kv="fp16", vocab_only=True)
         for prompt in prompts:
@@ -125,7 +125,8 @@ class LlamaCppBackend(Backend):
         import torch
 
         from kvreplay.backends.llamacpp_runtime import LlamaModel
-        from kvreplay.models import describe_source, gguf_file, load_tokenizer
+        from kvreplay.models import describe_source, load_tokenizer
+        from kvreplay.sources import gguf_file
 
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         identity = gguf_identity(config.model, tokenizer)
@@ -138,8 +139,9 @@ class LlamaCppBackend(Backend):
 
 
 def gguf_identity(spec: str, tokenizer: Any) -> Any:
-    """The :class:`~kvreplay.models.ModelIdentity` of the GGUF file as shipped."""
-    from kvreplay.models import gguf_file, hash_model_files, model_identity
+    """The :class:`~kvreplay.identity.ModelIdentity` of the GGUF file as shipped."""
+    from kvreplay.identity import hash_model_files, model_identity
+    from kvreplay.sources import gguf_file
 
     path = gguf_file(spec)
     return model_identity(hash_model_files(path.parent, path.name).result(), path.name, tokenizer)

@@ -197,13 +197,8 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
     """Start the engine for one precision over the run's model folder, after checking the
     folder is the one the run recorded (the same digest as the hf backend's)."""
     from kvreplay.decode import eos_ids
-    from kvreplay.models import (
-        generation_config,
-        load_tokenizer,
-        resolve_source,
-        source_identity,
-        text_config,
-    )
+    from kvreplay.models import generation_config, load_tokenizer, source_identity, text_config
+    from kvreplay.sources import resolve_source
 
     check_servable(config.model, config.trust_remote_code)
     check_device(config.device)
@@ -265,7 +260,8 @@ def check_device(device: str) -> None:
 def check_servable(spec: str, trust_remote_code: bool) -> None:
     """Refuse, before the manifest, a model vLLM cannot serve: a GGUF file, or an
     architecture its registry does not list (unless remote code was asked for)."""
-    from kvreplay.models import resolve_source, text_config
+    from kvreplay.models import text_config
+    from kvreplay.sources import resolve_source
 
     _, gguf_file = resolve_source(spec, trust_remote_code)
     if gguf_file is not None:

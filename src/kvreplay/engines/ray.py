@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from kvreplay.config import RunConfig
+from kvreplay.embedded import cache_root
 from kvreplay.engines import check_placement
 from kvreplay.engines.worker import Worker
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.units import Unit
-from kvreplay.models import cache_root
 
 # Ray restarts a dead actor this many times before the engine gives it up.
 MAX_RESTARTS = 3

@@ -131,7 +131,7 @@ def snapshot(
     """Save a boundary state when the run asked for snapshots; return its file entry."""
     if not worker.config.save_snapshots:
         return None
-    from kvreplay.models import file_digests
+    from kvreplay.identity import file_digests
 
     # Readable, and unique: ids that differ only in unsafe characters (x/y, x_y) differ
     # in the digest of the row key.
