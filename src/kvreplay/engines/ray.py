@@ -24,7 +24,7 @@ from kvreplay.config import RunConfig
 from kvreplay.embedded import cache_root
 from kvreplay.engines import check_placement
 from kvreplay.engines.worker import Worker
-from kvreplay.errors import KvreplayError
+from kvreplay.errors import KvreplayError, first_line
 from kvreplay.experiments.units import Unit
 
 # Ray restarts a dead actor this many times before the engine gives it up.
@@ -177,8 +177,7 @@ class RayEngine:
             ) from exc
         except ray.exceptions.RayError as exc:
             self.close()
-            first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-            raise KvreplayError(f"The Ray workers failed to start ({first}).") from exc
+            raise KvreplayError(f"The Ray workers failed to start ({first_line(exc)}).") from exc
 
     def describe(self) -> dict[str, Any]:
         return {
