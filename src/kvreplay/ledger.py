@@ -22,7 +22,6 @@ from kvreplay.canonical import canonical, sha256_json
 from kvreplay.environment import CONTRACT_SCHEME, INFORMATIONAL
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
-from kvreplay.lock import check_libraries
 from kvreplay.paths import read_regular
 from kvreplay.runlock import RunLock
 
@@ -281,6 +280,8 @@ class RunLedger:
                 f"{self.run_dir} holds rows.jsonl but no manifest.json; use a new --out folder."
             )
         if self.manifest_path.exists() and self.has_rows():
+            from kvreplay.lock import check_libraries  # reads installed metadata: resumes only
+
             existing = RunLedger.open_existing(self.run_dir).manifest
             check_libraries(existing["contract"], self.run_dir)
             changed = diff_fields(existing["contract"], contract)

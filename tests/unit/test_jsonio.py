@@ -17,6 +17,8 @@ from kvreplay.jsonio import MAX_DEPTH, JsonError, parse_json
         ('{"a": [-1e999]}', "too large for a float"),
         ("[NaN]", "NaN is not a JSON number"),
         ("[" + "7" * 65 + "]", "an integer has 65 digits"),
+        ("[1.8e308]", "too large for a float"),  # a 3-digit exponent: checked per number
+        ("[" + "9" * 309 + ".0]", "too large for a float"),  # as many digits, no exponent
         ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "nested deeper than"),
         ('{"a": ' * (MAX_DEPTH + 1) + "1" + "}" * (MAX_DEPTH + 1), "nested deeper than"),
         (b"\xff[]", "not UTF-8"),
@@ -35,3 +37,13 @@ def test_accepted_as_written() -> None:
         "x": [1.5, -2, "ok"],
     }
     assert parse_json(b'\xef\xbb\xbf{"bom": true}') == {"bom": True}
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[1e99, -2.5e-99, 0.1]", "[1.7e308, 5e-324]", "[" + "7" * 64 + "]", "[0." + "3" * 80 + "]"],
+)
+def test_numbers_at_the_limits_read_as_python_reads_them(text: str) -> None:
+    import json
+
+    assert parse_json(text) == json.loads(text)
