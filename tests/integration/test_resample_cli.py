@@ -122,6 +122,7 @@ def test_analyze_writes_the_certificate_and_report_draws_it(built: Path) -> None
     first = section.strip().splitlines()[0]
     assert first == f"bf16: {claims['resample']['bf16']['sentence']}"
     assert "Method." in section and "resample_bf16.png" in section
+    assert "Headline, beside the paper" not in report  # the paper has no resample figure
     assert (built / "report.html").is_file()
 
 

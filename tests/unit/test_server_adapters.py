@@ -1,8 +1,10 @@
-"""The http backend's server adapters as registered (one module per server) and the
-probe's refusal, which names the adapter's own remedy."""
+"""The http backend's server adapters as registered (one module per server), the
+probe's refusal, which names the adapter's own remedy, and what a report says ran a
+served run's rows."""
 
 from __future__ import annotations
 
+from kvreplay.backends import backend_class
 from kvreplay.backends.http import ADAPTERS, adapter_class
 from kvreplay.backends.server import Probe
 
@@ -32,3 +34,11 @@ def test_a_probe_refuses_with_the_remedy_its_adapter_gives_and_none_it_does_not(
     plain = Probe(**_probe(reports_cached_tokens=False)).missing("x")
     assert plain is not None and "start it with" not in plain and plain.endswith("verified.")
     assert Probe(**_probe(), remedies=remedies).missing("x") is None
+
+
+def test_a_report_names_the_server_build_or_the_library_that_ran_the_rows() -> None:
+    served = {"server": "llamacpp", "identity": {"version": "b1-0c1e570"}}
+    assert backend_class("http").version(served, {}) == "llamacpp server b1-0c1e570"
+    assert backend_class("llamacpp").version({}, {"llama_cpp_python": "0.3.36"}) == "0.3.36"
+    assert backend_class("vllm").version({}, {"vllm": "0.32.0", "torch": "2.13.0"}) == "0.32.0"
+    assert backend_class("llamacpp").version({}, {"torch": "2.13.0"}) == "?"

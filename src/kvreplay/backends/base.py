@@ -122,6 +122,12 @@ class Backend:
         return {"name": self.name, **asdict(self)}
 
     @classmethod
+    def version(cls, recorded: dict[str, Any], environment: dict[str, Any]) -> str:
+        """What ran a recorded run's rows, for its report: the versions of the libraries
+        this backend added to the environment (``?`` where it added none)."""
+        return " / ".join(str(environment[k]) for k in cls.libraries if k in environment) or "?"
+
+    @classmethod
     def from_contract(cls, data: dict[str, Any], connection: dict[str, Any]) -> Backend:
         """The backend a contract recorded, reached through ``connection`` (its
         connection settings, given again to resume or audit)."""

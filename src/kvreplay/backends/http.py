@@ -116,6 +116,11 @@ class HttpBackend(Backend):
         }
 
     @classmethod
+    def version(cls, recorded: dict[str, Any], environment: dict[str, Any]) -> str:
+        """The server's own build, as its identity recorded it."""
+        return f"{recorded['server']} server {recorded['identity'].get('version', '?')}"
+
+    @classmethod
     def from_contract(cls, data: dict[str, Any], connection: dict[str, Any]) -> Backend:
         return cls(
             server=data["server"],

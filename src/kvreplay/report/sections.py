@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from kvreplay.analysis.ledgers import LedgerDir
 from kvreplay.analysis.rates import Json
 from kvreplay.analysis.sections.registry import SECTIONS
 from kvreplay.analysis.sections.section import Page
+from kvreplay.backends import backend_class
+from kvreplay.errors import KvreplayError
 from kvreplay.experiments.table import LedgerError
 from kvreplay.jsonio import parse_json
 from kvreplay.report.document import Block, Heading, Paragraph, Table
@@ -51,7 +54,7 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
             [
                 (
                     "backend",
-                    f"{run['backend']['name']} {env.get(run['backend']['name'], '?')}, "
+                    f"{run['backend']['name']} {_backend_version(run['backend'], env)}, "
                     + json.dumps(run["backend"], sort_keys=True),
                 )
             ]
@@ -61,6 +64,14 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
         ("experiments", ", ".join(f"{k} ({v})" for k, v in engines.items())),
         ("kvreplay", f"{manifest.get('kvreplay_version')} at {manifest.get('git_commit') or '?'}"),
     ]
+
+
+def _backend_version(recorded: dict[str, Any], environment: dict[str, Any]) -> str:
+    """What ran the rows, as the recorded backend names it (``?`` for one not installed)."""
+    try:
+        return backend_class(recorded["name"]).version(recorded, environment)
+    except KvreplayError:
+        return "?"
 
 
 def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figures) -> list[Block]:
@@ -73,17 +84,17 @@ def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figur
     else:
         blocks.append(Paragraph("No manifest.json here, so model, engine and device are unknown."))
     blocks.append(Paragraph("Ledgers read: " + ", ".join(sorted(folder.ledgers)) + "."))
-    blocks += [
-        Heading("Headline, beside the paper"),
-        Paragraph(
-            "The paper column quotes the stage-replay paper's published figures"
-            " (arXiv 2607.28495); a run on another model or item set is not expected to match."
-        ),
-        Table(
-            ("claim", "this run", "paper"),
-            [row for section in SECTIONS for row in section.headline(claims)],
-        ),
-    ]
+    headline = [row for section in SECTIONS for row in section.headline(claims)]
+    if headline:  # a run of experiments the paper has no figure for has none
+        blocks += [
+            Heading("Headline, beside the paper"),
+            Paragraph(
+                "The paper column quotes the stage-replay paper's published figures"
+                " (arXiv 2607.28495); a run on another model or item set is not expected to"
+                " match."
+            ),
+            Table(("claim", "this run", "paper"), headline),
+        ]
     for section in SECTIONS:
         own = section.ledgers(folder.ledgers)
         blocks += section.report(Page(claims, own, folder.records, figures))
