@@ -3,8 +3,8 @@ per seed, replicas gate the first seeds, and a state resampled against a bit-exa
 rebuild of itself is certified faithful.
 
 The faithful case runs the panel with the prefill arm replaced by ``replay``, the
-teacher-forced rebuild that is bit-exact with live by construction (DESIGN.md), so the
-two arms are the same state and every seed must give both the same sample, on any CPU.
+teacher-forced rebuild that is bit-exact with live by construction (docs/design.md), so
+the two arms are the same state and every seed must give both the same sample, on any CPU.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def test_bootstrap_two_rows_spans_zero_to_hundred() -> None:
 
 
 def test_bootstrap_draws_follow_method_md_literally() -> None:
-    """A literal transcription of METHOD.md: one integers() call per block of 1,000."""
+    """A literal transcription of the paper's published bootstrap (paper-release's method,
+    outside this repository; docs/design.md): one integers() call per block of 1,000."""
     values = np.random.default_rng(7).normal(size=60)  # continuous, so streams cannot tie
     stream = 101
     rng = np.random.default_rng(BOOTSTRAP_SEED + stream)
