@@ -31,6 +31,11 @@ from kvreplay.state import (
 )
 
 
+Replica = Literal["replica", "clone", "none"]
+"""What an arm gets beside it: a replica (checked and continued), a clone (checked only;
+in process) or nothing."""
+
+
 @dataclass(frozen=True)
 class Arm:
     """A declared arm: one construction of the boundary state, continued, and what it
@@ -64,9 +69,6 @@ class Samples:
 
     def of(self, name: str) -> tuple[int, ...]:
         return self.seeds[: self.replica] if is_replica(name) else self.seeds
-
-
-Replica = Literal["replica", "clone", "none"]
 
 
 class Declared(Protocol):
