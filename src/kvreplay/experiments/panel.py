@@ -30,7 +30,6 @@ from kvreplay.state import (
     transplant,
 )
 
-
 Replica = Literal["replica", "clone", "none"]
 """What an arm gets beside it: a replica (checked and continued), a clone (checked only;
 in process) or nothing."""
