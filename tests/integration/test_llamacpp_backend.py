@@ -150,7 +150,7 @@ def test_localize_sweeps_the_layers_of_a_divergent_row(matched: Path, tmp_path: 
 def test_a_states_kv_follow_every_change_of_its_context() -> None:
     """A context parses its sequence state once per change: advancing, splicing a donor's
     rows in and restoring a snapshot must each show the new K/V, not the parsed ones."""
-    runtime = Runtime(gguf_file("smollm2-135m"), 2048, False, threads=1, kv="fp16")
+    runtime = Runtime(gguf_file("smollm2-135m"), 2048, "off", threads=1, kv="fp16")
     ids = runtime.tokenize("Compute 3 + 4 * 5 step by step.", add_special=True)
     state, donor = LlamaState.empty(runtime, "live"), LlamaState.empty(runtime, "donor")
     state.advance(runtime, ids)

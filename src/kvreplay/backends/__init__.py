@@ -32,12 +32,17 @@ def registry() -> dict[str, str]:
     return found
 
 
+def load(where: str) -> Any:
+    """What a registry line names (``module:attribute``), imported now."""
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 def backend_class(name: str) -> type[Backend]:
     where = registry().get(name)
     if where is None:
         raise KvreplayError(f"Unknown backend {name!r}; choose {', '.join(registry())}.")
-    module, _, attribute = where.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return load(where)
 
 
 def make_backend(name: str = "hf", **settings: Any) -> Backend:
@@ -88,6 +93,7 @@ __all__ = [
     "Capabilities",
     "backend_class",
     "backend_from_contract",
+    "load",
     "make_backend",
     "precisions",
     "registry",

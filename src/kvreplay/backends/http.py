@@ -19,7 +19,6 @@ asks the server who it is.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from kvreplay.backends import load
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import Reply, Request, served_stage
 from kvreplay.backends.server import Client, Probe, ServerAdapter
@@ -43,8 +43,7 @@ ADAPTERS: dict[str, str] = {
 
 
 def adapter_class(name: str) -> type[ServerAdapter]:
-    module, _, attribute = ADAPTERS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return load(ADAPTERS[name])
 
 
 def connect(url: str, server: str, timeout: float, api_key_env: str) -> ServerAdapter:

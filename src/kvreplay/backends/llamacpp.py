@@ -84,7 +84,7 @@ class LlamaCppBackend(Backend):
         """llama.cpp's model in ``path``, making its contexts at this backend's settings."""
         from kvreplay.backends.llamacpp_runtime import Runtime
 
-        return Runtime(path, self.n_ctx, self.flash_attn == "on", threads, kv, vocab_only)
+        return Runtime(path, self.n_ctx, self.flash_attn, threads, kv, vocab_only)
 
     def check_model(
         self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]

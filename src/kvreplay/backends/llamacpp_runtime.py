@@ -42,7 +42,7 @@ class Runtime:
         self,
         path: Path,
         n_ctx: int,
-        flash_attn: bool,
+        flash_attn: str,  # the backend's setting: on or off
         threads: int,
         kv: str,
         vocab_only: bool = False,
@@ -69,7 +69,7 @@ class Runtime:
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
         params.type_k = params.type_v = KV_TYPES[self.kv]
-        params.flash_attn_type = 1 if self.flash_attn else 0
+        params.flash_attn_type = 1 if self.flash_attn == "on" else 0
         params.no_perf = True
         handle = lib.llama_init_from_model(self.model, params)
         if not handle:
@@ -311,7 +311,7 @@ class LlamaModel:
 
     @property
     def attn_implementation(self) -> str:
-        return f"llama.cpp(flash_attn={'on' if self.model.flash_attn else 'off'})"
+        return f"llama.cpp(flash_attn={self.model.flash_attn})"
 
     @property
     def num_layers(self) -> int:
