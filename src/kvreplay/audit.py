@@ -23,7 +23,7 @@ from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import recorded_experiment
 from kvreplay.experiments.prefixes import trajectory_inputs
-from kvreplay.experiments.rows import PREFIX_FIELDS, row_as_written
+from kvreplay.experiments.rows import PREFIX_FIELDS, row_as_written, without_unrecorded_digests
 from kvreplay.experiments.tables import recorded_table
 from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.identity import file_digests
@@ -33,6 +33,7 @@ from kvreplay.ledger import (
     MANIFEST,
     MANIFEST_TYPES,
     ROWS,
+    STOPPED,
     Record,
     RunLedger,
     diff_fields,
@@ -215,6 +216,13 @@ def check_plan(ledger: RunLedger, records: list[Record], item_order: list[str]) 
             problems.append(f"{where}.config is malformed ({type(exc).__name__})")
             continue
         wanted = set(planned)
+        stop = entry.get(STOPPED)
+        if stop is not None:
+            why = stop_problem(experiment, stop, planned, rows)
+            if why:
+                problems.append(f"{where}.{STOPPED}: {why}")
+            else:
+                planned = planned[: planned.index(stop["after"]) + 1]
         problems += [
             f"row {key}: missing from rows.jsonl (planned by experiments.{name}.config)"
             for key in planned
@@ -231,6 +239,28 @@ def check_plan(ledger: RunLedger, records: list[Record], item_order: list[str]) 
         if r.experiment not in experiments
     ]
     return problems
+
+
+def stop_problem(
+    experiment: Any, stop: Any, planned: list[str], rows: dict[str, Record]
+) -> str | None:
+    """What is wrong with a recorded early stop, or None: it must name a planned row,
+    every row before it must be there and none after it, and its rule must decide at
+    that row and not before (so a stop cannot hide rows that would have passed)."""
+    from kvreplay.verdict import StopRule
+
+    try:
+        rule = StopRule.from_json(experiment, stop["rule"])
+        cut = planned.index(stop["after"]) + 1
+    except (KeyError, TypeError, ValueError):
+        return "is malformed"
+    kept = [rows.get(key) for key in planned[:cut]]
+    if None in kept or any(key in rows for key in planned[cut:]):
+        return "does not match the rows in rows.jsonl"
+    ran = [r for r in kept if r is not None]
+    if not rule(ran) or rule(ran[:-1]):
+        return "its rule does not decide at its last row"
+    return None
 
 
 def audit(
@@ -339,6 +369,7 @@ def _audit(
         for unit, data, _, _ in runner.run(units):
             recorded = row_as_written(by_key[str(unit.key)].data)
             fresh = {**data, "inputs": recorded.get("inputs", {})}
+            fresh = without_unrecorded_digests(fresh, recorded)
             for path in diff_fields(_strip(recorded), _strip(fresh)):
                 result.problems.append(f"row {unit.key}: field {path} differs on re-execution")
             result.rows_reexecuted += 1

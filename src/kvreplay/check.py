@@ -10,6 +10,7 @@ on screen, ``--json``, ``--junit``, and a repro pack for the first divergent ite
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from collections.abc import Callable
@@ -20,7 +21,9 @@ from kvreplay.errors import KvreplayError
 from kvreplay.experiments.experiment import Experiment
 from kvreplay.items import load_jsonl
 from kvreplay.ledger import ITEMS, Record
-from kvreplay.verdict import SCHEMA, Verdict, judge, parse_expectation
+from kvreplay.verdict import SCHEMA, Expectation, StopRule, Verdict, judge, parse_expectation
+
+DEFAULT_ITEMS = 4
 
 
 def repro_pack(
@@ -31,10 +34,11 @@ def repro_pack(
     experiment: Experiment,
     command: list[str],
 ) -> Path | None:
-    """For the first divergent item: its item line, P, both suffixes, the margins and
-    first-step logprobs at the divergence, the environment, and the one command that
-    reproduces it (this check on that item alone)."""
-    first = next((o for o in verdict.items if o.diverges), None)
+    """For the first item that fails the expectation (its suffixes, or under
+    ``bitwise`` its numerics, part): its item line, P, both suffixes, where tokens and
+    numerics part, the margins and first-step logprobs, the environment, and the one
+    command that reproduces it (this check on that item alone)."""
+    first = next((o for o in verdict.items if o.reached and not verdict.passes(o)), None)
     if first is None:
         return None
     record = next(
@@ -61,6 +65,8 @@ def repro_pack(
             verdict.compared[1]: right.suffix_token_ids,
         },  # fmt: skip
         "first_divergence": first.first_divergence,
+        "numeric_divergence": first.numeric_step,
+        "bits": first.bits,
         "margins_at_divergence": {
             verdict.compared[0]: first.left_margin,
             verdict.compared[1]: first.right_margin,
@@ -80,7 +86,7 @@ def repro_pack(
 def _rerun_command(command: list[str], items: Path, out: Path, precision: str) -> list[str]:
     """The check's own command line (as :func:`kvreplay.cli.command_line` gives it),
     narrowed to one item and precision and a new folder."""
-    drop = {"--items", "--n", "--dtypes", "--out", "--json", "--junit", "--repro"}
+    drop = {"--items", "--n", "--max-rate", "--dtypes", "--out", "--json", "--junit", "--repro"}
     kept, skip = [], False
     for arg in command:
         if skip:
@@ -107,17 +113,60 @@ def write_outputs(verdict: Verdict, json_path: Path | None, junit_path: Path | N
             raise KvreplayError(f"Cannot write {path} ({exc.strerror or exc}).") from exc
 
 
+def check_outputs(out: Path, json_path: Path | None, junit_path: Path | None, repro: Path) -> None:
+    """Refuse, before the run writes anything, outputs that would overwrite the run or
+    each other, or that cannot be written: a path inside the run folder (its ledger,
+    items, manifest), the same path twice, a folder where a file goes (or a file where
+    the repro pack's folder goes), or a folder that does not exist or is not writable."""
+    run = out.resolve()
+    named = {"--json": json_path, "--junit": junit_path, "--repro": repro}
+    seen: dict[Path, str] = {}
+    for flag, path in named.items():
+        if path is None:
+            continue
+        where = path.resolve()
+        if where == run or run in where.parents or (flag == "--repro" and where in run.parents):
+            raise KvreplayError(
+                f"{flag} {path} lies inside the check's run folder {out} (or holds it); "
+                "name a path outside it."
+            )
+        if where in seen:
+            raise KvreplayError(f"{flag} and {seen[where]} name the same path {path}.")
+        seen[where] = flag
+        if flag == "--repro":
+            _check_folder_target(path)
+        else:
+            _check_file_target(flag, path)
+
+
+def _check_file_target(flag: str, path: Path) -> None:
+    if path.exists() and not path.is_file():
+        raise KvreplayError(f"{flag} {path} exists and is not a regular file.")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise KvreplayError(f"{flag} {path} is not writable.")
+    parent = path.parent
+    if not parent.is_dir():
+        raise KvreplayError(f"Cannot write {path}: the folder {parent} does not exist.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise KvreplayError(f"Cannot write {path}: the folder {parent} is not writable.")
+
+
+def _check_folder_target(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise KvreplayError(f"--repro {path} exists and is not a folder.")
+    existing = path if path.exists() else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise KvreplayError(f"Cannot write the repro pack {path}: {existing} is not writable.")
+
+
 def default_out(options: dict[str, Any]) -> Path:
     """One folder per model, backend, precisions and temperature, so a rerun resumes."""
     model = Path(str(options["model"])).name or "model"
     dtypes = "-".join(options["dtypes"])
     name = f"{model}-{options['backend']}-{dtypes}-t{options['temperature']:g}"
     return Path("kvreplay-check") / re.sub(r"[^A-Za-z0-9._-]+", "-", name)
-
-
-def _check_writable(path: Path | None) -> None:
-    if path is not None and not path.parent.is_dir():
-        raise KvreplayError(f"Cannot write {path}: the folder {path.parent} does not exist.")
 
 
 def _environment(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +187,8 @@ def run_check(
     command: list[str],
 ) -> Verdict:
     """Run (or resume) the check the CLI options ask for, print its verdict, write its
-    outputs, and return the verdict. Every refusal comes before the run writes."""
+    outputs, and return the verdict. Every refusal comes before the run writes. The run
+    stops once its verdict is decided (:func:`~kvreplay.verdict.decided`)."""
     from kvreplay.experiments import get_experiment
     from kvreplay.ledger import RunLedger, parse_rows
     from kvreplay.runner import run
@@ -149,31 +199,67 @@ def run_check(
         take(k) for k in ("out", "json_path", "junit_path", "repro")
     )
     expectation = parse_expectation(
-        take("expect"), take("max_divergent"), take("margin"), options["temperature"]
-    )
+        take("expect"), take("max_divergent"), take("margin"), options["temperature"],
+        take("max_rate"),
+    )  # fmt: skip
     samples = take("samples")
     name = "resample" if expectation.kind == "faithful" else "matched"
     if samples is not None and name != "resample":
         raise KvreplayError("--samples applies at --temperature above 0 only.")
     if name == "resample":
         options |= {"samples": samples or 8, "margin": expectation.margin}
-    for path in (json_path, junit_path):
-        _check_writable(path)
+    options["n"] = _item_count(options, expectation)
     out = out or default_out(options)
+    repro = repro or out.with_name(out.name + ".repro")
+    check_outputs(out, json_path, junit_path, repro)
     request = make_request(name, out, options)
-    run(request, quiet=True)
+    _check_numerics(request.backend, expectation)
+    experiment = get_experiment(name, request.backend, require_engine=False)
+    run(request, quiet=True, stop=StopRule(experiment, expectation))
     ledger = RunLedger.open_existing(out)
     records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
-    experiment = get_experiment(name, request.backend, require_engine=False)
     rows = [r for r in records if r.experiment == name]
-    verdict = judge(experiment, rows, expectation, _environment(ledger.manifest))
+    planned = len(options["dtypes"]) * options["n"]
+    verdict = judge(experiment, rows, expectation, _environment(ledger.manifest), planned)
     echo(verdict.screen())
     write_outputs(verdict, json_path, junit_path)
-    pack = repro_pack(
-        repro or out.with_name(out.name + ".repro"), verdict, out, rows, experiment, command
-    )
+    pack = repro_pack(repro, verdict, out, rows, experiment, command)
     if pack is not None:
         command = json.loads((pack / "repro.json").read_text())["command"]
         echo(f"repro pack: {pack}; reproduce the first divergence with: {command}")
     echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
     return verdict
+
+
+def _item_count(options: dict[str, Any], expectation: Expectation) -> int:
+    """How many items the check runs: ``--n`` (4 by default), or under ``--max-rate``
+    as many as a pass needs to bound the rate under it, which the item set must hold."""
+    from kvreplay.items import load_items
+
+    needed = expectation.items_needed()
+    if needed is None:
+        return options["n"] if options["n"] is not None else DEFAULT_ITEMS
+    if options["n"] is not None:
+        raise KvreplayError(
+            f"--max-rate {expectation.max_rate:g} sets how many items run ({needed}); "
+            "leave out --n."
+        )
+    total = len(load_items(options["items_source"]))
+    if total < needed:
+        raise KvreplayError(
+            f"--max-rate {expectation.max_rate:g} needs {needed} items for a pass to bound "
+            f"the divergence rate under it, but the item set {options['items_source']} holds "
+            f"{total}; give a larger --items set or a higher --max-rate."
+        )
+    return needed
+
+
+def _check_numerics(backend: Any, expectation: Expectation) -> None:
+    """A bitwise check compares numerics, which a backend reports through its logits
+    (K/V access) or its top-k logprobs; one that reports neither is refused."""
+    capabilities = backend.capabilities
+    if expectation.kind == "bitwise" and not (capabilities.kv_access or capabilities.top_logprobs):
+        raise KvreplayError(
+            f"--expect bitwise compares numerics, but the {backend.name} backend reports "
+            "neither logits nor top-k logprobs; use --expect exact."
+        )

@@ -129,8 +129,8 @@ def _setting_option(key: str, meta: dict[str, Any], help: str | None = None) -> 
 def run_options(
     func: Callable[..., Any],
     temperature: float = 0.0,
-    n: int | None = None,
     dtypes: str = "bf16,fp32",
+    n_help: str = "How many items (default: all; bridge 12).",
 ) -> Callable[..., Any]:
     """Options shared by every ``run`` experiment and ``check`` (the backends' settings
     follow them: :class:`WithBackends`); the defaults given are the command's own
@@ -140,8 +140,7 @@ def run_options(
                      help="Embedded model name, local folder, GGUF file, or cached hub id."),
         click.option("--items", "items_source", default="arith", show_default=True,
                      help="Built-in item set or a JSONL file."),
-        click.option("--n", type=int, default=n, show_default=n is not None,
-                     help="How many items" + ("." if n else " (default: all; bridge 12).")),
+        click.option("--n", type=int, default=None, help=n_help),
         click.option("--dtypes", default=dtypes, show_default=True, callback=_parsed(_dtypes),
                      help="Comma-separated precisions: fp32, bf16, fp16 "
                      "(llamacpp: KV-cache types, also q8_0)."),
@@ -368,20 +367,29 @@ CHECK_OPTIONS = [
                  help="Run folder of the check (default: kvreplay-check/<model>-<backend>-"
                       "<dtypes>-t<temperature>); rerunning resumes it, and kvreplay audit "
                       "re-executes it."),
-    click.option("--expect", type=click.Choice(["exact", "max-divergent", "faithful"]),
+    click.option("--expect",
+                 type=click.Choice(["exact", "max-divergent", "bitwise", "faithful"]),
                  default=None,
-                 help="What must hold: exact (every suffix equal; the default when greedy), "
-                      "max-divergent (at most --max-divergent items differ), or faithful "
-                      "(the resample certificate within --margin; the default at "
-                      "--temperature > 0)."),
+                 help="What must hold: exact (every suffix equal: the token level; the default "
+                      "when greedy), max-divergent (at most --max-divergent items differ), "
+                      "bitwise (every compared step's numerics bit-equal: logits or top-k "
+                      "logprobs, and K/V where the backend has them; stops at the first item "
+                      "whose numerics part; what a gate on a deterministic mode such as "
+                      "VLLM_BATCH_INVARIANT=1 wants), or faithful (the resample certificate "
+                      "within --margin; the default at --temperature > 0). Every verdict "
+                      "reports both levels."),
     click.option("--max-divergent", type=click.IntRange(min=0), default=None,
                  help="Items allowed to diverge under --expect max-divergent."),
+    click.option("--max-rate", type=float, default=None,
+                 help="Run as many items as a pass needs to bound the divergence rate under "
+                      "this rate at 95% (e.g. 0.05: 72 items), stopping as soon as the bound "
+                      "is out of reach; replaces --n."),
     click.option("--margin", type=float, default=None,
                  help="Equivalence margin of --expect faithful, in (0, 1) (default 0.05)."),
     click.option("--samples", type=click.IntRange(min=2, max=4096), default=None,
                  help="Seeded samples per item at --temperature > 0 (default 8)."),
     click.option("--json", "json_path", type=UserPath(path_type=Path, dir_okay=False),
-                 default=None, help="Write the verdict as JSON (schema kvreplay-check-v1)."),
+                 default=None, help="Write the verdict as JSON (schema kvreplay-check-v2)."),
     click.option("--junit", "junit_path", type=UserPath(path_type=Path, dir_okay=False),
                  default=None, help="Write JUnit XML: one test case per item."),
     click.option("--repro", type=UserPath(path_type=Path, file_okay=False), default=None,
@@ -402,7 +410,9 @@ def _check_command() -> None:
     func: Callable[..., Any] = plain_errors(check)
     for option in reversed(CHECK_OPTIONS):
         func = option(func)
-    command = run_options(func, n=4, dtypes="bf16")
+    command = run_options(
+        func, dtypes="bf16", n_help="How many items (default 4; --max-rate sets it)."
+    )
     main.command("check", cls=WithBackends, backends=backend_options)(command)
 
 

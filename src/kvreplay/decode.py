@@ -18,7 +18,7 @@ import torch
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import Stage, StagePlan, StopDetector
 from kvreplay.state import BoundaryState
-from kvreplay.trajectory import Segment, Trajectory
+from kvreplay.trajectory import Segment, Trajectory, step_digest
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,13 @@ def run_stage(
     )
     tokens: list[int] = []
     margins: list[float] = []
+    digests: list[str] = []
     reason = "cap"
     while len(tokens) < stage.max_new_tokens:
         assert state.logits is not None
         token = sampler.pick(state.logits, generator)
         margins.append(top2_margin(state.logits))
+        digests.append(step_digest(state.logits_fingerprint()))
         tokens.append(token)
         hit = detector.hit(tokens)
         done = hit is not None or len(tokens) == stage.max_new_tokens
@@ -124,7 +126,7 @@ def run_stage(
         if hit is not None:
             reason = hit
             break
-    return Segment(stage.name, forced, tokens, reason, margins)
+    return Segment(stage.name, forced, tokens, reason, margins, digests)
 
 
 def run_stages(

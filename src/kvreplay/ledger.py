@@ -31,6 +31,7 @@ MANIFEST = "manifest.json"
 ROWS = "rows.jsonl"
 ITEMS = "items.jsonl"
 SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot files
+STOPPED = "stopped"  # an experiment's note: the rule that ended it early, and its last row
 MANIFEST_TYPES: dict[str, type] = {
     "format": str,
     "contract": dict,
@@ -324,8 +325,15 @@ class RunLedger:
         _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
 
     def note_experiment(self, name: str, key: str, value: Any) -> None:
-        """Record facts about an experiment that do not change results (engine, workers)."""
-        self.manifest["experiments"][name][key] = value
+        """Record facts about an experiment that do not change results (engine, workers,
+        an early stop); None drops the fact."""
+        entry = self.manifest["experiments"][name]
+        if value is None and key not in entry:
+            return
+        if value is None:
+            del entry[key]
+        else:
+            entry[key] = value
         _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
 
     def recover(self) -> None:

@@ -11,9 +11,10 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
@@ -32,6 +33,8 @@ from kvreplay.ledger import (
     ITEMS,
     MANIFEST,
     SNAPSHOTS_SAVED,
+    STOPPED,
+    Record,
     RunLedger,
     parse_rows,
     write_text_atomic,
@@ -243,20 +246,35 @@ def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
         )
 
 
+class Stop(Protocol):
+    """A rule that ends a run early (a check whose verdict is decided): asked with the
+    experiment's rows before the first unit and after each row. The manifest records it
+    with the last row, so that an audit can tell a deliberate stop from lost rows; the
+    run stays resumable."""
+
+    def __call__(self, rows: list[Record]) -> bool: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
 def run(
-    request: RunRequest, quiet: bool = False, session: EngineSession | None = None
+    request: RunRequest,
+    quiet: bool = False,
+    session: EngineSession | None = None,
+    stop: Stop | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one experiment into ``request.out``; return its summary.
 
     The run holds the folder's lock (see :mod:`kvreplay.runlock`) from before its first
     write until it returns, so a second run on the same folder is refused. It runs on
     ``request.threads`` torch threads per worker process, which its contract records.
-    A ``session`` (closed by the caller) keeps its workers and their models for the next run.
+    A ``session`` (closed by the caller) keeps its workers and their models for the next
+    run; ``stop`` may end it before every unit ran.
     """
     with intra_op_threads(request.threads):
         ledger, scope = prepare(request)
         try:
-            return _run_prepared(request, ledger, scope, quiet, session)
+            return _run_prepared(request, ledger, scope, quiet, session, stop)
         finally:
             ledger.close()
 
@@ -267,6 +285,7 @@ def _run_prepared(
     scope: Scope,
     quiet: bool,
     session: EngineSession | None,
+    stop: Stop | None,
 ) -> dict[str, Any]:
     experiment = get_experiment(request.experiment, request.backend)
     selection = experiment.select(scope, {**scope.source_rows(), **ledger.by_key()})
@@ -279,10 +298,20 @@ def _run_prepared(
     engine = session.engine(run, *placement) if session else make_engine(run, *placement)
     try:
         ledger.note_experiment(experiment.name, "engine", engine.describe())
+        done = (lambda: stop(ledger.rows(experiment.name))) if stop else (lambda: False)
+        stopped = False
         for phase in range(experiment.phases):
             units = experiment.units(phase, scope, selection, ledger.by_key())
             todo = [u for u in units if not ledger.is_done(str(u.key))]
-            _run_phase(ledger, engine, todo, quiet)
+            stopped = done() or not _run_phase(ledger, engine, todo, quiet, done)
+            if stopped:
+                break
+        last = ledger.rows(experiment.name)[-1].key if stopped else None
+        ledger.note_experiment(
+            experiment.name,
+            STOPPED,
+            {"rule": stop.to_json(), "after": last} if stop and last else None,
+        )
     finally:
         if session is None:
             engine.close()
@@ -297,17 +326,25 @@ def _run_prepared(
     return summary
 
 
-def _run_phase(ledger: RunLedger, engine: Any, units: list[Unit], quiet: bool) -> None:
+def _run_phase(
+    ledger: RunLedger, engine: Any, units: list[Unit], quiet: bool, done: Callable[[], bool]
+) -> bool:
+    """Run a phase's units, appending each row; False when ``done`` stopped it early."""
     if not units:
-        return
+        return True
     bar = tqdm(
         total=len(units), unit="row", disable=quiet, file=sys.stderr, desc=units[0].experiment
     )
+    rows = engine.run(units)
     try:
-        for unit, data, timing, worker in engine.run(units):
+        for unit, data, timing, worker in rows:
             inputs = {k: v for k, v in unit.inputs.items() if k != "reuse"}
             record = {**data, "inputs": inputs}
             ledger.append(str(unit.key), unit.experiment, record, worker, timing)
             bar.update(1)
+            if done():
+                return False
     finally:
+        rows.close()
         bar.close()
+    return True

@@ -1,22 +1,37 @@
 """A decoded continuation as rows record it: each stage's forced opener, decoded tokens,
-why it ended and its top-1/top-2 margins. Plain data, no torch: the typed rows, the CSVs
-and the analysis read it without loading a model."""
+why it ended, its top-1/top-2 margins and each decoded step's numerics digest. Plain
+data, no torch: the typed rows, the CSVs and the analysis read it without loading a
+model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+DIGEST_CHARS = 16
+"""Hex characters a step digest keeps of its SHA-256 (64 bits: ample to tell two arms'
+numerics apart, at a sixth of the ledger space of a whole digest)."""
+
+
+def step_digest(fingerprint: str) -> str:
+    """A decoded step's digest: the head of the fingerprint of what the backend computed
+    there (the logits where it has them, else its top-k logprobs)."""
+    return fingerprint[:DIGEST_CHARS]
+
 
 @dataclass
 class Segment:
-    """One stage of a trajectory: forced opener ids, decoded ids, why it ended, margins."""
+    """One stage of a trajectory: forced opener ids, decoded ids, why it ended, margins,
+    and per decoded step a digest of what the backend computed there (design: level):
+    two arms whose digests agree at a step had bit-equal numerics there. Rows written
+    before digests were recorded have none (an empty list)."""
 
     stage: str
     opener_ids: list[int]
     token_ids: list[int]
     stop_reason: str
     margins: list[float] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
 
     @property
     def stream(self) -> list[int]:
@@ -36,7 +51,17 @@ class Trajectory:
     def stage(self, name: str) -> Segment | None:
         return next((s for s in self.segments if s.stage == name), None)
 
-    def to_dict(self) -> dict[str, Any]:
+    @property
+    def digests(self) -> list[str] | None:
+        """Every decoded step's digest, in order; None when a stage decoded tokens
+        without recording them (a row written before digests were)."""
+        if any(len(s.digests) != len(s.token_ids) for s in self.segments):
+            return None
+        return [d for s in self.segments for d in s.digests]
+
+    def to_dict(self, digests: bool = True) -> dict[str, Any]:
+        """As rows store it; ``digests`` False leaves them out (a prefix's own stages,
+        which nothing compares)."""
         return {
             "segments": [
                 {
@@ -45,6 +70,7 @@ class Trajectory:
                     "token_ids": s.token_ids,
                     "stop_reason": s.stop_reason,
                     "margins": [round(m, 6) for m in s.margins],
+                    **({"digests": s.digests} if digests and s.digests else {}),
                 }
                 for s in self.segments
             ]
@@ -53,3 +79,39 @@ class Trajectory:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
         return cls([Segment(**s) for s in data["segments"]])
+
+
+@dataclass(frozen=True)
+class NumericDivergence:
+    """Where two continuations' numerics first part (design: numeric divergence index):
+    ``index`` is a suffix token index (0: the boundary logits; forced opener tokens
+    have no step) or None when every step agrees; ``recorded`` is False when either
+    continuation lacks step digests, so nothing can be said at the bits level."""
+
+    recorded: bool
+    index: int | None = None
+
+    @property
+    def parts(self) -> bool:
+        return self.recorded and self.index is not None
+
+
+def numeric_divergence(left: Trajectory, right: Trajectory) -> NumericDivergence:
+    """The first suffix token whose step digests differ, or where the streams part
+    (a different token, or one stream ending) before any digest does."""
+    if left.digests is None or right.digests is None:
+        return NumericDivergence(recorded=False)
+    a, b = _steps(left), _steps(right)
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return NumericDivergence(True, index)
+    return NumericDivergence(True, None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def _steps(trajectory: Trajectory) -> list[tuple[int, str | None]]:
+    """Each suffix token with its step's digest (None for a forced opener token)."""
+    steps: list[tuple[int, str | None]] = []
+    for s in trajectory.segments:
+        steps += [(t, None) for t in s.opener_ids]
+        steps += list(zip(s.token_ids, s.digests, strict=True))
+    return steps

@@ -1,12 +1,14 @@
-"""``kvreplay check`` (issue 27) end to end through the CLI, on drift_qwen2 (whose bf16
-prefill drifts from decode by construction, on every kernel family): the verdict, its
-exit code, the JSON (validated against docs/check-v1.schema.json), the JUnit XML (read
-back by an XML parser), the repro pack whose command reproduces the first divergence,
-the audit of the check's own run folder, the pytest helper, and bad input."""
+"""``kvreplay check`` (issues 27, 33) end to end through the CLI, on drift_qwen2 (whose
+bf16 prefill drifts from decode by construction, on every kernel family): the verdict at
+both levels, its exit code, the JSON (validated against docs/check-v2.schema.json), the
+JUnit XML (read back by an XML parser), the repro pack whose command reproduces the first
+divergence, the audit of the check's own run folder, ``--expect bitwise`` stopping at the
+first item whose numerics part, ``--max-rate``, the pytest helper, and bad input."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 from helpers import PLAN, PROMPT_POOL, invoke, write_items
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEMA = json.loads((REPO / "docs" / "check-v1.schema.json").read_text())
+SCHEMA = json.loads((REPO / "docs" / "check-v2.schema.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +33,14 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return items, plan
 
 
-def check(tiny_dirs, inputs, out: Path, *extra: object, model: str = "drift_qwen2"):
+def check(
+    tiny_dirs, inputs, out: Path, *extra: object, model: str = "drift_qwen2", n: int | None = 16
+):
     items, plan = inputs
+    count = ("--n", n) if n is not None else ()
     return invoke(
         "check", "--model", tiny_dirs[model], "--items", items, "--plan", plan,
-        "--n", 16, "--out", out, *extra,
+        *count, "--out", out, *extra,
     )  # fmt: skip
 
 
@@ -52,7 +57,10 @@ def bf16(tmp_path_factory, tiny_dirs, inputs) -> Path:
 
 def test_bf16_fails_exact_with_its_divergences(bf16: Path) -> None:
     output = (bf16 / "stdout.txt").read_text()
-    assert output.startswith("FAILS (every suffix equal): live and prefill continuations differ")
+    assert output.startswith(
+        "FAILS at token level (every suffix equal): live and prefill continuations differ"
+    )
+    assert "NOT bitwise: live and prefill numerics differ on 16 of 16 item(s)" in output
     verdict = json.loads((bf16 / "v.json").read_text())
     jsonschema.validate(verdict, SCHEMA)
     assert verdict["verdict"] == "fails" and verdict["exit_code"] == 1
@@ -62,6 +70,10 @@ def test_bf16_fails_exact_with_its_divergences(bf16: Path) -> None:
         i["first_divergence"] is not None and i["left_margin"] is not None for i in diverging
     )
     assert verdict["environment"]["model"]["model_digest"]
+    bits = verdict["levels"]["bits"]
+    assert bits["holds"] is False and bits["differ"] == 16
+    assert bits["first"] == {"item_id": "p0", "precision": "bf16", "step": 0}
+    assert all(i["bits"] == "differ" and i["kv_equal"] is False for i in verdict["items"])
 
 
 def test_junit_has_one_case_per_item_and_fails_the_divergent_ones(bf16: Path) -> None:
@@ -72,6 +84,10 @@ def test_junit_has_one_case_per_item_and_fails_the_divergent_ones(bf16: Path) ->
     failed = {c.get("name") for c in cases if c.find("failure") is not None}
     assert failed == {i["item_id"] for i in verdict["items"] if i["suffix_differs"]}
     assert int(suite.get("failures")) == len(failed)
+    properties = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert properties["tokens"] == "fails" and properties["bits"] == "fails"
+    case_bits = {c.find("properties/property[@name='bits']").get("value") for c in cases}
+    assert case_bits == {"differ"}
 
 
 def test_the_repro_pack_command_reproduces_the_first_divergence(bf16: Path) -> None:
@@ -98,11 +114,65 @@ def test_the_check_is_a_run_that_audit_reexecutes(bf16: Path) -> None:
 
 
 def test_fp32_holds_on_a_model_whose_prefill_matches_decode(tmp_path, tiny_dirs, inputs) -> None:
-    """drift_qwen2 drifts by construction in every precision; a plain Qwen2 in fp32 not."""
-    result = check(tiny_dirs, inputs, tmp_path / "run", "--dtypes", "fp32", model="qwen2")
+    """drift_qwen2 drifts by construction in every precision; a plain Qwen2 in fp32 not.
+    A pass states its power and what the bits level gives, never a bare HOLDS."""
+    result = check(
+        tiny_dirs, inputs, tmp_path / "run", "--dtypes", "fp32", "--json", tmp_path / "v.json",
+        model="qwen2",
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("HOLDS (every suffix equal)")
+    assert result.output.startswith("HOLDS at token level (every suffix equal)")
+    assert "the divergence rate may still be up to 21% (95% upper bound)" in result.output
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    jsonschema.validate(verdict, SCHEMA)
+    assert verdict["power"]["rate_upper_95"] == pytest.approx(1 - 0.025 ** (1 / 16))
+    bits = "bitwise too" if verdict["levels"]["bits"]["holds"] else "NOT bitwise"
+    assert bits in result.output
     assert not (tmp_path / "run.repro").exists()
+
+
+def test_bitwise_stops_at_the_first_item_whose_numerics_part(tmp_path, tiny_dirs, inputs) -> None:
+    result = check(
+        tiny_dirs, inputs, tmp_path / "run", "--expect", "bitwise", "--json",
+        tmp_path / "v.json", "--junit", tmp_path / "v.xml",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(
+        "FAILS bitwise (every compared step bit-equal): live and prefill numerics differ on "
+        "1 of 1 item(s), first at item p0 (bf16) from step 0 (the boundary logits)"
+    )
+    assert "stopped after 1 of 16 planned item row(s)" in result.output
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    jsonschema.validate(verdict, SCHEMA)
+    assert verdict["stopped_early"] and verdict["level"] == "bits"
+    assert len((tmp_path / "run" / "rows.jsonl").read_text().splitlines()) == 1
+    pack = json.loads((tmp_path / "run.repro" / "repro.json").read_text())
+    assert pack["item_id"] == "p0" and pack["numeric_divergence"] == 0
+    assert invoke("audit", tmp_path / "run").exit_code == 0  # a stopped check still audits
+
+
+def test_max_rate_runs_the_items_a_pass_needs(tmp_path, tiny_dirs, inputs) -> None:
+    """0 of n bounds the rate under 0.5 from n = 6 on; a failing stack stops at its first
+    divergent item instead."""
+    passing = check(
+        tiny_dirs, inputs, tmp_path / "pass", "--dtypes", "fp32", "--max-rate", 0.5,
+        "--json", tmp_path / "pass.json", model="qwen2", n=None,
+    )  # fmt: skip
+    assert passing.exit_code == 0, passing.output
+    verdict = json.loads((tmp_path / "pass.json").read_text())
+    assert verdict["power"]["items_needed"] == 6 == len(verdict["items"])
+    assert verdict["power"]["rate_upper_95"] < 0.5
+    failing = check(
+        tiny_dirs, inputs, tmp_path / "fail", "--max-rate", 0.5, "--json",
+        tmp_path / "fail.json", n=None,
+    )  # fmt: skip
+    assert failing.exit_code == 1, failing.output
+    verdict = json.loads((tmp_path / "fail.json").read_text())
+    assert verdict["stopped_early"] and verdict["counts"]["suffixes_differ"] == 1
+    assert verdict["items"][-1]["suffix_differs"]
+    too_few = check(tiny_dirs, inputs, tmp_path / "few", "--max-rate", 0.05, n=None)
+    assert too_few.exit_code == 2 and "needs 72 items" in too_few.output
+    assert "holds 16" in too_few.output and not (tmp_path / "few").exists()
 
 
 def test_max_divergent_sets_how_many_may_differ(bf16: Path, tiny_dirs, inputs) -> None:
@@ -133,6 +203,11 @@ def test_sampled_check_is_judged_by_the_certificate(tmp_path: Path, tiny_dirs, i
         (("--temperature", 0.7, "--margin", 1.5), "--margin must lie in (0, 1)"),
         (("--margin", 0.1), "--margin applies to --expect faithful only"),
         (("--samples", 8), "--samples applies at --temperature above 0 only"),
+        (("--max-rate", 0), "--max-rate is a divergence rate strictly between 0 and 1"),
+        (("--max-rate", 1.5), "got 1.5"),
+        (("--max-rate", "nan"), "got nan"),
+        (("--max-rate", 0.05), "--max-rate 0.05 sets how many items run (72); leave out --n"),
+        (("--expect", "bitwise", "--temperature", 0.7), "at --temperature above 0 use"),
     ],
 )
 def test_bad_input_is_one_sentence_and_writes_nothing(
@@ -158,3 +233,39 @@ def test_the_documented_pytest_example_runs(tmp_path: Path, tiny_dirs, monkeypat
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
+
+
+PLUGIN = '''
+from dataclasses import dataclass
+
+from kvreplay.backends.base import Backend, Capabilities
+
+
+@dataclass(frozen=True)
+class Blind(Backend):
+    """A third-party backend that reports tokens only: no logits, no logprobs."""
+
+    name = "blind"
+    summary = "tokens only"
+    capabilities = Capabilities(kv_access=False, cache_control=True)
+'''
+
+
+def test_bitwise_on_a_backend_without_numerics_is_refused(tmp_path: Path, tiny_dirs) -> None:
+    """A backend registered by another package (an entry point) that reports neither
+    logits nor logprobs: a bitwise check is refused in one sentence before any write."""
+    (tmp_path / "blind_backend.py").write_text(PLUGIN)
+    info = tmp_path / "blind_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: blind-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[kvreplay.backends]\nblind = blind_backend:Blind\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvreplay", "check", "--backend", "blind", "--expect", "bitwise",
+         "--model", str(tiny_dirs["qwen2"]), "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
+    assert "the blind backend reports neither logits nor top-k logprobs" in done.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,25 +1,74 @@
-"""Verdicts from outcomes alone: what each expectation accepts, and a served check whose
-hits read no cached block (P shorter than one block) never passing as a cache check."""
+"""Verdicts from outcomes alone: what each expectation accepts at which level, a pass
+that states its power, a served check whose hits read no cached block never passing as
+a cache check, the stop rule, and verdict JSON of both schemas read back."""
 
 from __future__ import annotations
 
-from kvreplay.verdict import Expectation, ItemOutcome, Verdict
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from kvreplay.errors import KvreplayError
+from kvreplay.power import items_needed, percent, rate_upper_bound
+from kvreplay.trajectory import Segment, Trajectory, numeric_divergence
+from kvreplay.verdict import Expectation, ItemOutcome, Verdict, parse_expectation, read_json
 
 EXACT = Expectation("exact")
+BITWISE = Expectation("bitwise")
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-def outcome(item: str, differs: bool = False, cached: int | None = None) -> ItemOutcome:
+def outcome(
+    item: str,
+    differs: bool = False,
+    cached: int | None = None,
+    numerics: int | None = None,
+    recorded: bool = True,
+) -> ItemOutcome:
     return ItemOutcome(item, "bf16", True, True, suffix_differs=differs,
                        first_divergence=3 if differs else None, left_margin=0.1 if differs
                        else None, right_margin=0.2 if differs else None,
-                       cache_hit_tokens=cached)  # fmt: skip
+                       cache_hit_tokens=cached, logits_equal=numerics != 0,
+                       numerics_recorded=recorded, numeric_divergence=numerics)  # fmt: skip
 
 
 def test_exact_holds_only_when_no_suffix_differs() -> None:
     assert Verdict(EXACT, ("live", "prefill"), [outcome("a"), outcome("b")]).exit_code == 0
     failing = Verdict(EXACT, ("live", "prefill"), [outcome("a"), outcome("b", differs=True)])
     assert failing.exit_code == 1
-    assert "differ on 1 of 2 item(s) in bf16; 1 of those part at a near-tie" in failing.sentence()
+    assert "differ on 1 of 2 item(s) in bf16, 1 of those at a near-tie" in failing.sentence()
+
+
+def test_a_pass_names_its_level_power_and_what_the_bits_give() -> None:
+    """The issue's scenario: 0 of 4 suffixes differ while the hit's logits differ on 4."""
+    items = [outcome(i, cached=96, numerics=0) for i in "abcd"]
+    verdict = Verdict(EXACT, ("cache-hit", "cache-miss"), items)
+    assert verdict.holds
+    assert verdict.sentence() == (
+        "HOLDS at token level (every suffix equal): cache-hit and cache-miss continuations "
+        "differ on 0 of 4 item(s) in bf16, so the divergence rate may still be up to 60% "
+        "(95% upper bound); NOT bitwise: cache-hit and cache-miss numerics differ on 4 of 4 "
+        "item(s), first at item a (bf16) from step 0 (the boundary logits); boundary logits "
+        "differ on 4."
+    )
+    bitwise = Verdict(BITWISE, ("cache-hit", "cache-miss"), items)
+    assert not bitwise.holds and bitwise.sentence().startswith("FAILS bitwise")
+
+
+def test_bitwise_holds_only_on_recorded_equal_numerics() -> None:
+    equal = Verdict(BITWISE, ("l", "p"), [outcome("a"), outcome("b")])
+    assert equal.holds
+    assert (
+        "agree bit for bit (every step's reported logprobs) on 2 of 2 item(s), so the "
+        "rate of items whose numerics part may still be up to 84%" in equal.sentence()
+    )
+    late = Verdict(BITWISE, ("l", "p"), [outcome("a", numerics=17)])
+    assert not late.holds and "from step 17" in late.sentence()
+    unrecorded = Verdict(BITWISE, ("l", "p"), [outcome("a", recorded=False)])
+    assert not unrecorded.holds and "bitwise unknown" in unrecorded.sentence()
+    assert unrecorded.items[0].bits == "unknown"
 
 
 def test_max_divergent_counts_divergent_items() -> None:
@@ -36,3 +85,49 @@ def test_hits_that_read_no_cached_block_are_no_cache_check() -> None:
                                                          outcome("b", cached=96)])  # fmt: skip
     assert mixed.holds
     assert "(1 item(s) read no cached token of P" in mixed.sentence()
+    assert mixed.levels()["tokens"]["items"] == 1  # the uncached item bounds nothing
+
+
+def test_the_power_is_the_exact_upper_bound() -> None:
+    assert rate_upper_bound(0, 4) == pytest.approx(0.6024, abs=1e-4)
+    assert rate_upper_bound(4, 12) == pytest.approx(0.6511, abs=1e-4)  # Clopper-Pearson
+    assert rate_upper_bound(0, 0) == 1.0
+    assert items_needed(0.05) == 72 and rate_upper_bound(0, 71) >= 0.05 > rate_upper_bound(0, 72)
+    needed = items_needed(0.05, 2)
+    assert rate_upper_bound(2, needed) < 0.05 <= rate_upper_bound(2, needed - 1)
+    assert percent(0.6024) == "60%" and percent(0.0499) == "4.99%"
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0, 1.5, -0.1, float("nan"), float("inf")])
+def test_max_rate_outside_0_1_is_refused(rate: float) -> None:
+    with pytest.raises(KvreplayError, match="strictly between 0 and 1"):
+        parse_expectation(None, None, None, 0.0, rate)
+
+
+def test_numeric_divergence_counts_suffix_tokens_and_skips_forced_openers() -> None:
+    def trajectory(digests: list[str], answer: list[str]) -> Trajectory:
+        return Trajectory([
+            Segment("trace", [], [1, 2, 3], "cap", [1.0] * 3, digests),
+            Segment("answer", [9, 9], [4], "eos", [1.0], answer),
+        ])  # fmt: skip
+
+    same = trajectory(["a", "b", "c"], ["d"])
+    assert numeric_divergence(same, trajectory(["a", "b", "c"], ["d"])).index is None
+    assert numeric_divergence(same, trajectory(["a", "x", "c"], ["d"])).index == 1
+    assert numeric_divergence(same, trajectory(["a", "b", "c"], ["y"])).index == 5
+    old = Trajectory([Segment("trace", [], [1, 2, 3], "cap", [1.0] * 3)])
+    assert not numeric_divergence(same, old).recorded
+
+
+def test_verdict_json_of_either_schema_reads_back() -> None:
+    environment = {"kvreplay_version": "0.1.0", "model": {}, "backend": {"name": "hf"}}
+    items = [outcome("a"), outcome("b", differs=True)]
+    data = Verdict(EXACT, ("l", "p"), items, environment=environment).to_json()
+    jsonschema.validate(data, json.loads((DOCS / "check-v2.schema.json").read_text()))
+    record = read_json(data)
+    assert record.verdict == "fails" and record.levels["bits"]["holds"] is True
+    v1 = {**data, "schema": "kvreplay-check-v1", "counts": {"reached": 4, "suffixes_differ": 0}}
+    old = read_json(v1)
+    assert old.levels["tokens"]["holds"] and old.levels["bits"] is None
+    with pytest.raises(KvreplayError, match="Not a kvreplay verdict"):
+        read_json({"schema": "kvreplay-check-v9"})

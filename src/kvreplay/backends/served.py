@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvreplay.errors import KvreplayError
 from kvreplay.stages import Stage
+from kvreplay.trajectory import step_digest
 
 if TYPE_CHECKING:  # decode imports torch; a backend's settings must not
     from kvreplay.decode import Sampler, Segment
@@ -95,8 +96,9 @@ def served_stage(
     if len(steps) != len(tokens) or any(len(step) < TOP_LOGPROBS for step in steps):
         raise KvreplayError(f"{server} returned fewer than two logprobs for a step.")
     margins = [step[0][1] - step[1][1] for step in steps]
+    digests = [step_digest(logprobs_fingerprint(step)) for step in steps]
     return Reply(
-        Segment(request.stage.name, list(request.opener), tokens, reason, margins),
+        Segment(request.stage.name, list(request.opener), tokens, reason, margins, digests),
         cached_tokens,
         steps,
     )

@@ -85,7 +85,7 @@ def prefix_record(prefix: Prefix) -> dict[str, Any]:
         "prefix_sha256": prefix.sha256,
         "prefix_reached": prefix.reached,
         "prefix_reason": prefix.reason,
-        "prefix_stages": Trajectory(prefix.segments).to_dict()["segments"],
+        "prefix_stages": Trajectory(prefix.segments).to_dict(digests=False)["segments"],
     }
 
 

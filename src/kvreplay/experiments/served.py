@@ -138,7 +138,12 @@ def _uninterrupted(
     segment = straight.segment
     cut = len(prefix.token_ids) - prefix.prompt_len
     head = Segment(
-        first.name, [], segment.token_ids[cut:], segment.stop_reason, segment.margins[cut:]
+        first.name,
+        [],
+        segment.token_ids[cut:],
+        segment.stop_reason,
+        segment.margins[cut:],
+        segment.digests[cut:],
     )
     rest, report = serve_stages(
         served, ids + segment.token_ids, plan.suffix_stages[1:], sampler, first_opener_fed=False

@@ -16,8 +16,12 @@ from kvreplay.backends import backend_class
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.table import LedgerError
 from kvreplay.jsonio import parse_json
+from kvreplay.ledger import Record
 from kvreplay.report.document import Block, Heading, Paragraph, Table
 from kvreplay.report.figures import Figures
+
+# The experiments whose rows compare a rebuilt state with the live one, item by item.
+JUDGED = ("matched", "fixed-prefix", "bridge", "resample")
 
 
 def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
@@ -95,7 +99,28 @@ def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figur
             ),
             Table(("claim", "this run", "paper"), headline),
         ]
+    blocks += _verdicts(run_dir, folder.records)
     for section in SECTIONS:
         own = section.ledgers(folder.ledgers)
         blocks += section.report(Page(claims, own, folder.records, figures))
     return blocks
+
+
+def _verdicts(run_dir: Path, records: list[Record] | None) -> list[Block]:
+    """Each experiment's closing verdict, as ``kvreplay run`` printed it: both levels,
+    the near-ties and the power (a folder of CSVs alone has no rows to judge)."""
+    if not records:
+        return []
+    from kvreplay.experiments.registry import recorded_experiment
+    from kvreplay.verdict import verdict_sentence
+
+    manifest = parse_json((run_dir / "manifest.json").read_bytes())
+    found = []
+    for name, entry in manifest.get("experiments", {}).items():
+        experiment = recorded_experiment(name, manifest)
+        rows = [r for r in records if r.experiment == name]
+        if experiment is None or not rows or name not in JUDGED:
+            continue
+        sentence = verdict_sentence(experiment, rows, entry["config"].get("margin"))
+        found.append(Paragraph(f"{name}: {sentence}"))
+    return [Heading("Verdict"), *found] if found else []
