@@ -86,7 +86,18 @@ def repro_pack(
 def _rerun_command(command: list[str], items: Path, out: Path, precision: str) -> list[str]:
     """The check's own command line (as :func:`kvreplay.cli.command_line` gives it),
     narrowed to one item and precision and a new folder."""
-    drop = {"--items", "--n", "--max-rate", "--dtypes", "--out", "--json", "--junit", "--repro"}
+    drop = {
+        "--items",
+        "--n",
+        "--max-rate",
+        "--select",
+        "--screen",
+        "--dtypes",
+        "--out",
+        "--json",
+        "--junit",
+        "--repro",
+    }
     kept, skip = [], False
     for arg in command:
         if skip:
@@ -207,6 +218,8 @@ def run_check(
     if samples is not None and name != "resample":
         raise KvreplayError("--samples applies at --temperature above 0 only.")
     if name == "resample":
+        if options["select"] is not None or options["screen"] is not None:
+            raise KvreplayError("--select and --screen apply to greedy checks only.")
         options |= {"samples": samples or 8, "margin": expectation.margin}
     options["n"] = _item_count(options, expectation)
     out = out or default_out(options)

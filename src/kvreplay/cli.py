@@ -190,6 +190,16 @@ def _divergent_option(default: str) -> Callable[..., Any]:
     )  # fmt: skip
 
 
+SELECT = click.option(
+    "--select", type=click.Choice(["first", "fragile"]), default=None,
+    help="Which items run: the first --n (default), or the --n most fragile of --screen "
+         "screened candidates (nearest a tie along their live trajectory), riskiest first.",
+)  # fmt: skip
+SCREEN = click.option(
+    "--screen", type=click.IntRange(min=1), default=None,
+    help="Candidates --select fragile screens (the first of the item set; default 16, or "
+         "--n if larger); each costs one short live generation.",
+)  # fmt: skip
 PANEL_SEED = click.option(
     "--panel-seed", type=int, default=None,
     help="Seed that orders equal-length rows in a panel (default 0).",
@@ -201,7 +211,7 @@ PANEL_SEED = click.option(
 EXPERIMENTS: dict[str, tuple[str, list[Callable[..., Any]]]] = {
     "matched": (
         "Per item and precision, the retained live state vs a one-shot prefill.",
-        [],
+        [SELECT, SCREEN],
     ),
     "fixed-prefix": (
         "Prefixes fixed across precisions: replay vs prefill in each.",
@@ -388,6 +398,8 @@ CHECK_OPTIONS = [
                  help="Equivalence margin of --expect faithful, in (0, 1) (default 0.05)."),
     click.option("--samples", type=click.IntRange(min=2, max=4096), default=None,
                  help="Seeded samples per item at --temperature > 0 (default 8)."),
+    SELECT,
+    SCREEN,
     click.option("--json", "json_path", type=UserPath(path_type=Path, dir_okay=False),
                  default=None, help="Write the verdict as JSON (schema kvreplay-check-v2)."),
     click.option("--junit", "junit_path", type=UserPath(path_type=Path, dir_okay=False),

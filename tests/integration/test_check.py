@@ -269,3 +269,29 @@ def test_bitwise_on_a_backend_without_numerics_is_refused(tmp_path: Path, tiny_d
     assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
     assert "the blind backend reports neither logits nor top-k logprobs" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_fragile_selection_checks_the_riskiest_screened_items_first(
+    tmp_path: Path, tiny_dirs, inputs
+) -> None:
+    """--select fragile screens the first 8 items (one short live generation each) and runs
+    the 3 whose early live margins come nearest a tie, riskiest first; audit re-derives
+    the choice from the recorded screens."""
+    out = tmp_path / "run"
+    result = check(tiny_dirs, inputs, out, "--select", "fragile", "--screen", 8, n=3)
+    assert result.exit_code == 1, result.output
+    records = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    screens = [r["data"] for r in records if r["data"].get("kind") == "prefix"]
+    rows = [r["data"]["item_id"] for r in records if r["data"].get("kind") != "prefix"]
+    assert [s["item_id"] for s in screens] == [f"p{i}" for i in range(8)]
+    assert all(0 < len(s["screen_margins"]) <= 32 for s in screens)
+    by_risk = sorted(screens, key=lambda s: min(s["screen_margins"]))  # stable: item order
+    assert rows == [s["item_id"] for s in by_risk[:3]]
+    assert invoke("audit", out, "--sample", 2).exit_code == 0
+    for extra, message in (
+        (("--screen", 8), "--screen applies to --select fragile only"),
+        (("--select", "fragile", "--screen", 2), "--screen must be from --n (3)"),
+    ):
+        refused = check(tiny_dirs, inputs, tmp_path / "bad", *extra, n=3)
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+        assert not (tmp_path / "bad").exists()

@@ -11,6 +11,7 @@ from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_panel, run_matrix
 from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.screen import WINDOW, MatchedOptions, ranked, screen_row
 from kvreplay.experiments.served import ServedArm, run_served_panel
 from kvreplay.experiments.tables.matrix import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
@@ -19,29 +20,63 @@ from kvreplay.ledger import Record
 
 
 class Matched(Experiment):
+    """Per item and precision, live vs prefill. With ``--select fragile`` a first phase
+    screens candidates (:mod:`kvreplay.experiments.screen`) and the rows run for the most
+    fragile, riskiest first."""
+
     name = MATCHED
     panel = matrix_panel("live")
     table = MATCHED_TABLE
+    phases = 2  # the screens of --select fragile (none otherwise), then the rows
 
     def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
         return items[:n]
 
+    def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
+        n = self.count(scope.n, scope.items)
+        options = MatchedOptions.of(scope)
+        if options.select == "first":
+            return Selection(scope.items[:n], {"rule": "first_n", "n": n})
+        screen = options.candidates(n, len(scope.items))
+        return Selection(scope.items[:screen], {"rule": "fragile", "n": n, "screen": screen})
+
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
-        return {"dtypes": list(scope.dtypes), "item_ids": [item.id for item in selection.items]}
+        config = {"dtypes": list(scope.dtypes), "item_ids": [item.id for item in selection.items]}
+        if selection.rule["rule"] == "fragile":  # a first-n run's config stays as it was
+            config["fragile"] = {"n": selection.rule["n"], "window": WINDOW}
+        return config
 
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
+        fragile = selection.rule["rule"] == "fragile"
+        if phase == 0:
+            screen = scope.dtypes[0]
+            return [
+                Unit(UnitKey.prefix(self.name, item.id), item, screen)
+                for item in (selection.items if fragile else [])
+            ]
+        items = selection.items
+        if fragile:
+            by_id = {item.id: item for item in items}
+            chosen = ranked(self.name, list(by_id), rows, selection.rule["n"])
+            items = [by_id[item_id] for item_id in chosen]
         return [
             Unit(UnitKey(self.name, item.id, dtype), item, dtype)
             for dtype in scope.dtypes
-            for item in selection.items
+            for item in items
         ]
 
     def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
-        return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
+        if "fragile" not in config:
+            return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
+        screens = [str(UnitKey.prefix(self.name, item)) for item in config["item_ids"]]
+        chosen = ranked(self.name, config["item_ids"], rows, config["fragile"]["n"])
+        return screens + planned_keys(self.name, chosen, config["dtypes"], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        if unit.key.is_prefix:
+            return screen_row(worker, unit, clock, served=False)
         row = run_matrix(worker, unit, clock, self.panel)
         return {"item_id": unit.item.id, "precision": unit.precision, **row}
 
@@ -83,9 +118,11 @@ class ServedMatched(Matched):
             str(UnitKey(self.name, item.id, dtype)): {"companions": companions(selected, i, k)}
             for dtype in config["dtypes"]
             for i, item in enumerate(selected)
-        }
+        } | {str(UnitKey.prefix(self.name, item.id)): {} for item in selected}
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        if unit.key.is_prefix:
+            return screen_row(worker, unit, clock, served=True)
         row, prefix = run_served_panel(worker, unit, clock, self.panel)
         if row is None:
             return {"item_id": unit.item.id, "precision": unit.precision, "status": "unreached",

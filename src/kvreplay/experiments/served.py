@@ -117,7 +117,7 @@ def serve_stages(
     return segments, report
 
 
-def _generate_prefix(
+def generate_prefix(
     served: ServedModel, ids: list[int], plan: StagePlan, sampler: Sampler
 ) -> Prefix:
     segments, _ = serve_stages(served, ids, plan.prefix_stages, sampler, first_opener_fed=False)
@@ -183,7 +183,7 @@ def serve_arm(
         return _uninterrupted(served, ids, prefix, plan, sampler)
     reproduced, expected = None, 0
     if arm.condition == "hit":
-        reproduced = _generate_prefix(served, ids, plan, config.sampler).token_ids == (
+        reproduced = generate_prefix(served, ids, plan, config.sampler).token_ids == (
             prefix.token_ids
         )
         expected = config.backend.expected_hit(computed_tokens(prefix))
@@ -262,7 +262,7 @@ def run_served_panel(
     ids = prompt_ids(worker, served, unit.item)
     with clock.model():
         served.reset_cache()
-        prefix = _generate_prefix(served, ids, config.plan, config.sampler)
+        prefix = generate_prefix(served, ids, config.plan, config.sampler)
     record = prefix_record(prefix)
     if not prefix.reached:
         return None, record

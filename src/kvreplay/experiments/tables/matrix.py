@@ -213,6 +213,7 @@ def matched_lines(rows: list[Record]) -> list[Line]:
     ledger pairs precisions row by row, so such items stay in rows.jsonl and in the run
     summary (as unreached) but not in the CSV.
     """
+    rows = [r for r in rows if r.data.get("kind") != "prefix"]  # --select fragile's screens
     precisions = {r.data["precision"] for r in rows}
     reached: dict[str, set[str]] = {}
     for r in rows:
