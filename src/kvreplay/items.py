@@ -159,11 +159,12 @@ def arith_easy_items(count: int = 240, seed: int = 20261215) -> list[Item]:
 
     Templates follow ``EASY_CYCLE`` by index (0 and 1 add, 2 multiplies), so every
     prefix of the set has the same mix; prompts are distinct. Tuned by measurement
-    through the ``matched`` live path (docs/items.md): first 48 items 23/48 correct in
-    bf16 greedy, first 16 11/16 in fp32, mean suffix 46 tokens, never EOS before the
-    boundary. Harder candidates (sums up to 40, subtractions, two steps) scored 14-26%;
-    bare "What is a + b?" prompts ended with EOS before the boundary. ``meta`` holds the
-    template, operands in order of appearance, ``difficulty`` (largest operand) and seed.
+    through the ``matched`` live path (docs/experiments/arith-easy.md): first 48 items
+    23/48 correct in bf16 greedy, first 16 11/16 in fp32, mean suffix 46 tokens, never
+    EOS before the boundary. Harder candidates (sums up to 40, subtractions, two steps)
+    scored 14-26%; bare "What is a + b?" prompts ended with EOS before the boundary.
+    ``meta`` holds the template, operands in order of appearance, ``difficulty`` (largest
+    operand) and seed.
     """
     rng = random.Random(seed)
     items: list[Item] = []

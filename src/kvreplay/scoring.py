@@ -1,6 +1,6 @@
 """Answer extraction and the equality/correctness labels of a pair of trajectories.
 
-Mapping of the paper's stage columns onto any plan (documented in the README):
+Mapping of the paper's stage columns onto any plan (docs/experiments/items-and-plans.md):
 ``trace_equal`` is the first suffix stage (the one the boundary opens), ``merge_equal``
 is every suffix stage before the last, and ``answer_equal`` compares extracted answers.
 """

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 MAX_MODEL_LEN = 8192
 VLLM_SETUP = (
     "The vllm backend needs vLLM, which is not installed in this environment; run "
-    "`make setup-vllm` and use .venv-vllm/bin/kvreplay (see the README)."
+    "`make setup-vllm` and use .venv-vllm/bin/kvreplay (see docs/backends/vllm.md)."
 )
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
