@@ -29,6 +29,8 @@ from kvreplay.errors import KvreplayError
 CORE_LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "numpy": ("numpy",)}
 # The installer's own distributions, which pip freeze leaves out too: not the run's.
 INSTALLER = ("pip", "setuptools", "wheel", "distribute", "kvreplay")
+# Locks of no environment a run is made in: the docs site's (make docs).
+NOT_RUN_LOCKS = ("lock-docs.txt",)
 _REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
 
 
@@ -191,6 +193,8 @@ def run_environment(manifest: dict[str, Any]) -> RunEnvironment:
     recorded = {lib: str(contract_env[lib]) for lib in known if lib in contract_env}
     checkout = source_checkout()
     for path in sorted(checkout.glob("requirements/lock-*.txt")) if checkout else ():
+        if path.name in NOT_RUN_LOCKS:
+            continue
         pins = parse_lock(path.read_text(encoding="utf-8"), str(path))
         if all(_library_versions(pins).get(lib) == v for lib, v in recorded.items()):
             return RunEnvironment(pins, python, True, f"requirements/{path.name} (it agrees "

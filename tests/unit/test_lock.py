@@ -80,6 +80,8 @@ def test_an_old_run_is_rebuilt_from_the_checkout_lock_that_agrees_with_it() -> N
     assert not environment.exact
     assert environment.pins == {"torch": "2.13.0+cpu", "transformers": "5.1.0"}
     assert "--no-deps" not in environment.commands("v", "r.txt")[-2]
+    numpy_only = {"contract": {"environment": {"numpy": "2.4.6"}}}  # the docs lock pins it too
+    assert "lock-docs.txt" not in run_environment(numpy_only).origin
 
 
 def test_a_new_run_records_every_distribution(tmp_path: Path) -> None:
