@@ -267,13 +267,20 @@ DEFAULT_TEMPERATURE = {"resample": 0.7}
 
 def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
-    option of the experiment's own as its ``extra``."""
+    option of the experiment's own as its ``extra``. A backend whose libraries this
+    environment lacks is refused (naming the extra that installs them) before the
+    runner, which imports them, is."""
     from kvreplay.backends import make_backend, setting_options
-    from kvreplay.decode import Sampler
-    from kvreplay.runner import RunRequest
+    from kvreplay.sampler import Sampler
 
     options = dict(kwargs)
     take = options.pop
+    backend = make_backend(
+        take("backend"), **{k: v for k in setting_options() if (v := take(k)) is not None}
+    )
+    backend.check_installed()
+    from kvreplay.runner import RunRequest
+
     return RunRequest(
         experiment=experiment,
         out=out,
@@ -295,10 +302,7 @@ def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
         gpus_per_worker=take("gpus_per_worker"),
         ray_address=take("ray_address"),
         threads=take("threads"),
-        backend=make_backend(
-            take("backend"),
-            **{k: v for k in setting_options() if (v := take(k)) is not None},
-        ),
+        backend=backend,
         extra={k: v for k, v in options.items() if v is not None and v is not False},
     )
 
@@ -517,6 +521,8 @@ def backends_command() -> None:
         backend = cls()
         state = "installed" if backend.installed() else "not installed here"
         click.echo(f"{name} ({state}): {cls.summary}")
+        if not backend.installed() and cls.install_command():
+            click.echo(f"  install: {cls.install_command()}")
         click.echo(f"  capabilities: {', '.join(cls.capabilities.describe())}")
         settings = [m["option"] for m in cls.settings().values() if "option" in m]
         if settings:

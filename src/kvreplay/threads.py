@@ -11,6 +11,7 @@ count is refused with the flag that restores the recorded one.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,7 +35,11 @@ def parse_threads(value: Any) -> int:
 @contextmanager
 def intra_op_threads(threads: int) -> Iterator[None]:
     """Run the body (contract, in-process worker) on ``threads`` torch threads, then restore
-    the caller's count."""
+    the caller's count (the core install has no torch: its backends compute on servers)."""
+    if importlib.util.find_spec("torch") is None:
+        parse_threads(threads)
+        yield
+        return
     import torch
 
     before = torch.get_num_threads()
