@@ -35,5 +35,5 @@ def require(extra: str, what: str, *modules: str) -> None:
     if absent:
         raise KvreplayError(
             f"{what} needs {' and '.join(absent)}, which this environment lacks (the core "
-            f"install has no torch); install it with: {INSTALL[extra]}"
+            f"install has no torch); install them with: {INSTALL[extra]}"
         )

@@ -58,7 +58,7 @@ def test_selecting_a_missing_backend_is_refused_in_one_sentence(
     assert refused.returncode == 2, refused.stderr
     assert refused.stdout == "" and refused.stderr.count("\n") == 1, refused.stderr
     assert sentence in refused.stderr
-    assert "install it with: pip install 'kvreplay[" in refused.stderr
+    assert "install them with: pip install 'kvreplay[" in refused.stderr
     assert "Traceback" not in refused.stderr and not out.exists()
 
 
