@@ -267,20 +267,13 @@ DEFAULT_TEMPERATURE = {"resample": 0.7}
 
 def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
-    option of the experiment's own as its ``extra``. A backend whose libraries this
-    environment lacks is refused (naming the extra that installs them) before the
-    runner, which imports them, is."""
+    option of the experiment's own as its ``extra``."""
     from kvreplay.backends import make_backend, setting_options
+    from kvreplay.runner import RunRequest
     from kvreplay.sampler import Sampler
 
     options = dict(kwargs)
     take = options.pop
-    backend = make_backend(
-        take("backend"), **{k: v for k in setting_options() if (v := take(k)) is not None}
-    )
-    backend.check_installed()
-    from kvreplay.runner import RunRequest
-
     return RunRequest(
         experiment=experiment,
         out=out,
@@ -302,7 +295,10 @@ def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
         gpus_per_worker=take("gpus_per_worker"),
         ray_address=take("ray_address"),
         threads=take("threads"),
-        backend=backend,
+        backend=make_backend(
+            take("backend"),
+            **{k: v for k in setting_options() if (v := take(k)) is not None},
+        ),
         extra={k: v for k, v in options.items() if v is not None and v is not False},
     )
 

@@ -184,6 +184,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     plan = _plan(request)
     get_extractor(request.extractor)
     experiment = get_experiment(request.experiment, request.backend)
+    request.backend.check_installed()  # before anything imports the backend's libraries
     items = load_items(request.items)
     experiment.check_prompts(items, experiment.count(request.n, items))
     scheme = _recorded_scheme(request.out)

@@ -46,7 +46,7 @@ def test_backends_name_the_command_that_installs_each_missing_one() -> None:
     [
         (("run", "matched", "--backend", "hf"), "The hf backend needs torch and transformers"),
         (("check",), "The hf backend needs torch and transformers"),
-        (("run", "resample", "--backend", "vllm"), "The vllm backend needs vllm and"),
+        (("run", "resample", "--backend", "vllm"), "The vllm backend needs vLLM"),
         (("run", "matched", "--backend", "llamacpp"), "The llamacpp backend needs llama_cpp"),
     ],
 )
@@ -58,7 +58,7 @@ def test_selecting_a_missing_backend_is_refused_in_one_sentence(
     assert refused.returncode == 2, refused.stderr
     assert refused.stdout == "" and refused.stderr.count("\n") == 1, refused.stderr
     assert sentence in refused.stderr
-    assert "install them with: pip install 'kvreplay[" in refused.stderr
+    assert "with: pip install 'kvreplay[" in refused.stderr
     assert "Traceback" not in refused.stderr and not out.exists()
 
 
