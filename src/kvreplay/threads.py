@@ -11,12 +11,12 @@ count is refused with the flag that restores the recorded one.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.extras import missing
 
 DEFAULT_THREADS = 1
 # torch refuses counts past a C int; far fewer would already swamp any machine.
@@ -36,7 +36,7 @@ def parse_threads(value: Any) -> int:
 def intra_op_threads(threads: int) -> Iterator[None]:
     """Run the body (contract, in-process worker) on ``threads`` torch threads, then restore
     the caller's count (the core install has no torch: its backends compute on servers)."""
-    if importlib.util.find_spec("torch") is None:
+    if missing("torch"):
         parse_threads(threads)
         yield
         return

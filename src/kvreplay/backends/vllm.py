@@ -14,7 +14,6 @@ no ``__main__`` guard.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
