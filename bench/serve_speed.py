@@ -36,9 +36,9 @@ def main() -> None:
     from kvreplay.backends import make_backend
     from kvreplay.backends.served import Request
     from kvreplay.config import RunConfig
-    from kvreplay.decode import Sampler
     from kvreplay.items import encode_prompt, load_items
     from kvreplay.models import describe_source
+    from kvreplay.sampler import Sampler
     from kvreplay.stages import Stage, StagePlan
 
     stage = Stage("decode", args.tokens)
@@ -61,9 +61,10 @@ def main() -> None:
             served.reset_cache()
             return len(served.serve([Request(ids, stage, Sampler())])[0].segment.token_ids)
     else:
-        from kvreplay.construct import Prefix, build
+        from kvreplay.construct import build
         from kvreplay.decode import continue_from
         from kvreplay.models import load_model
+        from kvreplay.trajectory import Prefix
 
         lm = load_model(args.model, args.dtype)
         start_s = time.perf_counter() - began

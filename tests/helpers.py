@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -216,6 +217,41 @@ def wait_until_up(url: str, process: subprocess.Popen, limit: float = 900) -> No
         except OSError:
             time.sleep(2)
     raise RuntimeError("the server did not come up")
+
+
+# The core install (no torch), built by `make setup-core`; .ci/run names it in
+# KVREPLAY_CORE_VENV, and a test that needs it then fails rather than skips without it.
+CORE_VENV = Path(
+    os.environ.get("KVREPLAY_CORE_VENV") or Path(__file__).resolve().parents[1] / ".venv-core"
+)
+
+
+def core(*args: object, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``kvreplay ARGS`` run in the core environment, with this test's environment."""
+    program = CORE_VENV / "bin" / "kvreplay"
+    if not program.is_file():
+        missing = f"the core environment {CORE_VENV} is not built; run `make setup-core`"
+        if os.environ.get("KVREPLAY_CORE_VENV"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return subprocess.run(
+        [str(program), *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def same_suffixes(left: Path, right: Path) -> None:
+    """Two runs' rows hold the same prefixes and every arm the same suffix tokens."""
+
+    def arms(run: Path) -> list[tuple]:
+        found = []
+        for line in (run / "rows.jsonl").read_text().splitlines():
+            data = json.loads(line)["data"]
+            found.append((data["item_id"], data.get("prefix_token_ids")))
+            for name, arm in sorted(data.get("arms", {}).items()):
+                found.append((name, arm.get("suffix_token_ids")))
+        return found
+
+    assert arms(left) == arms(right)
 
 
 Rows = list[dict[str, str]]

@@ -13,12 +13,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "kvreplay.canonical": ("sha256_tokens",),
     "kvreplay.comparison": ("Comparison", "first_divergence"),
-    "kvreplay.construct": ("Prefix", "build", "live"),
-    "kvreplay.decode": ("Sampler", "continue_from"),
+    "kvreplay.construct": ("build", "live"),
+    "kvreplay.decode": ("continue_from",),
     "kvreplay.errors": ("KvreplayError",),
     "kvreplay.items": ("Item", "arith_items", "encode_prompt", "load_items"),
     "kvreplay.models": ("LoadedModel", "load_model"),
+    "kvreplay.sampler": ("Sampler",),
     "kvreplay.stages": ("Stage", "StagePlan", "get_plan"),
     "kvreplay.state": (
         "BoundaryState",
@@ -28,10 +30,9 @@ _EXPORTS = {
         "load_state",
         "make_replica",
         "save_state",
-        "sha256_tokens",
         "transplant",
     ),
-    "kvreplay.trajectory": ("Trajectory",),
+    "kvreplay.trajectory": ("Prefix", "Trajectory"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -40,7 +40,6 @@ from kvreplay.ledger import (
     parse_rows,
 )
 from kvreplay.lock import check_libraries
-from kvreplay.state import read_state_metadata, snapshot_fingerprints
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
 # Keys that legitimately differ between a run and its re-execution.
@@ -103,6 +102,8 @@ def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
             if file_digests(path.parent, [path])[path.name] != entry.get("sha256"):
                 problems.append(f"{where}: field sha256 does not match the file")
                 continue
+            from kvreplay.state import read_state_metadata, snapshot_fingerprints  # torch
+
             try:
                 meta = read_state_metadata(path)
                 held = dict(zip(FINGERPRINTS, snapshot_fingerprints(path), strict=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -15,3 +16,8 @@ def canonical(data: Any) -> bytes:
 
 def sha256_json(data: Any) -> str:
     return hashlib.sha256(canonical(data)).hexdigest()
+
+
+def sha256_tokens(token_ids: Sequence[int]) -> str:
+    """Commit a token sequence as SHA-256 of its canonical JSON."""
+    return sha256_json([int(t) for t in token_ids])

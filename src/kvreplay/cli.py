@@ -269,8 +269,8 @@ def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
     option of the experiment's own as its ``extra``."""
     from kvreplay.backends import make_backend, setting_options
-    from kvreplay.decode import Sampler
     from kvreplay.runner import RunRequest
+    from kvreplay.sampler import Sampler
 
     options = dict(kwargs)
     take = options.pop
@@ -517,6 +517,8 @@ def backends_command() -> None:
         backend = cls()
         state = "installed" if backend.installed() else "not installed here"
         click.echo(f"{name} ({state}): {cls.summary}")
+        if not backend.installed() and cls.install_command():
+            click.echo(f"  install: {cls.install_command()}")
         click.echo(f"  capabilities: {', '.join(cls.capabilities.describe())}")
         settings = [m["option"] for m in cls.settings().values() if "option" in m]
         if settings:

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvreplay.backends import Backend, backend_from_contract, make_backend
-from kvreplay.decode import Sampler
 from kvreplay.errors import KvreplayError
+from kvreplay.sampler import Sampler
 from kvreplay.stages import StagePlan
 
 

@@ -9,34 +9,16 @@ token at a time) and must be bit-exact with live; ``prefill`` feeds P in one chu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvreplay.decode import Sampler, Segment, Trajectory, feed_each, opener_ids, run_stages
+from kvreplay.decode import feed_each, run_stages
 from kvreplay.errors import KvreplayError
-from kvreplay.stages import StagePlan
-from kvreplay.state import BoundaryState, sha256_tokens
+from kvreplay.sampler import Sampler
+from kvreplay.stages import StagePlan, opener_ids
+from kvreplay.state import BoundaryState
+from kvreplay.trajectory import Prefix, generated_prefix
 
 REBUILT = ("replay", "prefill", "stepwise")
-
-
-@dataclass
-class Prefix:
-    """P's token ids, where its prompt ends, and the stages that produced it.
-
-    ``reached`` is False when a prefix stage that has stop strings ended without one
-    (cap or EOS): the generation never reached the boundary the plan describes.
-    """
-
-    token_ids: list[int]
-    prompt_len: int
-    segments: list[Segment] = field(default_factory=list)
-    reached: bool = True
-    reason: str = ""
-
-    @property
-    def sha256(self) -> str:
-        return sha256_tokens(self.token_ids)
 
 
 def parse_construction(name: str) -> tuple[str, int]:
@@ -107,24 +89,3 @@ def live(
     feed_each(state, lm.model, next_opener)
     prefix = generated_prefix(prompt_ids, trajectory, plan, next_opener)
     return state, prefix
-
-
-def generated_prefix(
-    prompt_ids: Sequence[int], trajectory: Trajectory, plan: StagePlan, next_opener: list[int]
-) -> Prefix:
-    """P as a generation of the prefix stages made it: the prompt, each stage's stream and
-    the first suffix stage's opener; unreached when a stage with stops ended without one."""
-    unreached = [
-        s
-        for s, stage in zip(trajectory.segments, plan.prefix_stages, strict=True)
-        if stage.stop and not s.stop_reason.startswith("stop:")
-    ]
-    return Prefix(
-        token_ids=[*prompt_ids, *trajectory.token_ids, *next_opener],
-        prompt_len=len(prompt_ids),
-        segments=trajectory.segments,
-        reached=not unreached,
-        reason=f"stage {unreached[0].stage!r} ended by {unreached[0].stop_reason}"
-        if unreached
-        else "",
-    )

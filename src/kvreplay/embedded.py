@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvreplay.errors import KvreplayError
+from kvreplay.extras import require
 from kvreplay.identity import TOOL_STAMP, sha256_file
 from kvreplay.quiet import quiet_transformers
 
@@ -96,6 +97,7 @@ def convert_embedded(embedded: EmbeddedModel) -> Path:
     target = cache_root() / "models" / embedded.name
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
+    require("hf", f"Converting the embedded model {embedded.name!r} once", "torch", "transformers")
     quiet_transformers()
     print(
         f"kvreplay: converting the packaged GGUF of {embedded.name} once (about 30 s)...",

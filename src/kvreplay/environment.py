@@ -7,6 +7,9 @@ chooses the kernels (machine, OS, libc, torch's CPU capability). A difference in
 listed in ``INFORMATIONAL`` is reported, never refused. Scheme 3 records the environment
 as scheme 2 does and the model under identity scheme 3 (see ``identity.ModelIdentity``):
 a contract's scheme is also its model identity's.
+
+The core install (no torch) runs only served backends, whose numerics are the server's:
+its environment records no torch, and the library that tokenizes (``tokenizers``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import platform
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from kvreplay.extras import missing
 
 CONTRACT_SCHEME = 3
 INFORMATIONAL = ("environment.platform",)
@@ -36,15 +41,18 @@ def git_commit() -> str | None:
 
 
 def device_name(device: str) -> str:
-    import torch
+    if device.startswith("cuda"):
+        import torch
 
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(torch.device(device))
     return platform.processor() or platform.machine()
 
 
 def environment(device: str, scheme: int = CONTRACT_SCHEME) -> dict[str, Any]:
     """Library versions, device, kernel family and numeric flags: each can change bf16."""
+    if missing("torch"):
+        return core_environment(device)
     import numpy
     import torch
     import transformers
@@ -74,6 +82,23 @@ def environment(device: str, scheme: int = CONTRACT_SCHEME) -> dict[str, Any]:
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         },
+    }
+
+
+def core_environment(device: str) -> dict[str, Any]:
+    """The core install's: the machine, and the libraries that tokenize and analyse."""
+    import numpy
+    import tokenizers
+
+    return {
+        "python": platform.python_version(),
+        "tokenizers": tokenizers.__version__,
+        "numpy": numpy.__version__,
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "libc": "-".join(platform.libc_ver()),
+        "device": device,
+        "device_name": device_name(device),
     }
 
 

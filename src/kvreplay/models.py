@@ -1,22 +1,28 @@
 """Load a causal LM and its tokenizer from wherever its spec resolves (see
 :mod:`kvreplay.sources`) at a named dtype, and record what was loaded (digests,
 attention); or read just its config, tokenizer and identity, without the weights.
+
+Reading a model (config, tokenizer, identity) imports no torch, and where transformers
+is not installed (the core install) reads the folder itself (:mod:`kvreplay.folder`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kvreplay import folder as plain
 from kvreplay.embedded import DEFAULT_MODEL
 from kvreplay.errors import KvreplayError, first_line
+from kvreplay.extras import missing
 from kvreplay.identity import IDENTITY_SCHEME, ModelIdentity, hash_model_files, model_identity
-from kvreplay.precision import DTYPES, parse_device, parse_dtype
+from kvreplay.precision import parse_device, parse_dtype, torch_dtype
 from kvreplay.quiet import quiet_transformers
 from kvreplay.sources import resolve_source
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -33,7 +39,7 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype_name]
+        return torch_dtype(self.dtype_name)
 
     @property
     def config(self) -> Any:
@@ -123,11 +129,15 @@ def model_config(spec: str, trust_remote_code: bool = False) -> Any:
 
 def text_config(spec: str, trust_remote_code: bool = False) -> Any:
     """The decoder's config (layers, context window, vocabulary), without the weights."""
+    if missing("transformers"):
+        return plain.text_config(_folder(spec, trust_remote_code), spec)
     return model_config(spec, trust_remote_code).get_text_config(decoder=True)
 
 
 def generation_config(folder: Path) -> Any:
     """A model folder's generation config (its EOS ids), or None when it has none."""
+    if missing("transformers"):
+        return plain.generation_config(folder)
     from transformers import GenerationConfig
 
     try:
@@ -138,7 +148,18 @@ def generation_config(folder: Path) -> Any:
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
     """Just the tokenizer (for selections that must not wait for a model load)."""
+    if missing("transformers"):
+        return plain.FolderTokenizer(_folder(spec, trust_remote_code), spec)
     return _tokenizer(spec, *_pretrained(spec, trust_remote_code))
+
+
+def _folder(spec: str, trust_remote_code: bool) -> Path:
+    """The model folder that the core install reads (a GGUF file's tokenizer and config
+    are read by transformers only)."""
+    source, gguf_file = resolve_source(spec, trust_remote_code)
+    if gguf_file:
+        raise plain.needs_hf(spec, "is a GGUF file")
+    return source
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -175,6 +196,7 @@ def check_loadable(spec: str, attn_implementation: str, trust_remote_code: bool 
 
     The model is built on the meta device, so no weight stays in memory.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     config = model_config(spec, trust_remote_code)
@@ -262,7 +284,7 @@ def load_model(
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             source,
-            dtype=DTYPES[dtype],
+            dtype=torch_dtype(dtype),
             attn_implementation=attn_implementation,
             device_map=device_map,
             output_loading_info=True,
@@ -277,7 +299,7 @@ def load_model(
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     if device_map is None:
-        model = model.to(device=device, dtype=DTYPES[dtype])
+        model = model.to(device=device, dtype=torch_dtype(dtype))
     model = model.eval()
     return LoadedModel(
         model=model,

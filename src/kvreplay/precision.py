@@ -1,21 +1,24 @@
 """The precisions and devices a run may name, checked before any model work: the short
 dtype names a ledger records (and the torch dtype each stands for), and a device this
-machine can provide."""
+machine can provide. Torch-free: the core install (no torch) names precisions too."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-
-import torch
+from typing import Any
 
 from kvreplay.errors import KvreplayError
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+DTYPES = ("fp32", "bf16", "fp16")
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype a short name stands for (imports torch)."""
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[name])
 
 
 def parse_dtype(name: str, allowed: Iterable[str] = DTYPES) -> str:
@@ -46,6 +49,11 @@ def parse_device(name: str) -> str:
         raise KvreplayError(f"Unknown device {name!r}; use cpu, cuda or cuda:N.")
     if name == "cpu":
         return name
+    from kvreplay.extras import require
+
+    require("hf", f"Device {name!r}", "torch")
+    import torch
+
     if not torch.cuda.is_available():
         raise KvreplayError(f"Device {name!r} was requested but CUDA is not available here.")
     if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():

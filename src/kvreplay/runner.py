@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from kvreplay import __version__
 from kvreplay.config import RunConfig, RunSettings
-from kvreplay.decode import opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
 from kvreplay.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.errors import KvreplayError
@@ -40,12 +39,12 @@ from kvreplay.ledger import (
     write_text_atomic,
 )
 from kvreplay.lock import installed
-from kvreplay.models import check_loadable, load_tokenizer, text_config
+from kvreplay.models import load_tokenizer, text_config
 from kvreplay.paths import check_name
 from kvreplay.precision import parse_device, parse_dtypes
 from kvreplay.scoring import get_extractor
 from kvreplay.sources import canonical_spec
-from kvreplay.stages import StagePlan, get_plan
+from kvreplay.stages import StagePlan, get_plan, opener_ids
 from kvreplay.summary import format_summary, summarize
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 from kvreplay.verdict import verdict_sentence
@@ -185,11 +184,14 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     plan = _plan(request)
     get_extractor(request.extractor)
     experiment = get_experiment(request.experiment, request.backend)
+    request.backend.check_installed()  # before anything imports the backend's libraries
     items = load_items(request.items)
     experiment.check_prompts(items, experiment.count(request.n, items))
     scheme = _recorded_scheme(request.out)
     _check_resume(request)
-    check_loadable(request.model, request.attn_implementation, request.trust_remote_code)
+    request.backend.check_loadable(
+        request.model, request.attn_implementation, request.trust_remote_code
+    )
     tokenizer = load_tokenizer(request.model, request.trust_remote_code)
     info = request.backend.describe_model(
         request.model, request.trust_remote_code, scheme, tokenizer

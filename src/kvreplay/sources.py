@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvreplay.embedded import EMBEDDED, cache_root, convert_embedded
 from kvreplay.errors import KvreplayError, first_line
+from kvreplay.extras import require
 from kvreplay.jsonio import read_json
 from kvreplay.paths import check_name
 
@@ -70,6 +71,7 @@ def check_gguf(path: Path, spec: str) -> None:
     error), and a file that is not a regular one (a FIFO) would block the read."""
     if not path.is_file():
         raise KvreplayError(f"The GGUF file {spec!r} is not a regular file.")
+    require("hf", f"Reading the GGUF file {spec!r}", "transformers", "gguf")
     from transformers.integrations.gguf.reader import GgufHeader
 
     try:
@@ -116,7 +118,7 @@ def check_folder(folder: Path, spec: str, trust_remote_code: bool) -> Path:
 
     for path in weights:
         try:
-            with safe_open(path, "pt"):
+            with safe_open(path, "numpy"):  # the header only: no torch needed
                 pass
         except (SafetensorError, OSError) as exc:
             raise KvreplayError(

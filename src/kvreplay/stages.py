@@ -174,3 +174,25 @@ class StopDetector:
             if stop in tail:
                 return f"stop:{stop}"
         return None
+
+
+def opener_ids(tokenizer: Any, stage: Stage) -> list[int]:
+    """Token ids of a stage's opener; an opener that tokenizes to nothing is an error."""
+    if not stage.opener:
+        return []
+    ids = tokenizer.encode(stage.opener, add_special_tokens=False)
+    if not ids:
+        raise KvreplayError(f"The opener of stage {stage.name!r} tokenizes to nothing.")
+    return list(ids)
+
+
+def eos_ids(tokenizer: Any, generation_config: Any) -> frozenset[int]:
+    """EOS ids from the tokenizer and the model's generation config (either may name
+    one id, several or none)."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(t) for t in source)
+    return frozenset(ids)

@@ -27,17 +27,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache
 
-from kvreplay.canonical import sha256_json
 from kvreplay.comparison import Comparison
 from kvreplay.errors import KvreplayError
 
 Component = Literal["kv", "k", "v"]
 STATE_FORMAT = "kvreplay-boundary-state-v1"
-
-
-def sha256_tokens(token_ids: Sequence[int]) -> str:
-    """Commit a token sequence as SHA-256 of its canonical JSON."""
-    return sha256_json([int(t) for t in token_ids])
 
 
 def fingerprint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.extras import missing
 
 DEFAULT_THREADS = 1
 # torch refuses counts past a C int; far fewer would already swamp any machine.
@@ -34,7 +35,11 @@ def parse_threads(value: Any) -> int:
 @contextmanager
 def intra_op_threads(threads: int) -> Iterator[None]:
     """Run the body (contract, in-process worker) on ``threads`` torch threads, then restore
-    the caller's count."""
+    the caller's count (the core install has no torch: its backends compute on servers)."""
+    if missing("torch"):
+        parse_threads(threads)
+        yield
+        return
     import torch
 
     before = torch.get_num_threads()

@@ -1,12 +1,16 @@
 """A decoded continuation as rows record it: each stage's forced opener, decoded tokens,
-why it ended, its top-1/top-2 margins and each decoded step's numerics digest. Plain
-data, no torch: the typed rows, the CSVs and the analysis read it without loading a
-model."""
+why it ended, its top-1/top-2 margins and each decoded step's numerics digest; and the
+prefix P a generation reached. Plain data, no torch: the typed rows, the CSVs, the
+analysis and the served backends read it without loading a model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvreplay.canonical import sha256_tokens
+from kvreplay.stages import StagePlan
 
 DIGEST_CHARS = 16
 """Hex characters a step digest keeps of its SHA-256 (64 bits: ample to tell two arms'
@@ -115,3 +119,43 @@ def _steps(trajectory: Trajectory) -> list[tuple[int, str | None]]:
         steps += [(t, None) for t in s.opener_ids]
         steps += list(zip(s.token_ids, s.digests, strict=True))
     return steps
+
+
+@dataclass
+class Prefix:
+    """P's token ids, where its prompt ends, and the stages that produced it.
+
+    ``reached`` is False when a prefix stage that has stop strings ended without one
+    (cap or EOS): the generation never reached the boundary the plan describes.
+    """
+
+    token_ids: list[int]
+    prompt_len: int
+    segments: list[Segment] = field(default_factory=list)
+    reached: bool = True
+    reason: str = ""
+
+    @property
+    def sha256(self) -> str:
+        return sha256_tokens(self.token_ids)
+
+
+def generated_prefix(
+    prompt_ids: Sequence[int], trajectory: Trajectory, plan: StagePlan, next_opener: list[int]
+) -> Prefix:
+    """P as a generation of the prefix stages made it: the prompt, each stage's stream and
+    the first suffix stage's opener; unreached when a stage with stops ended without one."""
+    unreached = [
+        s
+        for s, stage in zip(trajectory.segments, plan.prefix_stages, strict=True)
+        if stage.stop and not s.stop_reason.startswith("stop:")
+    ]
+    return Prefix(
+        token_ids=[*prompt_ids, *trajectory.token_ids, *next_opener],
+        prompt_len=len(prompt_ids),
+        segments=trajectory.segments,
+        reached=not unreached,
+        reason=f"stage {unreached[0].stage!r} ended by {unreached[0].stop_reason}"
+        if unreached
+        else "",
+    )

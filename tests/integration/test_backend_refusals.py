@@ -67,7 +67,7 @@ def test_backends_lists_each_backend_with_its_capabilities() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_vllm_not_installed(tmp_path: Path, tiny_dirs) -> None:
     output = refused(tmp_path, "matched", "--model", tiny_dirs["qwen2"], "--backend", "vllm")
-    assert "make setup-vllm" in output
+    assert "make setup-vllm" in output and "pip install 'kvreplay[vllm]' vllm" in output
 
 
 class _ServerWithoutDevMode:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from forgery import read_rows, rechain
-from helpers import free_port, invoke, wait_until_up
+from helpers import core, free_port, invoke, same_suffixes, wait_until_up
 from tiny import save_tiny
 
 pytest.importorskip("vllm")
@@ -199,6 +199,30 @@ def test_resample_and_check_over_http(server: tuple[str, Path], tmp_path: Path) 
     verdict = json.loads((tmp_path / "v.json").read_text())
     assert verdict["compared"] == ["cache-hit", "cache-miss"]
     assert checked.exit_code == verdict["exit_code"], checked.output
+
+
+@pytest.mark.core
+def test_the_core_install_runs_audits_and_checks_against_the_server(
+    server: tuple[str, Path], http_run: Path, tmp_path: Path
+) -> None:
+    """The core install (no torch, no transformers: the model folder's tokenizer.json
+    through tokenizers) runs the rows this environment ran against the same server, token
+    for token, audits them against the server, and derives and reports them; a check
+    there judges them."""
+    url, model = server
+    out = tmp_path / "core"
+    made = core("run", "matched", "--backend", "http", "--url", url, "--model", model,
+                "--n", 3, "--plan", "short", "--dtypes", "bf16", "--out", out)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    same_suffixes(out, http_run)
+    audited = core("audit", out, "--url", url)
+    assert audited.returncode == 0 and "PASS" in audited.stdout, audited.stdout + audited.stderr
+    for command in ("analyze", "report"):
+        assert core(command, out).returncode == 0
+    verdict = tmp_path / "v.json"
+    checked = core("check", "--backend", "http", "--url", url, "--model", model, "--n", 2,
+                   "--plan", "short", "--out", tmp_path / "check", "--json", verdict)  # fmt: skip
+    assert checked.returncode == json.loads(verdict.read_text())["exit_code"] in (0, 1)
 
 
 def test_a_500_mid_run_loses_no_row_and_a_rerun_resumes(server, proxy: Proxy, tmp_path) -> None:

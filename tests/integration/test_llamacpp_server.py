@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from forgery import assert_named, audit, read_rows, rechain
-from helpers import free_port, invoke, wait_until_up
+from helpers import core, free_port, invoke, same_suffixes, wait_until_up
 
 from kvreplay.embedded import EMBEDDED
 
@@ -163,3 +163,30 @@ def test_a_server_that_saves_slots_replicates_the_hit_from_its_restored_state(
             == (arms["left"]["served"]["cached_tokens"])
         )
         print("restored replica gate:", record["data"]["replicas"]["left"])
+
+
+@pytest.mark.core
+def test_the_core_install_runs_checks_and_audits_the_same_rows(
+    server: str, matched: Path, smollm2_cache: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The core install (no torch; the model's package installed with its documented
+    one-liner) runs the rows this environment ran against the same server, token for token
+    and with the same model identity, audits them, and a check there holds."""
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    out = tmp_path / "core"
+    made = core("run", "matched", "--backend", "http", "--url", server, "--plan", "short",
+                "--n", "3", "--dtypes", "fp16", "--companions", "0", "--out", out)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    same_suffixes(out, matched)
+    contracts = [json.loads((r / "manifest.json").read_text())["contract"] for r in (out, matched)]
+    assert contracts[0]["model_info"] == contracts[1]["model_info"]
+    assert "torch" not in contracts[0]["environment"]
+    audited = core("audit", out, "--url", server)
+    assert audited.returncode == 0 and "PASS" in audited.stdout, audited.stdout + audited.stderr
+    verdict = tmp_path / "verdict.json"
+    checked = core("check", "--backend", "http", "--url", server, "--plan", "short",
+                   "--n", "2", "--dtypes", "fp16", "--companions", "0", "--expect",
+                   "max-divergent", "--max-divergent", "2", "--out", tmp_path / "check",
+                   "--json", verdict)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert json.loads(verdict.read_text())["verdict"] == "holds"

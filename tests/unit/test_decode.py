@@ -9,8 +9,8 @@ import torch
 from helpers import ARCHS, PLAN, SHORT, reach
 
 from kvreplay import KvreplayError, Sampler, Trajectory, clone, continue_from, encode_prompt, live
-from kvreplay.decode import eos_ids, opener_ids, top2_margin
-from kvreplay.stages import Stage, StagePlan
+from kvreplay.decode import top2_margin
+from kvreplay.stages import Stage, StagePlan, eos_ids, opener_ids
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -79,14 +79,15 @@ def test_every_experiment_writes_the_table_analysis_reads() -> None:
     (so the audit and analyze derive the CSV it wrote) and an analysis section reads that
     table (so analyze and report include it); a table's key columns are required ones."""
     from kvreplay.analysis.sections.registry import SECTIONS
-    from kvreplay.experiments import EXPERIMENTS, SERVED
+    from kvreplay.experiments import EXPERIMENTS, SERVED, experiment_at
     from kvreplay.experiments.tables import EXPERIMENT_TABLES, TABLES
 
-    for name, experiment in EXPERIMENTS.items():
+    for name, where in EXPERIMENTS.items():
+        experiment = experiment_at(where)
         assert EXPERIMENT_TABLES[name][0] is experiment.table
-        assert experiment.table.experiment == name
-    for name, experiment in SERVED.items():
-        assert EXPERIMENT_TABLES[name][1] is experiment.table
+        assert experiment.table.experiment == name and experiment.name == name
+    for name, where in SERVED.items():
+        assert EXPERIMENT_TABLES[name][1] is experiment_at(where).table
     assert set(TABLES) == {table for section in SECTIONS for table in section.tables}
     for table in TABLES:
         required = {c.name for c in table.columns if c.use == "required"}

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from kvreplay.backends import backend_from_contract, make_backend, registry, setting_options
-from kvreplay.construct import Prefix
 from kvreplay.decode import Segment, Trajectory
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.rows import ArmResult, ServedReport
 from kvreplay.experiments.served import _gate, computed_tokens
 from kvreplay.experiments.tables.matrix import first_token_logprob_diff
+from kvreplay.trajectory import Prefix
 
 
 def arm(cached: int, expected: int | None, first: list[list] | None = None) -> ArmResult:

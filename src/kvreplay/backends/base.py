@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvreplay.errors import KvreplayError
+from kvreplay.extras import INSTALL, missing, require
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
@@ -87,6 +88,10 @@ class Backend:
     # Settings that say where the backend is, not what it computes: left out of the
     # contract, and given again to resume or audit a run (e.g. a server's address).
     connection: ClassVar[tuple[str, ...]] = ()
+    # The extra that installs the modules this backend imports (kvreplay.extras); the
+    # core install has none of them. None: the core install runs the backend.
+    extra: ClassVar[str | None] = None
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -140,10 +145,29 @@ class Backend:
 
     def installed(self) -> bool:
         """Whether this environment can run the backend."""
-        return True
+        return not missing(*self.requires)
+
+    @classmethod
+    def install_command(cls) -> str | None:
+        """The one command that installs what the backend imports (None: nothing)."""
+        return INSTALL[cls.extra] if cls.extra else None
+
+    @classmethod
+    def check_installed(cls) -> None:
+        """Refuse (one sentence naming the install command) when a module the backend
+        imports is missing: before anything imports it."""
+        if cls.extra:
+            require(cls.extra, f"The {cls.name} backend", *cls.requires)
 
     def check_ready(self) -> None:
         """Refuse (one sentence) when this environment cannot run the backend."""
+
+    def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
+        """Refuse, before the manifest, a model transformers could not build or load here
+        (:func:`kvreplay.models.check_loadable`)."""
+        from kvreplay.models import check_loadable
+
+        check_loadable(spec, attn_implementation, trust_remote_code)
 
     def check_model(
         self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]

@@ -15,6 +15,8 @@ class HfBackend(Backend):
     name = "hf"
     summary = "transformers eager, full K/V access (every experiment)"
     capabilities = Capabilities(kv_access=True, seeded_sampling=True)
+    extra = "hf"
+    requires = ("torch", "transformers")
 
     def contract(self) -> dict[str, Any] | None:
         return None

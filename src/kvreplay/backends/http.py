@@ -142,6 +142,10 @@ class HttpBackend(Backend):
         if refusal is not None:
             raise KvreplayError(refusal)
 
+    def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
+        """The server loads the model: kvreplay reads only its tokenizer and config (the
+        core install, without transformers, can)."""
+
     def check_model(
         self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
     ) -> None:
@@ -184,9 +188,9 @@ class HttpBackend(Backend):
             )
 
     def open_served(self, config: RunConfig, precision: str) -> HttpServed:
-        from kvreplay.decode import eos_ids
         from kvreplay.models import generation_config, load_tokenizer
         from kvreplay.sources import resolve_source
+        from kvreplay.stages import eos_ids
 
         fresh = connect(self.url, self.server, self.timeout, self.api_key_env).probe()
         if fresh.identity != (self.recorded or self.probe.identity):

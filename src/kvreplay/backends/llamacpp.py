@@ -36,6 +36,8 @@ class LlamaCppBackend(Backend):
     capabilities = Capabilities(kv_access=True, seeded_sampling=True)
     precisions = tuple(KV_TYPES)
     prefix_precision = "fp16"  # llama.cpp's default KV-cache type
+    extra = "llamacpp"
+    requires = ("llama_cpp", "torch", "transformers")
     libraries = {"llama_cpp_python": ("llama-cpp-python", "llama_cpp_python")}
     n_ctx: int = field(
         default=2048,
@@ -61,6 +63,8 @@ class LlamaCppBackend(Backend):
         return {"llama_cpp_python": importlib.metadata.version("llama-cpp-python")}
 
     def installed(self) -> bool:
+        if not super().installed():
+            return False
         try:
             binding()
         except KvreplayError:

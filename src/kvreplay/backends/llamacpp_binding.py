@@ -10,10 +10,12 @@ import logging
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.extras import INSTALL
 
 LLAMACPP_SETUP = (
-    "The llamacpp backend needs llama.cpp, which is not built in this environment; run "
-    "`make setup-llamacpp` (see docs/backends/llamacpp.md)."
+    "The llamacpp backend needs llama.cpp, which is not built in this environment; install "
+    f"it with: {INSTALL['llamacpp']} (in a checkout: `make setup-llamacpp`; see "
+    "docs/backends/llamacpp.md)."
 )
 # A run's precision names the KV-cache type: its GGML type id.
 KV_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30, "q8_0": 8}

@@ -17,8 +17,9 @@ from kvreplay.stages import Stage
 from kvreplay.trajectory import step_digest
 
 if TYPE_CHECKING:  # decode imports torch; a backend's settings must not
-    from kvreplay.decode import Sampler, Segment
+    from kvreplay.sampler import Sampler
     from kvreplay.stages import StopDetector
+    from kvreplay.trajectory import Segment
 
 TOP_LOGPROBS = 2
 
@@ -82,7 +83,7 @@ def served_stage(
     """A served stage as the hf backend would record it: cut where the plan's stop rule
     (:class:`~kvreplay.stages.StopDetector`) first fires, the reason named, and each
     step's top-1/top-2 logprob difference as its margin."""
-    from kvreplay.decode import Segment
+    from kvreplay.trajectory import Segment
 
     reason = "cap"
     for end in range(1, len(tokens) + 1):

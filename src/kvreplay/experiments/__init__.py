@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_REGISTRY = ("EXPERIMENTS", "SERVED", "get_experiment", "recorded_experiment")
+_REGISTRY = ("EXPERIMENTS", "SERVED", "experiment_at", "get_experiment", "recorded_experiment")
 
 
 def __getattr__(name: str) -> Any:

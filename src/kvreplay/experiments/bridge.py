@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.panel import Arm, Panel, run_panel
+from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import prompt_lengths, spread_selection
 from kvreplay.experiments.tables.bridge import BRIDGE, BRIDGE_TABLE
@@ -81,6 +81,8 @@ class Bridge(Experiment):
         return planned_keys(self.name, config["item_ids"], [config["dtype"]], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+
         result = run_panel(worker, unit, clock, self.panel)
         base = {
             "item_id": unit.item.id,

@@ -29,12 +29,11 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreplay.analysis.sections.localize import draw, recovery
-from kvreplay.decode import Sampler, feed_each
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.panel import Arm, Panel, run_panel
+from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.prefixes import prefix_inputs
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PanelOptions, select_panel
@@ -47,9 +46,15 @@ from kvreplay.experiments.tables.localize import (
 )
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
-from kvreplay.models import LoadedModel
-from kvreplay.state import BoundaryState, Component, transplant
+from kvreplay.sampler import Sampler
 from kvreplay.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from kvreplay.models import LoadedModel
+    from kvreplay.state import BoundaryState, Component
+
+# The probes below run in process only (they import torch when they run): the
+# experiment itself is read without torch, for its table, report and verdicts.
 
 
 def follow(
@@ -62,6 +67,8 @@ def follow(
     as :func:`kvreplay.decode.run_stages` does. Stops depend only on the tokens, so a
     state that matches every token would have stopped exactly where the reference did.
     """
+    from kvreplay.decode import feed_each
+
     generator = sampler.generator()
     index = 0
     last_stage = len(reference.segments) - 1
@@ -145,6 +152,8 @@ def _decide(
     component: Component,
 ) -> int | None:
     """Transplant ``layers`` of ``component`` and follow the donor's suffix."""
+    from kvreplay.state import transplant
+
     state = transplant(donor, recipient, layers, component)
     with clock.model():
         return follow(lm, state, reference, sampler)
@@ -192,6 +201,8 @@ class Localize(Experiment):
         return planned_keys(self.name, ids, [config["precision"]], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+
         result = run_panel(worker, unit, clock, self.panel)
         row, lm = result.row, result.lm
         assert row is not None and row.comparison is not None, "a recorded prefix is reached"

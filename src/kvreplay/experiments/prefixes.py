@@ -4,17 +4,18 @@ trajectory item's own, or generates one live)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvreplay.construct import Prefix, live
+from kvreplay.canonical import sha256_tokens
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.rows import PREFIX_FIELDS
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item, encode_prompt
 from kvreplay.ledger import Record
-from kvreplay.models import LoadedModel
-from kvreplay.state import sha256_tokens
-from kvreplay.trajectory import Trajectory
+from kvreplay.trajectory import Prefix, Trajectory
+
+if TYPE_CHECKING:
+    from kvreplay.models import LoadedModel
 
 
 def prefix_inputs(record: Record) -> dict[str, Any]:
@@ -57,6 +58,8 @@ def prefix_row(worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
     base = {"item_id": unit.item.id, "precision": unit.precision, "kind": "prefix"}
     if "prefix_token_ids" in unit.inputs:
         return {**base, "status": "ok", **unit.inputs}
+    from kvreplay.construct import live  # in process only: loads torch
+
     lm = worker.model(unit.precision)
     with clock.model():
         _, prefix = live(

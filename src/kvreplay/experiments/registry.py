@@ -1,26 +1,37 @@
-"""The registry of experiments that ``kvreplay run`` knows (they load torch)."""
+"""The registry of experiments that ``kvreplay run`` knows, each named by where its class
+lives and imported when first asked for: the in-process ones load torch, which the core
+install lacks, and a served run needs only the served ones."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from kvreplay.backends import Backend, backend_class, backend_from_contract, registry
+from kvreplay.backends import Backend, backend_class, backend_from_contract, load, registry
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.bridge import Bridge
 from kvreplay.experiments.experiment import Experiment
-from kvreplay.experiments.fixed_prefix import FixedPrefix
-from kvreplay.experiments.localize import Localize
-from kvreplay.experiments.matched import Matched, ServedMatched
-from kvreplay.experiments.resample import Resample, ServedResample
-from kvreplay.experiments.transplant import Transplant
 
-EXPERIMENTS: dict[str, Experiment] = {
-    e.name: e for e in (Matched(), FixedPrefix(), Bridge(), Transplant(), Resample(), Localize())
+EXPERIMENTS: dict[str, str] = {
+    "matched": "kvreplay.experiments.matched:Matched",
+    "fixed-prefix": "kvreplay.experiments.fixed_prefix:FixedPrefix",
+    "bridge": "kvreplay.experiments.bridge:Bridge",
+    "transplant": "kvreplay.experiments.transplant:Transplant",
+    "resample": "kvreplay.experiments.resample:Resample",
+    "localize": "kvreplay.experiments.localize:Localize",
 }
 
 
 # The experiments a backend without K/V access runs, declared as served panels.
-SERVED: dict[str, Experiment] = {e.name: e for e in (ServedMatched(), ServedResample())}
+SERVED: dict[str, str] = {
+    "matched": "kvreplay.experiments.matched:ServedMatched",
+    "resample": "kvreplay.experiments.resample:ServedResample",
+}
+
+
+@functools.cache
+def experiment_at(where: str) -> Experiment:
+    """The one instance of the experiment class a registry line names."""
+    return load(where)()
 
 
 def get_experiment(
@@ -31,7 +42,7 @@ def get_experiment(
     if name not in EXPERIMENTS:
         raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
     if backend is None or backend.kv_access:
-        return EXPERIMENTS[name]
+        return experiment_at(EXPERIMENTS[name])
     if name not in SERVED:
         with_kv = [b for b in registry() if backend_class(b).capabilities.kv_access]
         raise KvreplayError(
@@ -41,7 +52,7 @@ def get_experiment(
         )
     if require_engine:
         backend.check_ready()
-    return SERVED[name]
+    return experiment_at(SERVED[name])
 
 
 def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:

@@ -18,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvreplay.decode import Sampler
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.panel import Arm, Panel, Samples, run_panel
+from kvreplay.experiments.panel import Arm, Panel, Samples
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.experiments.served import ServedArm, run_served_panel
@@ -29,6 +28,7 @@ from kvreplay.experiments.tables.resample import RESAMPLE, RESAMPLE_TABLE, SERVE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
+from kvreplay.sampler import Sampler
 
 # The most seeded samples per arm and row: the manifest lists every seed, and each is a
 # decode of the whole suffix.
@@ -128,6 +128,8 @@ class Resample(Experiment):
     def run_row(
         self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples
     ) -> tuple[PanelRow | None, dict[str, Any]]:
+        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+
         result = run_panel(worker, unit, clock, replace(self.panel, samples=samples))
         return result.row, result.prefix
 

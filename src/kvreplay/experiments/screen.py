@@ -18,8 +18,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvreplay.construct import live
-from kvreplay.decode import continue_from
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.scope import Scope, own_options
@@ -94,6 +92,9 @@ def screen_row(worker: Workbench, unit: Unit, clock: Clock, served: bool) -> dic
                 )
         suffix = Trajectory(segments)
     else:
+        from kvreplay.construct import live  # in process only: loads torch
+        from kvreplay.decode import continue_from
+
         lm = worker.model(unit.precision)
         with clock.model():
             state, prefix = live(lm, prompt_ids(worker, lm, unit.item), plan, sampler)

@@ -17,7 +17,7 @@ Every request of an arm after the first is served as the engine would serve a
 multi-turn conversation: from the blocks the arm itself wrote. A resampled panel serves
 each arm once per seed (the engine's per-request seeded sampler), each from a reset
 cache. :func:`run_served_panel` is the executor; declarations are data, as for
-:func:`~kvreplay.experiments.panel.run_panel`.
+:func:`~kvreplay.experiments.executor.run_panel`.
 
 A replica is its arm served again under the same condition; where the engine can save
 and load back the state an arm's requests left (``ServedModel.restores``: llama.cpp's
@@ -35,18 +35,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvreplay.canonical import sha256_tokens
 from kvreplay.config import RunConfig
-from kvreplay.construct import Prefix, generated_prefix
-from kvreplay.decode import Sampler, opener_ids
 from kvreplay.experiments.panel import Panel, Replica
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.items import encode_prompt
+from kvreplay.sampler import Sampler
 from kvreplay.scoring import score
-from kvreplay.stages import Stage, StagePlan
-from kvreplay.state import sha256_tokens
-from kvreplay.trajectory import Segment, Trajectory
+from kvreplay.stages import Stage, StagePlan, opener_ids
+from kvreplay.trajectory import Prefix, Segment, Trajectory, generated_prefix
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel

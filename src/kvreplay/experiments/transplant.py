@@ -29,7 +29,7 @@ from typing import Any
 
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.panel import Arm, Panel, Transplanted, run_panel
+from kvreplay.experiments.panel import Arm, Panel, Transplanted
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PanelOptions, select_panel
@@ -114,6 +114,8 @@ class Transplant(Experiment):
         return planned_keys(self.name, ids, [config["precision"]], rows, prefixed=True)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+
         if unit.key.is_prefix:
             return prefix_row(worker, unit, clock)
         result = run_panel(worker, unit, clock, self.panel)

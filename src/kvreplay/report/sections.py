@@ -35,6 +35,9 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
         model, env, run = contract["model_info"], contract["environment"], contract["run"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise LedgerError("manifest.json", f"it is not a kvreplay run manifest ({error})") from None
+    threads = f", {env['threads']} threads" if "threads" in env else ""
+    libraries = [f"{k} {env[k]}" for k in ("torch", "transformers", "tokenizers") if k in env]
+    torch = "dtype_contract" in env
     engines = {
         name: entry.get("engine", {}).get("engine", "?")
         for name, entry in manifest.get("experiments", {}).items()
@@ -48,12 +51,10 @@ def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
             f"{contract['items']['source']} ({contract['items']['count']} items, "
             f"digest {contract['items']['digest'][:16]}…)",
         ),
-        ("device", f"{env['device']} ({env['device_name']}), {env['threads']} threads"),
-        (
-            "versions",
-            f"torch {env['torch']}, transformers {env['transformers']}, python {env['python']}",
-        ),
-        ("dtype contract", json.dumps(env["dtype_contract"], sort_keys=True)),
+        # A core install (no torch) records no threads, torch or dtype contract.
+        ("device", f"{env['device']} ({env['device_name']})" + threads),
+        ("versions", ", ".join([*libraries, f"python {env['python']}"])),
+        *([("dtype contract", json.dumps(env["dtype_contract"], sort_keys=True))] if torch else []),
         *(
             [
                 (
