@@ -369,6 +369,13 @@ def _first_step(step: object) -> Callable[[str, dict], dict]:
     return _edit(lambda a: _choice(a)["logprobs"]["top_logprobs"].__setitem__(0, step))
 
 
+def _second_best(answer: dict) -> None:
+    """The greedy token swapped for the one its step ranks second (both in the vocabulary)."""
+    choice = _choice(answer)
+    ranked = sorted(choice["logprobs"]["top_logprobs"][0].items(), key=lambda kv: -kv[1])
+    choice["token_ids"][0] = int(ranked[1][0].split(":")[1])
+
+
 def _nan(path: str, answer: dict) -> Reply:
     step = _choice(answer)["logprobs"]["top_logprobs"][0]
     step[next(iter(step))] = float("nan")
@@ -403,6 +410,14 @@ COMPLETIONS: dict[str, tuple[Callable[[str, dict], Any], str]] = {
         _first_step({"token_id:5": "-0.1", "token_id:6": -1.0}), "is '-0.1', not a number"
     ),
     "logprob_nan": (_nan, "NaN is not a JSON number"),
+    "logprob_positive": (
+        _first_step({"token_id:5": 3.0, "token_id:6": -1.0}), "not a finite number at most 0"
+    ),
+    "greedy_token_not_first": (_edit(_second_best), "but its logprobs rank another token above"),
+    "no_cached_tokens": (
+        _edit(lambda a: a["usage"].pop("prompt_tokens_details")),
+        "but its usage lacks prompt_tokens_details",
+    ),
     "answer_a_list": (lambda path, answer: [answer], "its answer is [{"),
 }  # fmt: skip
 

@@ -128,6 +128,4 @@ class LlamaServer:
             "length" if stop_type is not None and stop_type.text() == "limit" else "stop"
         )
         tokens = [t.integer() for t in answer["tokens"].list()]
-        timings = answer.get("timings")
-        cached = timings.get("cache_n") if timings is not None else None
-        return tokens, steps, completion, cached.integer() if cached else 0
+        return tokens, steps, completion, answer["timings"]["cache_n"].integer()

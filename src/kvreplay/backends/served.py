@@ -80,7 +80,8 @@ def check_answer(
     """Refuse (one sentence naming the server) an answer that cannot be the request's:
     more tokens than the stage's cap, a token or logprob id outside the model's
     vocabulary, a step without its top logprobs or with a logprob that is not a finite
-    number, or more cached prompt tokens than the request sent."""
+    number at most 0, a greedy token its own step's logprobs do not rank first, or more
+    cached prompt tokens than the request sent."""
     stage, cap = request.stage.name, request.stage.max_new_tokens
     if len(tokens) > cap:
         raise KvreplayError(
@@ -99,13 +100,25 @@ def check_answer(
             f"{server} returned the token id {outside}, outside the model's vocabulary of "
             f"{vocabulary}."
         )
-    if not all(math.isfinite(logprob) for step in steps for _, logprob in step):
-        raise KvreplayError(f"{server} returned a logprob that is not a finite number.")
+    if not all(math.isfinite(lp) and lp <= 0 for step in steps for _, lp in step):
+        raise KvreplayError(f"{server} returned a logprob that is not a finite number at most 0.")
+    if request.sampler.greedy:
+        index = next((i for i, t in enumerate(tokens) if not _best(t, steps[i])), None)
+        if index is not None:
+            raise KvreplayError(
+                f"{server} returned the token {tokens[index]} at step {index} of a greedy "
+                "request, but its logprobs rank another token above it."
+            )
     if not 0 <= cached_tokens <= len(request.context):
         raise KvreplayError(
             f"{server} reported {cached_tokens} cached prompt tokens for a prompt of "
             f"{len(request.context)}."
         )
+
+
+def _best(token: int, step: list[tuple[int, float]]) -> bool:
+    """Whether ``token`` has the highest logprob of its step (a tie included)."""
+    return any(t == token and lp == max(x for _, x in step) for t, lp in step)
 
 
 def served_stage(

@@ -145,10 +145,8 @@ class VllmServer:
         finish = choice.get("finish_reason")
         completion = Completion(finish.text() if finish else None)
         tokens = [t.integer() for t in choice["token_ids"].list()]
-        usage = answer.get("usage")
-        details = usage.get("prompt_tokens_details") if usage is not None else None
-        cached = details.get("cached_tokens") if details is not None else None
-        return tokens, steps, completion, cached.integer() if cached else 0
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].integer()
+        return tokens, steps, completion, cached
 
 
 def _top(step: Answer) -> list[tuple[int, float]]:
