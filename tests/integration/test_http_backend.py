@@ -227,6 +227,8 @@ def test_a_500_mid_run_loses_no_row_and_a_rerun_resumes(server, proxy: Proxy, tm
 
 def _five_more_tokens(answer: dict) -> None:
     choice = answer["choices"][0]
+    if not choice.get("logprobs"):  # the probe's own completion asks for none
+        return
     choice["token_ids"] += choice["token_ids"][-1:] * 5
     choice["logprobs"]["top_logprobs"] += choice["logprobs"]["top_logprobs"][-1:] * 5
 
@@ -235,16 +237,17 @@ def test_a_completion_past_its_cap_is_refused_and_rows_kept(server, proxy: Proxy
     """Issue 34: the real server's answers, five tokens more than asked from the second
     row on: one sentence, exit 2, the first row kept; an audit through it fails so too."""
     url, model = server
-    counted = run(proxy.url, model, tmp_path / "one", "matched", "--n", 1)
+    alone = ("--companions", 0)  # a row's requests then do not depend on the other items
+    counted = run(proxy.url, model, tmp_path / "one", "matched", "--n", 1, *alone)
     assert counted.exit_code == 0, counted.output
     first, proxy.completions = proxy.completions, 0
     proxy.fail_at, proxy.tamper = first + 1, _five_more_tokens
     out = tmp_path / "run"
-    refused = run(proxy.url, model, out)
+    refused = run(proxy.url, model, out, "matched", *alone)
     assert refused.exit_code == 2 and "Traceback" not in refused.output
     assert refused.stderr.splitlines()[-1].endswith("whose cap is 6.")
     assert [row["item_id"] for row in rows(out)] == [rows(tmp_path / "one")[0]["item_id"]]
-    proxy.completions, proxy.fail_at = 0, 2  # the probe's own completion is honest
+    proxy.completions, proxy.fail_at = 0, 1
     audited = invoke("audit", tmp_path / "one", "--url", proxy.url)
     assert audited.exit_code == 2 and audited.stderr.splitlines()[-1].endswith("cap is 6.")
 

@@ -137,7 +137,7 @@ class Client:
         where = self._where(method, path)
         if status != 200:
             detail = value.get("error", value) if isinstance(value, dict) else value
-            text = self.quoted(raw.decode("utf-8", "replace") if problem else detail)
+            text = self.quoted(raw.decode("utf-8", "replace") if problem else detail) if raw else ""
             raise KvreplayError(f"{where} with HTTP {status}{f' ({text})' if text else ''}.")
         if problem:
             raise KvreplayError(f"{where} with something that is not JSON ({problem}).")
