@@ -11,8 +11,11 @@ Prints, per family, the cases tried, how many ended clean and the ones left. A c
 clean when it ends in one sentence on stderr and exit 2 with every completed row kept
 (and nothing installed, nothing sent elsewhere, no key shown), or when the changed
 field is one kvreplay does not read and the run's rows are exactly the honest run's.
-Anything else (a traceback, a hang past --timeout, other rows recorded, exit 0 or 1
-on an impossible answer) is left, and named. Servers are loopback sockets in this
+An audit against the hostile server is clean when it refuses so or FAILs naming the
+fields that differ on re-execution. Anything else (a traceback, a hang past --timeout,
+other rows recorded, exit 0 or 1 on an impossible answer) is left, and named; a value
+in range (a logprob of -1 for -0.01) is a well-formed lie only re-execution elsewhere
+can catch, and stays listed as left. Servers are loopback sockets in this
 process (``tests/loopback.py``); the served model is the tiny Qwen2 of ``tests/tiny.py``.
 """
 
@@ -324,7 +327,7 @@ def completion_family(tiny: TinyVllm, model: Path, scratch: Path, quick: bool) -
         args, out = run_args("matched", made(scratch / f"run{next(runs)}"), model)
         extra = ["--n", str(n)] if n else []
         return invoke(*args, "--backend", "http", "--url", tiny.url, "--dtypes", "fp32",
-                      "--companions", "0", "--timeout", "10", *extra), out  # fmt: skip
+                      "--companions", "0", "--timeout", "120", *extra), out  # fmt: skip
 
     def rows(out: Path) -> list[dict]:
         path = out / "rows.jsonl"
@@ -353,7 +356,9 @@ def completion_family(tiny: TinyVllm, model: Path, scratch: Path, quick: bool) -
         family.record(label, problem or (None if kept else "the first row was lost"))
         tiny.completions = 0
         tiny.hostile("/v1/completions", tamper, 1)  # the probe's own completion is honest
-        family.record(f"audit {label}", refusal(invoke("audit", honest, "--url", tiny.url)))
+        audited = invoke("audit", honest, "--url", tiny.url)
+        failed = audited.exit_code == 1 and "differs on re-execution" in audited.stdout
+        family.record(f"audit {label}", None if failed else refusal(audited))
     tiny.tamper = None
     return family
 
