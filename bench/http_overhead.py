@@ -41,16 +41,16 @@ def main() -> None:
     from kvreplay.cli import main as cli
 
     calls: list[tuple[str, float]] = []
-    original = server.Client.call
+    original = server.Client._exchange  # every request goes through it
 
-    def timed(self: server.Client, method: str, path: str, body: object = None) -> object:
+    def timed(self: server.Client, method: str, path: str, body: object, limit: int) -> object:
         began = time.perf_counter()
         try:
-            return original(self, method, path, body)
+            return original(self, method, path, body, limit)
         finally:
             calls.append((path.split("?")[0], time.perf_counter() - began))
 
-    server.Client.call = timed  # type: ignore[method-assign]
+    server.Client._exchange = timed  # type: ignore[method-assign]
     out = Path(tempfile.mkdtemp(prefix="http-overhead-")) / "run"
     argv = ["run", "matched", "--backend", args.backend, "--n", str(args.n),
             "--dtypes", args.dtype, "--companions", "0", "--out", str(out)]  # fmt: skip

@@ -39,7 +39,7 @@ from kvreplay.ledger import (
     diff_fields,
     parse_rows,
 )
-from kvreplay.lock import check_libraries
+from kvreplay.lock import check_libraries, valid_pin
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 
 # Keys that legitimately differ between a run and its re-execution.
@@ -295,7 +295,7 @@ def audit(
             f"{run_dir} was made with --trust-remote-code, so re-executing it runs the "
             "model's own Python code; pass --trust-remote-code to audit only if you trust it."
         )
-    check_libraries(contract, run_dir)
+    check_libraries(ledger.manifest, run_dir)
     check_recorded(contract, threads, run_dir, "audit")
     placement = (engine, workers, gpus_per_worker, ray_address)
     with intra_op_threads(threads):
@@ -391,7 +391,7 @@ HEADER: dict[str, Callable[[Any], bool]] = {
         isinstance(v, dict)
         and isinstance(v.get("python"), str)
         and isinstance(v.get("distributions"), dict)
-        and all(isinstance(x, str) for x in (*v["distributions"], *v["distributions"].values()))
+        and all(valid_pin(name, version) for name, version in v["distributions"].items())
     ),
 }
 

@@ -530,7 +530,8 @@ def backends_command() -> None:
 @click.option(
     "--venv",
     default=None,
-    help="Build this virtual environment with the run's environment (else print it).",
+    help="Build this virtual environment (a new or empty folder, or a venv) with the run's "
+    "environment (else print it).",
 )
 @plain_errors
 def env_command(run_dir: Path, venv: str | None) -> None:

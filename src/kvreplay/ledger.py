@@ -284,7 +284,7 @@ class RunLedger:
             from kvreplay.lock import check_libraries  # reads installed metadata: resumes only
 
             existing = RunLedger.open_existing(self.run_dir).manifest
-            check_libraries(existing["contract"], self.run_dir)
+            check_libraries(existing, self.run_dir)
             changed = diff_fields(existing["contract"], contract)
             noted = [path for path in changed if path in INFORMATIONAL]
             if noted:

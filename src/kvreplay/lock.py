@@ -15,13 +15,13 @@ import shlex
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.paths import check_name
 
 # Contract environment fields that are library versions, with the distributions that
 # provide each (the rest describe the machine, and Python, which pip cannot rebuild, is
@@ -32,6 +32,18 @@ INSTALLER = ("pip", "setuptools", "wheel", "distribute", "kvreplay")
 # Locks of no environment a run is made in: the docs site's (make docs).
 NOT_RUN_LOCKS = ("lock-docs.txt",)
 _REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
+# A distribution's name (PEP 508) and an exact version (PEP 440: a public version, and the
+# local label a CPU build of torch carries): all that may reach pip from a run folder.
+NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+VERSION = re.compile(
+    r"v?(\d+!)?\d+(\.\d+)*"  # epoch, release
+    r"([-_.]?(a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"  # pre-release
+    r"(-\d+|[-_.]?(post|rev|r)[-_.]?\d*)?"  # post-release
+    r"([-_.]?dev[-_.]?\d*)?"  # development release
+    r"(\+[a-z0-9]+([-_.][a-z0-9]+)*)?",  # local label
+    re.IGNORECASE,
+)
+MAX_PIN = 200  # characters of a name or version: longer is no distribution's
 
 
 def normalize(name: str) -> str:
@@ -53,6 +65,30 @@ def installed() -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+def valid_pin(name: object, version: object) -> bool:
+    """Whether ``name==version`` is an exact pin of a distribution on a package index,
+    and nothing else pip would read: no URL, path, option, marker, extras or whitespace."""
+    return (
+        isinstance(name, str)
+        and isinstance(version, str)
+        and max(len(name), len(version)) <= MAX_PIN
+        and NAME.fullmatch(name) is not None
+        and VERSION.fullmatch(version) is not None
+    )
+
+
+def check_pin(name: object, version: object, where: str) -> None:
+    """Refuse (one sentence naming the entry) a recorded distribution that is not an
+    exact pin: a forged run folder must not choose what pip installs from where."""
+    if not valid_pin(name, version):
+        entry = f"{name}=={version}"
+        shown = repr(entry if len(entry) <= 80 else entry[:80] + "...")
+        raise KvreplayError(
+            f"{where} records {shown}, which is not an exact pin of a package on the index "
+            "(name==version), so nothing is installed from this run."
+        )
+
+
 def parse_lock(text: str, where: str) -> dict[str, str]:
     """``name==version`` lines (comments and blank lines aside), by normalized name."""
     pins = {}
@@ -61,7 +97,7 @@ def parse_lock(text: str, where: str) -> dict[str, str]:
         if not line:
             continue
         match = _REQUIREMENT.match(line)
-        if match is None:
+        if match is None or not valid_pin(*match.groups()):
             raise KvreplayError(f"{where} line {number} is not an exact pin (name==version).")
         pins[normalize(match.group(1))] = match.group(2)
     return pins
@@ -130,10 +166,13 @@ def rebuild_sentence(run_dir: Path, differences: list[tuple[str, str, str]]) -> 
     )
 
 
-def check_libraries(contract: dict[str, Any], run_dir: Path) -> None:
-    """Refuse (one sentence) when this environment's libraries are not the run's."""
-    differences = library_differences(contract)
+def check_libraries(manifest: dict[str, Any], run_dir: Path) -> None:
+    """Refuse (one sentence) when this environment's libraries are not the run's. The
+    refusal tells the user to rebuild the run's environment, so a run whose recorded
+    environment is not plain exact pins is refused for that instead."""
+    differences = library_differences(manifest["contract"])
     if differences:
+        run_environment(manifest)
         raise KvreplayError(rebuild_sentence(run_dir, differences))
 
 
@@ -162,18 +201,22 @@ class RunEnvironment:
         ]
         if not self.exact:
             lines.append("# Only the libraries the run recorded are pinned; pip resolves the rest.")
-        lines += [f"{name}=={version}" for name, version in self.pins.items()]
-        return "\n".join(lines) + "\n"
+        return "\n".join([*lines, *self.pinned()]) + "\n"
 
-    def commands(self, venv: str, requirements: str) -> list[list[str]]:
+    def pinned(self) -> list[str]:
+        return [f"{name}=={version}" for name, version in self.pins.items()]
+
+    def commands(self, venv: Path) -> list[list[str]]:
         """The commands that build ``venv``: torch first (so nothing pulls a CUDA build),
-        then the pins, then this kvreplay from its source (or its release)."""
-        pip = [f"{venv}/bin/pip", "install", "-q"]
+        then the pins, then this kvreplay from its source (or its release). The pins go
+        to pip as arguments, never as a requirements file, so that nothing recorded can
+        be read as an option; each was checked to be ``name==version``."""
+        pip = [str(venv / "bin" / "pip"), "install", "-q"]
         torch = self.pins.get("torch", "").split("+")[0]
-        steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"]]
+        steps = [[sys.executable, "-m", "venv", str(venv)], [*pip, "--upgrade", "pip"]]
         if torch:
             steps.append([*pip, f"torch=={torch}"])
-        steps.append([*pip, *(["--no-deps"] if self.exact else []), "-r", requirements])
+        steps.append([*pip, *(["--no-deps"] if self.exact else []), *self.pinned()])
         checkout = source_checkout()
         release = f"kvreplay=={metadata.version('kvreplay')}"
         kvreplay = ["-e", str(checkout)] if checkout else [release]
@@ -182,15 +225,24 @@ class RunEnvironment:
 
 
 def run_environment(manifest: dict[str, Any]) -> RunEnvironment:
-    """The environment a run records, or for an older run the best rebuild it allows."""
+    """The environment a run records, or for an older run the best rebuild it allows.
+    Everything taken from the manifest must be an exact pin (see :func:`check_pin`)."""
     header = manifest.get("environment")
     contract_env = manifest.get("contract", {}).get("environment", {})
     python = str(contract_env.get("python", "unknown"))
-    if isinstance(header, dict) and isinstance(header.get("distributions"), dict):
-        pins = {normalize(str(k)): str(v) for k, v in header["distributions"].items()}
-        return RunEnvironment(dict(sorted(pins.items())), python, True, "recorded by the run")
+    if python != "unknown" and (len(python) > MAX_PIN or not VERSION.fullmatch(python)):
+        raise KvreplayError(
+            f"manifest.json's contract records Python {python[:40]!r}, which is not a version."
+        )
     known = libraries()
-    recorded = {lib: str(contract_env[lib]) for lib in known if lib in contract_env}
+    recorded = {lib: contract_env[lib] for lib in known if lib in contract_env}
+    for lib, version in recorded.items():
+        check_pin(lib, version, "manifest.json's contract")
+    if isinstance(header, dict) and isinstance(header.get("distributions"), dict):
+        for name, version in header["distributions"].items():
+            check_pin(name, version, "manifest.json's environment")
+        pins = {normalize(k): v for k, v in header["distributions"].items()}
+        return RunEnvironment(dict(sorted(pins.items())), python, True, "recorded by the run")
     checkout = source_checkout()
     for path in sorted(checkout.glob("requirements/lock-*.txt")) if checkout else ():
         if path.name in NOT_RUN_LOCKS:
@@ -203,21 +255,49 @@ def run_environment(manifest: dict[str, Any]) -> RunEnvironment:
     return RunEnvironment(pins, python, False, "only its libraries were recorded")
 
 
+# Folders a virtual environment never belongs in: the kernel's views, not storage.
+SYSTEM_FOLDERS = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def check_venv(venv: str) -> Path:
+    """The folder ``kvreplay env --venv`` builds, as an absolute path; refused in one
+    sentence: nothing (the current folder), an option, a name with control characters,
+    a system folder, a file, or a folder that holds something other than a venv."""
+    if not venv.strip():
+        raise KvreplayError("--venv is empty; name the folder to build, e.g. --venv .venv-run.")
+    if not venv.isprintable():
+        raise KvreplayError("--venv holds a newline or another control character.")
+    if venv.startswith("-"):
+        raise KvreplayError(
+            f"--venv {venv[:80]!r} starts with '-', which would reach python -m venv as an "
+            f"option; write ./{venv[:80]} for a folder of that name."
+        )
+    target = check_name(Path(venv), "--venv").absolute()
+    shown = f"--venv {venv[:80]!r}"
+    for system in SYSTEM_FOLDERS:
+        if system in (target, *target.parents, target.resolve(), *target.resolve().parents):
+            raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
+    if target.exists() and not target.is_dir():
+        raise KvreplayError(f"{shown} exists and is not a folder.")
+    if target.is_dir() and not (target / "pyvenv.cfg").is_file() and any(target.iterdir()):
+        raise KvreplayError(
+            f"{shown} is a folder that holds other files and no virtual environment; "
+            "name a new folder."
+        )
+    return target
+
+
 def rebuild(manifest: dict[str, Any], venv: str, echo: Any) -> None:
-    """Build ``venv`` with the run's environment, echoing each command before it runs."""
-    environment = run_environment(manifest)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
-        handle.write(environment.requirements())
-    try:
-        for command in environment.commands(venv, handle.name):
-            echo("$ " + shlex.join(command))
-            try:
-                done = subprocess.run(command, check=False)
-            except OSError as exc:
-                raise KvreplayError(f"Could not run {command[0]} ({exc.strerror}).") from exc
-            if done.returncode != 0:
-                raise KvreplayError(
-                    f"Rebuilding the run's environment failed at: {shlex.join(command)}."
-                )
-    finally:
-        Path(handle.name).unlink(missing_ok=True)
+    """Build ``venv`` with the run's environment, echoing each command before it runs.
+    Both the folder and every pin are checked before anything runs."""
+    target = check_venv(venv)
+    for command in run_environment(manifest).commands(target):
+        echo("$ " + shlex.join(command))
+        try:
+            done = subprocess.run(command, check=False)
+        except OSError as exc:
+            raise KvreplayError(f"Could not run {command[0]} ({exc.strerror}).") from exc
+        if done.returncode != 0:
+            raise KvreplayError(
+                f"Rebuilding the run's environment failed at: {shlex.join(command)}."
+            )

@@ -134,6 +134,12 @@ def text_config(spec: str, trust_remote_code: bool = False) -> Any:
     return model_config(spec, trust_remote_code).get_text_config(decoder=True)
 
 
+def vocabulary_size(config: Any, tokenizer: Any) -> int:
+    """The token ids a model can take and produce: its config's vocabulary, else the
+    tokenizer's."""
+    return int(getattr(config, "vocab_size", 0) or 0) or len(tokenizer)
+
+
 def generation_config(folder: Path) -> Any:
     """A model folder's generation config (its EOS ids), or None when it has none."""
     if missing("transformers"):

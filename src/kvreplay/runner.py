@@ -39,7 +39,7 @@ from kvreplay.ledger import (
     write_text_atomic,
 )
 from kvreplay.lock import installed
-from kvreplay.models import load_tokenizer, text_config
+from kvreplay.models import load_tokenizer, text_config, vocabulary_size
 from kvreplay.paths import check_name
 from kvreplay.precision import parse_device, parse_dtypes
 from kvreplay.scoring import get_extractor
@@ -93,7 +93,7 @@ def _check_prompts(
     any the tokenizer can produce) and empty openers are refused before model work."""
     budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
     config = text_config(request.model, request.trust_remote_code)
-    vocabulary = int(getattr(config, "vocab_size", 0) or 0) or len(tokenizer)
+    vocabulary = vocabulary_size(config, tokenizer)
     largest = max(max(tokenizer.get_vocab().values()), *tokenizer.all_special_ids)
     if largest >= vocabulary:
         raise KvreplayError(

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -66,6 +66,7 @@ class Proxy:
     def __init__(self, upstream: str) -> None:
         self.upstream, self.fail_at, self.version, self.delay = upstream, None, None, 0.0
         self.completions = 0
+        self.tamper: Callable[[dict], None] | None = None  # rewrites completions from fail_at
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,9 +81,11 @@ class Proxy:
 
             def forward(self, body: bytes | None) -> None:
                 time.sleep(proxy.delay)
+                late = False
                 if self.path.startswith("/v1/completions"):
                     proxy.completions += 1
-                    if proxy.fail_at is not None and proxy.completions >= proxy.fail_at:
+                    late = proxy.fail_at is not None and proxy.completions >= proxy.fail_at
+                    if late and proxy.tamper is None:
                         return self.answer(500, b'{"error": "injected"}')
                 request = urllib.request.Request(
                     proxy.upstream + self.path, data=body, method=self.command,
@@ -95,6 +98,10 @@ class Proxy:
                     status, data = exc.code, exc.read()
                 if proxy.version and self.path.startswith("/version"):
                     data = json.dumps({"version": proxy.version}).encode()
+                if self.path.startswith("/v1/completions") and late and proxy.tamper:
+                    answer = json.loads(data)
+                    proxy.tamper(answer)
+                    data = json.dumps(answer).encode()
                 self.answer(status, data)
 
             def answer(self, status: int, data: bytes) -> None:
@@ -240,6 +247,33 @@ def test_a_500_mid_run_loses_no_row_and_a_rerun_resumes(server, proxy: Proxy, tm
     resumed = run(url, model, out)
     assert resumed.exit_code == 0, resumed.output
     assert rows(out)[: len(kept)] == kept and len(rows(out)) == 3
+
+
+def _five_more_tokens(answer: dict) -> None:
+    choice = answer["choices"][0]
+    if not choice.get("logprobs"):  # the probe's own completion asks for none
+        return
+    choice["token_ids"] += choice["token_ids"][-1:] * 5
+    choice["logprobs"]["top_logprobs"] += choice["logprobs"]["top_logprobs"][-1:] * 5
+
+
+def test_a_completion_past_its_cap_is_refused_and_rows_kept(server, proxy: Proxy, tmp_path):
+    """Issue 34: the real server's answers, five tokens more than asked from the second
+    row on: one sentence, exit 2, the first row kept; an audit through it fails so too."""
+    url, model = server
+    alone = ("--companions", 0)  # a row's requests then do not depend on the other items
+    counted = run(proxy.url, model, tmp_path / "one", "matched", "--n", 1, *alone)
+    assert counted.exit_code == 0, counted.output
+    first, proxy.completions = proxy.completions, 0
+    proxy.fail_at, proxy.tamper = first + 1, _five_more_tokens
+    out = tmp_path / "run"
+    refused = run(proxy.url, model, out, "matched", *alone)
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert refused.stderr.splitlines()[-1].endswith("whose cap is 6.")
+    assert [row["item_id"] for row in rows(out)] == [rows(tmp_path / "one")[0]["item_id"]]
+    proxy.completions, proxy.fail_at = 0, 1
+    audited = invoke("audit", tmp_path / "one", "--url", proxy.url)
+    assert audited.exit_code == 2 and audited.stderr.splitlines()[-1].endswith("cap is 6.")
 
 
 def test_another_server_on_resume_is_refused(server, proxy: Proxy, http_run: Path) -> None:

@@ -15,6 +15,7 @@ from kvreplay.lock import (
     parse_lock,
     rebuild_sentence,
     run_environment,
+    valid_pin,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ def test_an_old_run_is_rebuilt_from_the_checkout_lock_that_agrees_with_it() -> N
     environment = run_environment(old)
     assert not environment.exact
     assert environment.pins == {"torch": "2.13.0+cpu", "transformers": "5.1.0"}
-    assert "--no-deps" not in environment.commands("v", "r.txt")[-2]
+    assert "--no-deps" not in environment.commands(Path("v"))[-2]
     numpy_only = {"contract": {"environment": {"numpy": "2.4.6"}}}  # the docs lock pins it too
     assert "lock-docs.txt" not in run_environment(numpy_only).origin
 
@@ -90,6 +91,39 @@ def test_a_new_run_records_every_distribution(tmp_path: Path) -> None:
     assert environment.exact and environment.pins == {"foo-bar": "1"}
     text = environment.requirements()
     assert "foo-bar==1" in text.splitlines()
-    commands = environment.commands(str(tmp_path / "v"), "r.txt")
-    assert commands[-2][-3:] == ["--no-deps", "-r", "r.txt"]
+    commands = environment.commands(tmp_path / "v")
+    assert commands[-2][-2:] == ["--no-deps", "foo-bar==1"]  # pins as arguments, never -r
+    assert not any("-r" in command for command in commands)
     assert commands[-1][-2:] == ["-e", str(REPO)]
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "valid"),
+    [
+        ("torch", "2.13.0+cpu", True),
+        ("Foo_Bar.baz", "1!2.0rc1.post3.dev4", True),
+        ("llama_cpp_python", "0.3.36", True),
+        ("torch", "@ file:///w.whl", False),
+        ("numpy", "2.0; python_version > '0'", False),
+        ("numpy[x]", "2.0", False),
+        ("--find-links", "x", False),
+        ("numpy", "2.0\nevil", False),
+        ("numpy", "2.0 ", False),
+        ("-numpy", "2.0", False),
+        ("numpy", "", False),
+    ],
+)
+def test_only_exact_pins_of_names_and_versions_are_valid(
+    name: str, version: str, valid: bool
+) -> None:
+    assert valid_pin(name, version) is valid
+
+
+def test_every_committed_run_and_lock_records_valid_pins() -> None:
+    """The check refuses forgeries, never a real environment."""
+    import json
+
+    for path in sorted(REPO.glob("results/*/manifest.json")):
+        run_environment(json.loads(path.read_text()))
+    for path in sorted(REPO.glob("requirements/lock-*.txt")):
+        assert parse_lock(path.read_text(), path.name)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kvreplay.backends import load
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import Reply, Request, served_stage
-from kvreplay.backends.server import Client, Probe, ServerAdapter
+from kvreplay.backends.server import Client, Probe, ServerAdapter, parse_address
 from kvreplay.errors import KvreplayError
 
 if TYPE_CHECKING:
@@ -89,6 +89,8 @@ class HttpBackend(Backend):
     recorded: dict[str, Any] | None = None  # the identity a resumed or audited run recorded
 
     def validate(self) -> None:
+        if self.url:
+            parse_address(self.url)
         if self.server not in ("auto", *ADAPTERS):
             raise KvreplayError(f"--server must be auto or one of {', '.join(ADAPTERS)}.")
         if not 0 < self.timeout <= 86400:
@@ -188,7 +190,7 @@ class HttpBackend(Backend):
             )
 
     def open_served(self, config: RunConfig, precision: str) -> HttpServed:
-        from kvreplay.models import generation_config, load_tokenizer
+        from kvreplay.models import generation_config, load_tokenizer, text_config, vocabulary_size
         from kvreplay.sources import resolve_source
         from kvreplay.stages import eos_ids
 
@@ -209,6 +211,7 @@ class HttpBackend(Backend):
             eos_ids(tokenizer, generation_config(folder)),
             self.context_window(0),
             self.probe.restores,
+            vocabulary_size(text_config(config.model, config.trust_remote_code), tokenizer),
         )
 
 
@@ -222,6 +225,7 @@ class HttpServed:
     eos_token_ids: frozenset[int]
     context_length: int
     restores: bool
+    vocabulary: int
 
     def reset_cache(self) -> None:
         self.adapter.reset()
@@ -239,7 +243,10 @@ class HttpServed:
                 self.model, request, self.eos_token_ids, slot
             )
             detector = StopDetector(self.tokenizer, request.stage.stop, self.eos_token_ids)
-            return served_stage(request, tokens, steps, completion, cached, detector, "The server")
+            server = f"The server at {self.adapter.client.url}"
+            return served_stage(
+                request, tokens, steps, completion, cached, detector, server, self.vocabulary
+            )
 
         if len(requests) == 1:
             return [one(0, requests[0])]

@@ -10,8 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvreplay.backends.answers import MAX_COUNT
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
-from kvreplay.backends.server import Client, Probe
+from kvreplay.backends.server import Client, Probe, answer_limit
+
+MAX_PATH = 4096  # characters of the model path the server reports (its name is recorded)
 
 
 class LlamaServer:
@@ -43,24 +46,28 @@ class LlamaServer:
     @classmethod
     def recognises(cls, client: Client) -> bool:
         status, payload = client.call("GET", "/props")
-        return status == 200 and isinstance(payload, dict) and "build_info" in payload
+        return status == 200 and payload.has("build_info")
 
     def probe(self) -> Probe:
         props = self.client.ok("GET", "/props")
-        generation = props.get("default_generation_settings") or {}
-        settings = {
+        generation = props.get("default_generation_settings")
+        context = generation.get("n_ctx") if generation is not None else None
+        slots, ftype = props.get("total_slots"), props.get("model_ftype")
+        settings: dict[str, Any] = {
             "block_size": 1,  # a hit reuses the common prefix token by token
-            "max_model_len": generation.get("n_ctx"),
-            "total_slots": props.get("total_slots"),
-            "model_ftype": props.get("model_ftype"),
+            "max_model_len": context.integer(1, MAX_COUNT) if context else None,
+            "total_slots": slots.integer(1, MAX_COUNT) if slots else None,
+            "model_ftype": ftype.text() if ftype else None,
         }
         identity = {
-            "version": props.get("build_info"),
-            "model": Path(str(props.get("model_path"))).name,
+            "version": props["build_info"].text(),
+            "model": Path(props["model_path"].text(MAX_PATH)).name,
             "settings": settings,
         }
-        answer = self.client.ok("POST", "/completion", {"prompt": [0], "n_predict": 1})
-        reports = "cache_n" in (answer.get("timings") or {})
+        timings = self.client.ok("POST", "/completion", {"prompt": [0], "n_predict": 1}).get(
+            "timings"
+        )
+        reports = timings is not None and timings.has("cache_n")
         tokenizes = self.client.call("POST", "/tokenize", {"content": "a"})[0] == 200
         # An empty file name is refused (400) by a server that saves slots, before it
         # touches one; a server without --slot-save-path refuses every slot action (501).
@@ -82,11 +89,11 @@ class LlamaServer:
     def tokenize(self, text_or_messages: str | list[dict[str, str]], chat: bool) -> list[int]:
         if chat:
             body = {"messages": text_or_messages, "add_generation_prompt": True}
-            text = self.client.ok("POST", "/apply-template", body)["prompt"]
+            text = self.client.ok("POST", "/apply-template", body)["prompt"].text(limit=None)
         else:
             text = text_or_messages
         body = {"content": text, "add_special": not chat, "parse_special": True}
-        return [int(t) for t in self.client.ok("POST", "/tokenize", body)["tokens"]]
+        return [t.integer() for t in self.client.ok("POST", "/tokenize", body)["tokens"].list()]
 
     def complete(
         self, model: str, request: Request, eos: Sequence[int], slot: int
@@ -95,9 +102,10 @@ class LlamaServer:
             fresh = slot not in self._used
             self._used.add(slot)
         sampler = request.sampler
+        cap = request.stage.max_new_tokens
         body: dict[str, Any] = {
             "prompt": list(request.context),
-            "n_predict": request.stage.max_new_tokens,
+            "n_predict": cap,
             "temperature": sampler.temperature,
             "top_p": sampler.top_p,
             "top_k": 0,
@@ -108,12 +116,16 @@ class LlamaServer:
             "return_tokens": True,
             "id_slot": slot,
         }
-        answer = self.client.ok("POST", "/completion", body)
+        answer = self.client.ok("POST", "/completion", body, answer_limit(cap))
+        probabilities = answer.get("completion_probabilities")
         steps = [
-            sorted(((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", [])),
-                   key=lambda x: -x[1])
-            for step in answer.get("completion_probabilities") or []
+            sorted(((top["id"].integer(), top["logprob"].number())
+                    for top in step["top_logprobs"].list()), key=lambda x: -x[1])
+            for step in (probabilities.list() if probabilities is not None else [])
         ]  # fmt: skip
-        completion = Completion("length" if answer.get("stop_type") == "limit" else "stop")
-        tokens = [int(t) for t in answer.get("tokens") or []]
-        return tokens, steps, completion, int((answer.get("timings") or {}).get("cache_n") or 0)
+        stop_type = answer.get("stop_type")
+        completion = Completion(
+            "length" if stop_type is not None and stop_type.text() == "limit" else "stop"
+        )
+        tokens = [t.integer() for t in answer["tokens"].list()]
+        return tokens, steps, completion, answer["timings"]["cache_n"].integer()

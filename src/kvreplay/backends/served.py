@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,11 +65,62 @@ class ServedModel(Protocol):
 
 @dataclass(frozen=True)
 class Completion:
-    """Why a server says it stopped: ``finish_reason`` ("stop", "length") and the stop
-    string or token it saw (None for EOS)."""
+    """Why a server says it stopped: ``finish_reason`` ("stop" at a stop string or
+    token, "length" at the request's cap)."""
 
     finish_reason: str | None
-    stop_reason: str | int | None = None
+
+
+def check_answer(
+    request: Request,
+    tokens: list[int],
+    steps: list[list[tuple[int, float]]],
+    cached_tokens: int,
+    server: str,
+    vocabulary: int,
+) -> None:
+    """Refuse (one sentence naming the server) an answer that cannot be the request's:
+    more tokens than the stage's cap, a token or logprob id outside the model's
+    vocabulary, a step without its top logprobs or with a logprob that is not a finite
+    number at most 0, a greedy token its own step's logprobs do not rank first, or more
+    cached prompt tokens than the request sent."""
+    stage, cap = request.stage.name, request.stage.max_new_tokens
+    if len(tokens) > cap:
+        raise KvreplayError(
+            f"{server} returned {len(tokens)} tokens for the stage {stage}, whose cap is {cap}."
+        )
+    if len(steps) != len(tokens):
+        raise KvreplayError(
+            f"{server} returned {len(tokens)} tokens but top logprobs for {len(steps)} steps."
+        )
+    if any(len(step) < TOP_LOGPROBS for step in steps):
+        raise KvreplayError(f"{server} returned fewer than two logprobs for a step.")
+    ids = [*tokens, *(token for step in steps for token, _ in step)]
+    outside = next((t for t in ids if not 0 <= t < vocabulary), None)
+    if outside is not None:
+        raise KvreplayError(
+            f"{server} returned the token id {outside}, outside the model's vocabulary of "
+            f"{vocabulary}."
+        )
+    if not all(math.isfinite(lp) and lp <= 0 for step in steps for _, lp in step):
+        raise KvreplayError(f"{server} returned a logprob that is not a finite number at most 0.")
+    if request.sampler.greedy:
+        index = next((i for i, t in enumerate(tokens) if not _best(t, steps[i])), None)
+        if index is not None:
+            raise KvreplayError(
+                f"{server} returned the token {tokens[index]} at step {index} of a greedy "
+                "request, but its logprobs rank another token above it."
+            )
+    if not 0 <= cached_tokens <= len(request.context):
+        raise KvreplayError(
+            f"{server} reported {cached_tokens} cached prompt tokens for a prompt of "
+            f"{len(request.context)}."
+        )
+
+
+def _best(token: int, step: list[tuple[int, float]]) -> bool:
+    """Whether ``token`` has the highest logprob of its step (a tie included)."""
+    return any(t == token and lp == max(x for _, x in step) for t, lp in step)
 
 
 def served_stage(
@@ -79,23 +131,30 @@ def served_stage(
     cached_tokens: int,
     detector: StopDetector,
     server: str,
+    vocabulary: int,
 ) -> Reply:
     """A served stage as the hf backend would record it: cut where the plan's stop rule
     (:class:`~kvreplay.stages.StopDetector`) first fires, the reason named, and each
-    step's top-1/top-2 logprob difference as its margin."""
+    step's top-1/top-2 logprob difference as its margin. The answer is checked against
+    its request first (:func:`check_answer`), and a stage the stop rule did not end must
+    have run to its cap, as the server must say: a server that stops short without a
+    stop string or EOS token in its tokens, or claims a stop it did not make, is refused."""
     from kvreplay.trajectory import Segment
 
+    check_answer(request, tokens, steps, cached_tokens, server, vocabulary)
     reason = "cap"
     for end in range(1, len(tokens) + 1):
         hit = detector.hit(tokens[:end])
         if hit is not None:
             tokens, steps, reason = tokens[:end], steps[:end], hit
             break
-    if reason == "cap" and completion.finish_reason == "stop":  # the server saw a stop
-        stop = completion.stop_reason
-        reason = f"stop:{stop}" if isinstance(stop, str) else "eos"
-    if len(steps) != len(tokens) or any(len(step) < TOP_LOGPROBS for step in steps):
-        raise KvreplayError(f"{server} returned fewer than two logprobs for a step.")
+    cap = request.stage.max_new_tokens
+    if reason == "cap" and (len(tokens) < cap or completion.finish_reason != "length"):
+        raise KvreplayError(
+            f"{server} returned {len(tokens)} tokens for the stage {request.stage.name} (cap "
+            f"{cap}) and says it finished by {completion.finish_reason!r:.40}, but no stop "
+            "string or EOS token of the stage ends them."
+        )
     margins = [step[0][1] - step[1][1] for step in steps]
     digests = [step_digest(logprobs_fingerprint(step)) for step in steps]
     return Reply(

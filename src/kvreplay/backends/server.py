@@ -6,59 +6,227 @@ reset, tokenization and completions with token ids and top logprobs."""
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
-import urllib.request
+import re
+import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from urllib.parse import urlsplit
 
-from kvreplay.errors import KvreplayError
+from kvreplay.backends.answers import Answer
+from kvreplay.errors import KvreplayError, first_line
+from kvreplay.jsonio import JsonError, parse_json
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import Completion, Request
 
+MAX_ANSWER = 4 * 2**20
+"""Bytes read of one answer about a server (identity, settings, tokens of a prompt, a
+reset): vLLM and llama-server answer these in a few kB, and a tokenized prompt of a
+hundred thousand tokens takes under 1 MB; more is refused, never read into memory."""
+ANSWER_PER_TOKEN = 4096
+"""Bytes a completion may add per token it may return: each token's id, text, bytes and
+top logprobs take a few hundred bytes on either server."""
+MAX_URL = 2048
+
+
+def answer_limit(max_tokens: int) -> int:
+    """Bytes read of a completion of at most ``max_tokens`` tokens."""
+    return MAX_ANSWER + ANSWER_PER_TOKEN * max_tokens
+
+
+@dataclass(frozen=True)
+class Address:
+    """A server's base address (``--url``): http or https, a host, a port and a path."""
+
+    https: bool
+    host: str
+    port: int | None
+    base: str  # the path every request goes below, without a final "/"
+    url: str  # as sentences show it: it holds no credentials
+
+
+def parse_address(url: str) -> Address:
+    """``--url`` as an :class:`Address`, or one sentence on why it is not one. A user
+    name or password in it is refused without being repeated: the key goes in
+    ``--api-key-env``, never in the address a run records in its command."""
+    if len(url) > MAX_URL:
+        raise KvreplayError(f"--url is {len(url)} characters long (at most {MAX_URL}).")
+    if not url.isprintable() or any(c.isspace() for c in url):
+        raise KvreplayError("--url holds a space or a control character; give the address alone.")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise KvreplayError("--url is not an address (its host or port cannot be read).") from None
+    if parts.scheme not in ("http", "https"):
+        raise KvreplayError("--url must start with http:// or https://.")
+    if parts.username is not None or parts.password is not None:
+        raise KvreplayError(
+            "--url holds a user name or password; give the address without them and the "
+            "key with --api-key-env."
+        )
+    if not parts.hostname:
+        raise KvreplayError("--url names no host.")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise KvreplayError("--url holds a query or fragment; give the server's base address.")
+    base = parts.path.rstrip("/")
+    return Address(parts.scheme == "https", parts.hostname, port, base, url.rstrip("/"))
+
+
+class TooLarge(Exception):
+    """An answer longer than the bytes a request may read."""
+
+
+def read_bounded(response: http.client.HTTPResponse, limit: int) -> bytes:
+    """A response's body, refused (:class:`TooLarge`) past ``limit`` bytes, whether
+    it says its length or streams without end."""
+    declared = (response.getheader("Content-Length") or "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge
+    chunks, size = [], 0
+    while chunk := response.read(min(1 << 16, limit + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge
+    return b"".join(chunks)
+
+
+SECRET_FORMS = re.compile(r"(?i)\b(bearer|basic|token)(\s+|=|:\s*)[^\s'\",}]+")
+
 
 class Client:
-    """JSON over HTTP to one server: every failure is one sentence naming the address."""
+    """JSON over HTTP to one server: every failure is one sentence naming the address.
+
+    What a server can do to kvreplay is bounded: no redirect is followed (the API key
+    would go where it points), one answer is read up to a size (:data:`MAX_ANSWER`,
+    :func:`answer_limit`), a request and the reading of its answer end together at
+    ``timeout`` seconds (a server that trickles its answer is cut off then), and no text
+    a server sends is shown without the key taken out of it."""
 
     def __init__(self, url: str, timeout: float, api_key: str | None) -> None:
-        self.url = url.rstrip("/")
+        self.address = parse_address(url)
+        self.url = self.address.url
         self.timeout = timeout
         self.headers = {"Content-Type": "application/json"}
+        self._secret = api_key or None
         if api_key:
+            if not (api_key.isascii() and api_key.isprintable()) or " " in api_key:
+                raise KvreplayError(
+                    "The API key (--api-key-env) holds characters an HTTP header cannot carry."
+                )
             self.headers["Authorization"] = f"Bearer {api_key}"
 
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """(status, parsed JSON or None); a connection failure or timeout raises."""
+    def call(
+        self, method: str, path: str, body: Any = None, limit: int = MAX_ANSWER
+    ) -> tuple[int, Answer]:
+        """(status, the answer; its value None when it is not JSON); a connection failure,
+        a timeout, a redirect or an answer too large raises."""
+        status, raw = self._exchange(method, path, body, limit)
+        value, _ = _parsed(raw)
+        return status, Answer(value, self._where(method, path))
+
+    def ok(self, method: str, path: str, body: Any = None, limit: int = MAX_ANSWER) -> Answer:
+        """The answer of a request that must succeed with JSON."""
+        status, raw = self._exchange(method, path, body, limit)
+        value, problem = _parsed(raw)
+        where = self._where(method, path)
+        if status != 200:
+            detail = value.get("error", value) if isinstance(value, dict) else value
+            text = self.quoted(raw.decode("utf-8", "replace") if problem else detail) if raw else ""
+            raise KvreplayError(f"{where} with HTTP {status}{f' ({text})' if text else ''}.")
+        if problem:
+            raise KvreplayError(f"{where} with something that is not JSON ({problem}).")
+        return Answer(value, where)
+
+    def quoted(self, detail: Any) -> str:
+        """Text from a server as a sentence may show it: the key and anything in the
+        form of a credential redacted, on one line, at most 200 characters."""
+        text = detail if isinstance(detail, str) else json.dumps(detail)
+        if self._secret:
+            text = text.replace(self._secret, "[redacted]")
+        text = SECRET_FORMS.sub(lambda m: f"{m.group(1)}{m.group(2)}[redacted]", text)
+        text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+        return text if len(text) <= 200 else text[:197] + "..."
+
+    def _where(self, method: str, path: str) -> str:
+        return f"The server at {self.url} answered {method} {path}"
+
+    def _exchange(self, method: str, path: str, body: Any, limit: int) -> tuple[int, bytes]:
+        """(status, body) of one request, within ``timeout`` from connecting to the last
+        byte: a watchdog shuts the socket at the deadline, which ends any read."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, headers=self.headers, method=method
-        )
+        kind = http.client.HTTPSConnection if self.address.https else http.client.HTTPConnection
+        connection = kind(self.address.host, self.address.port, timeout=self.timeout)
+        expired = threading.Event()
+        sockets: list[socket.socket] = []  # the response reads it after the connection lets go
+
+        def cut() -> None:
+            expired.set()
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(self.timeout, cut)
+        watchdog.daemon = True
+        watchdog.start()
+        raw = b""
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                status, raw = response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-        except (urllib.error.URLError, TimeoutError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
+            connection.connect()
+            sockets.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
+            connection.request(method, self.address.base + path, body=data, headers=self.headers)
+            response = connection.getresponse()
+            status = response.status
+            if not 300 <= status < 400:
+                raw = read_bounded(response, limit)
+        except TooLarge:
+            raise KvreplayError(
+                f"The server at {self.url} answered {method} {path} with more than "
+                f"{limit / 2**20:.1f} MB, more than kvreplay reads of one answer."
+            ) from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if expired.is_set():
+                raise self._late(method, path) from None
+            reason = self.quoted(str(getattr(exc, "reason", "")) or first_line(exc))
             raise KvreplayError(
                 f"The server at {self.url} did not answer {method} {path} ({reason})."
-            ) from exc
-        try:
-            return status, json.loads(raw) if raw else None
-        except ValueError:
-            return status, None
-
-    def ok(self, method: str, path: str, body: Any = None) -> Any:
-        status, payload = self.call(method, path, body)
-        if status != 200:
-            detail = payload.get("error", payload) if isinstance(payload, dict) else payload
+            ) from None
+        finally:
+            watchdog.cancel()
+            connection.close()
+        if expired.is_set():  # the body ended because the deadline cut it
+            raise self._late(method, path)
+        if 300 <= status < 400:
             raise KvreplayError(
-                f"The server at {self.url} answered {method} {path} with HTTP {status}"
-                f"{f' ({str(detail)[:200]})' if detail else ''}."
+                f"The server at {self.url} answered {method} {path} with a redirect (HTTP "
+                f"{status}); kvreplay follows none, so give --url the address that answers."
             )
-        return payload
+        return status, raw
+
+    def _late(self, method: str, path: str) -> KvreplayError:
+        return KvreplayError(
+            f"The server at {self.url} did not answer {method} {path} within "
+            f"{self.timeout:g} seconds (--timeout)."
+        )
+
+
+def _parsed(raw: bytes) -> tuple[Any, str | None]:
+    """A body as strict JSON (see :mod:`kvreplay.jsonio`), or None and why it is not;
+    an empty body is None (vLLM's reset answers with none)."""
+    if not raw:
+        return None, None
+    try:
+        return parse_json(raw), None
+    except JsonError as exc:
+        return None, str(exc)
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,7 @@ class VllmServed:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     context_length: int
+    vocabulary: int
     restores = False  # vLLM's engine cannot save and load back one sequence's blocks
 
     def reset_cache(self) -> None:
@@ -186,10 +187,11 @@ class VllmServed:
             request,
             [int(t) for t in completion.token_ids],
             steps,
-            Completion(completion.finish_reason, completion.stop_reason),
+            Completion(completion.finish_reason),
             int(output.num_cached_tokens or 0),
             StopDetector(self.tokenizer, request.stage.stop, self.eos_token_ids),
             "vLLM",
+            self.vocabulary,
         )
 
 
@@ -197,7 +199,13 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
     """Start the engine for one precision over the run's model folder, after checking the
     folder is the one the run recorded (the same digest as the hf backend's)."""
     from kvreplay.decode import eos_ids
-    from kvreplay.models import generation_config, load_tokenizer, source_identity, text_config
+    from kvreplay.models import (
+        generation_config,
+        load_tokenizer,
+        source_identity,
+        text_config,
+        vocabulary_size,
+    )
     from kvreplay.sources import resolve_source
 
     check_servable(config.model, config.trust_remote_code)
@@ -216,6 +224,7 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
         tokenizer,
         eos_ids(tokenizer, generation_config(folder)),
         engine.llm_engine.model_config.max_model_len,
+        vocabulary_size(text, tokenizer),
     )
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from kvreplay.backends.answers import MAX_COUNT, Answer, shown
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
-from kvreplay.backends.server import Client, Probe
+from kvreplay.backends.server import Client, Probe, answer_limit
 from kvreplay.errors import KvreplayError
 
 # The server settings that can change a served row's numerics, as vLLM's
@@ -32,6 +33,10 @@ VLLM_SETTINGS = (
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
+# Settings kvreplay computes with: counts that must be positive integers.
+COUNTS = ("block_size", "max_model_len")
+
+
 class VllmServer:
     """vLLM's OpenAI-compatible server (``vllm serve``)."""
 
@@ -43,37 +48,57 @@ class VllmServer:
     @classmethod
     def recognises(cls, client: Client) -> bool:
         status, payload = client.call("GET", "/version")
-        return status == 200 and isinstance(payload, dict) and "version" in payload
+        return status == 200 and payload.has("version")
 
     def probe(self) -> Probe:
-        version = self.client.ok("GET", "/version").get("version")
-        models = self.client.ok("GET", "/v1/models").get("data") or []
+        version = self.client.ok("GET", "/version")["version"].text()
+        models = self.client.ok("GET", "/v1/models")["data"].list()
         if not models:
             raise KvreplayError(f"The server at {self.client.url} serves no model.")
         model = models[0]
+        served_length = model.get("max_model_len")
+        settings: dict[str, Any] = {
+            "max_model_len": served_length.integer(1, MAX_COUNT) if served_length else None
+        }
         status, info = self.client.call("GET", "/server_info?config_format=json")
-        settings: dict[str, Any] = {"max_model_len": model.get("max_model_len")}
-        if status == 200 and isinstance(info, dict):
-            config = info.get("vllm_config", {})
-            for section, key in VLLM_SETTINGS:
-                settings[key] = config.get(section, {}).get(key)
-            settings["dtype"] = DTYPE_NAMES.get(str(settings["dtype"]), settings["dtype"])
-        identity = {"version": version, "model": model.get("id"), "settings": settings}
-        usage = self._usage(model["id"])
-        reports = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") is not None
+        if status == 200:
+            settings |= self._settings(info)
+        identity = {"version": version, "model": model["id"].text(), "settings": settings}
+        reports = self._reports_cached_tokens(identity["model"])
         tokenizes = self.client.call("POST", "/tokenize", {"prompt": "a"})[0] == 200
         can_reset = self.client.call("POST", "/reset_prefix_cache")[0] == 200
         return Probe(
-            self.name, identity, status == 200, can_reset, reports, tokenizes,
+            self.name, identity, settings.get("block_size") is not None, can_reset, reports,
+            tokenizes,
             remedies={
                 "control": "VLLM_SERVER_DEV_MODE=1",
                 "cached_tokens": "--enable-prompt-tokens-details",
             },
         )  # fmt: skip
 
-    def _usage(self, model: str) -> dict[str, Any]:
+    @staticmethod
+    def _settings(info: Answer) -> dict[str, Any]:
+        """The numerics-relevant settings ``/server_info`` reports, each a scalar (the
+        counts kvreplay computes with: positive integers)."""
+        config = info["vllm_config"]
+        settings: dict[str, Any] = {}
+        for section, key in VLLM_SETTINGS:
+            part = config.get(section)
+            value = part.get(key) if part is not None else None
+            if value is None:
+                settings[key] = None
+            elif key in COUNTS:
+                settings[key] = value.integer(1, MAX_COUNT)
+            else:
+                settings[key] = value.scalar()
+        settings["dtype"] = DTYPE_NAMES.get(str(settings["dtype"]), settings["dtype"])
+        return settings
+
+    def _reports_cached_tokens(self, model: str) -> bool:
         body = {"model": model, "prompt": [0], "max_tokens": 1, "temperature": 0}
-        return self.client.ok("POST", "/v1/completions", body).get("usage") or {}
+        usage = self.client.ok("POST", "/v1/completions", body).get("usage")
+        details = usage.get("prompt_tokens_details") if usage is not None else None
+        return details is not None and details.get("cached_tokens") is not None
 
     def reset(self) -> None:
         self.client.ok("POST", "/reset_prefix_cache")
@@ -87,16 +112,17 @@ class VllmServer:
             if chat
             else {"prompt": text_or_messages, "add_special_tokens": True}
         )
-        return [int(t) for t in self.client.ok("POST", "/tokenize", body)["tokens"]]
+        return [t.integer() for t in self.client.ok("POST", "/tokenize", body)["tokens"].list()]
 
     def complete(
         self, model: str, request: Request, eos: Sequence[int], slot: int
     ) -> tuple[list[int], list[list[tuple[int, float]]], Completion, int]:
         sampler = request.sampler
+        cap = request.stage.max_new_tokens
         body: dict[str, Any] = {
             "model": model,
             "prompt": list(request.context),
-            "max_tokens": request.stage.max_new_tokens,
+            "max_tokens": cap,
             "temperature": sampler.temperature,
             "top_p": sampler.top_p,
             "logprobs": TOP_LOGPROBS,
@@ -109,14 +135,28 @@ class VllmServer:
         }
         if not sampler.greedy:
             body["seed"] = sampler.seed
-        answer = self.client.ok("POST", "/v1/completions", body)
-        choice = answer["choices"][0]
-        steps = [
-            sorted(((int(t.split(":", 1)[1]), float(lp)) for t, lp in (top or {}).items()),
-                   key=lambda x: -x[1])
-            for top in (choice.get("logprobs") or {}).get("top_logprobs", [])
-        ]  # fmt: skip
-        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
-        completion = Completion(choice.get("finish_reason"), choice.get("stop_reason"))
-        tokens = [int(t) for t in choice.get("token_ids") or []]
-        return tokens, steps, completion, int(details.get("cached_tokens") or 0)
+        answer = self.client.ok("POST", "/v1/completions", body, answer_limit(cap))
+        choices = answer["choices"].list()
+        if not choices:
+            answer["choices"].refuse("is empty")
+        choice = choices[0]
+        logprobs = choice.get("logprobs")
+        steps = [_top(step) for step in (logprobs["top_logprobs"].list() if logprobs else [])]
+        finish = choice.get("finish_reason")
+        completion = Completion(finish.text() if finish else None)
+        tokens = [t.integer() for t in choice["token_ids"].list()]
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].integer()
+        return tokens, steps, completion, cached
+
+
+def _top(step: Answer) -> list[tuple[int, float]]:
+    """One step's top logprobs, best first; vLLM names each token ``token_id:N``."""
+    if step.value is None:
+        return []
+    top = []
+    for key, logprob in step.items():
+        prefix, _, number = key.partition(":")
+        if prefix != "token_id" or not (number.isascii() and number.isdigit()) or len(number) > 12:
+            step.refuse(f"names a token {shown(key)}, not token_id:N")
+        top.append((int(number), logprob.number()))
+    return sorted(top, key=lambda x: -x[1])
