@@ -38,7 +38,7 @@ from kvreplay.ledger import (
 )
 from kvreplay.lock import installed
 from kvreplay.models import check_loadable, load_tokenizer, text_config
-from kvreplay.paths import check_name
+from kvreplay.paths import check_name, read_regular
 from kvreplay.precision import parse_device, parse_dtypes
 from kvreplay.scoring import get_extractor
 from kvreplay.sources import canonical_spec
@@ -237,10 +237,19 @@ def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
     text = "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items)
     if ledger.fresh or not path.exists():
         write_text_atomic(path, text)
-    elif path.read_bytes() != text.encode("utf-8"):
+    elif _frozen_bytes(path) != text.encode("utf-8"):
         raise KvreplayError(
             f"{path} differs from the items this run's contract records; run kvreplay audit."
         )
+
+
+def _frozen_bytes(path: Path) -> bytes:
+    try:
+        return read_regular(path)
+    except OSError as exc:
+        raise KvreplayError(
+            f"{path} cannot be read as the run's frozen items ({exc.strerror}); run kvreplay audit."
+        ) from exc
 
 
 def run(
