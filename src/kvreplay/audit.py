@@ -5,25 +5,33 @@ derived CSV and every snapshot. Read-only: an audit never changes the run.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends import precisions
 from kvreplay.canonical import canonical, sha256_json
 from kvreplay.config import RunConfig
+from kvreplay.consistency import Scorer, row_problems
 from kvreplay.derived import check_csvs
 from kvreplay.engines import make_engine
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments import recorded_experiment
 from kvreplay.experiments.prefixes import trajectory_inputs
-from kvreplay.experiments.rows import PREFIX_FIELDS, row_as_written, without_unrecorded_digests
+from kvreplay.experiments.rows import (
+    PREFIX_FIELDS,
+    PanelRow,
+    row_as_written,
+    without_unrecorded_digests,
+)
 from kvreplay.experiments.tables import recorded_table
 from kvreplay.experiments.units import Unit, UnitKey
 from kvreplay.identity import file_digests
@@ -40,7 +48,12 @@ from kvreplay.ledger import (
     parse_rows,
 )
 from kvreplay.lock import check_libraries, valid_pin
+from kvreplay.models import load_tokenizer
 from kvreplay.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+
+if TYPE_CHECKING:
+    from kvreplay.experiments.experiment import Experiment
+    from kvreplay.state import SavedState, SnapshotContents
 
 # Keys that legitimately differ between a run and its re-execution.
 UNCHECKED = {"reused_from", "snapshot"}
@@ -68,28 +81,51 @@ def _strip(data: Any) -> Any:
     return data
 
 
-def _snapshots(data: Any) -> list[tuple[str, dict[str, Any]]]:
-    """(arm fingerprint record, snapshot entry) pairs anywhere in a row."""
+def _snapshots(data: Any, name: str = "") -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(arm name, arm fingerprint record, snapshot entry) anywhere in a row."""
     found = []
     if isinstance(data, dict):
         if isinstance(data.get("snapshot"), dict):
-            found.append((data, data["snapshot"]))
-        for value in data.values():
-            found += _snapshots(value)
+            found.append((name, data, data["snapshot"]))
+        for key, value in data.items():
+            found += _snapshots(value, str(key))
     elif isinstance(data, list):
         for value in data:
-            found += _snapshots(value)
+            found += _snapshots(value, name)
     return found
 
 
-def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
+Layout = tuple[list[str], list[int]]
+
+
+def _neutral_lengths(lengths: list[int], tokens: int, layers: int) -> list[int]:
+    """The lengths a snapshot's layers may have where the backend cannot say: the
+    model's layer count, none past the prefix (a sliding layer may hold fewer), the
+    longest over all of it. Its own lengths where they are such, else the prefix's."""
+    fits = (
+        len(lengths) == layers
+        and all(isinstance(n, int) and 0 <= n <= tokens for n in lengths)
+        and max(lengths, default=0) == tokens
+    )
+    return lengths if fits else [tokens] * layers
+
+
+def check_snapshots(
+    run_dir: Path, records: list[Record], layout: Callable[[int], Layout | None], layers: int
+) -> list[str]:
     """Every snapshot a row names: inside the run's snapshots/ folder, its bytes' sha256,
-    and the fingerprints of the tensors it holds (computed, not read from its metadata)
-    against the row's."""
+    the fingerprints of the tensors it holds (computed, not read from its metadata)
+    against the row's, and everything else it holds against the row and the run:
+    exactly the tensors and metadata a snapshot has for a model of ``layers`` layers,
+    the arm's construction, the row and arm it was saved for, the prefix's token ids,
+    and its cache layout: ``layout(tokens)`` where the backend can say it from the
+    model's config, else one layout for every snapshot of a precision, no layer past
+    the prefix and the longest over all of it."""
     problems = []
     folder = (run_dir / "snapshots").resolve()
+    seen: dict[Any, str] = {}  # each precision's layer kinds (JSON), where no layout is known
     for record in records:
-        for arm, entry in _snapshots(record.data):
+        for arm_name, arm, entry in _snapshots(record.data):
             name = entry.get("file")
             where = f"row {record.key} snapshot {name}"
             path = run_dir / str(name)
@@ -102,19 +138,69 @@ def check_snapshots(run_dir: Path, records: list[Record]) -> list[str]:
             if file_digests(path.parent, [path])[path.name] != entry.get("sha256"):
                 problems.append(f"{where}: field sha256 does not match the file")
                 continue
-            from kvreplay.state import read_state_metadata, snapshot_fingerprints  # torch
+            from kvreplay.state import read_snapshot, read_state_metadata  # torch
 
             try:
                 meta = read_state_metadata(path)
-                held = dict(zip(FINGERPRINTS, snapshot_fingerprints(path), strict=True))
+                held = read_snapshot(path)
             except KvreplayError as exc:
                 problems.append(f"{where}: {exc}")
                 continue
             for key in FINGERPRINTS:
-                if held[key] != arm.get(key):
+                if getattr(held, key) != arm.get(key):
                     problems.append(f"{where}: its tensors' {key} differs from the row's")
                 elif getattr(meta, key) != arm.get(key):
                     problems.append(f"{where}: field {key} of its metadata differs from the row's")
+            prefix = record.data.get("prefix_token_ids")
+            tokens = len(prefix) if isinstance(prefix, list) else 0
+            known = layout(tokens)
+            if known is None:
+                precision = record.data.get("precision")
+                kinds = seen.setdefault(precision, held.metadata.get("layer_kinds", ""))
+                known = (kinds, _neutral_lengths(meta.layer_lengths, tokens, layers))
+            else:
+                known = (json.dumps(known[0]), known[1])
+            problems += [
+                f"{where}: {p}"
+                for p in _snapshot_problems(record, arm_name, arm, meta, held, known)
+            ]
+    return problems
+
+
+def _snapshot_problems(
+    record: Record,
+    arm_name: str,
+    arm: dict[str, Any],
+    meta: SavedState,
+    held: SnapshotContents,
+    layout: tuple[str, list[int]],
+) -> list[str]:
+    """What a snapshot holds besides its fingerprints, against its row (see check_snapshots)."""
+    from kvreplay.state import SNAPSHOT_EXTRA_TENSORS, SNAPSHOT_METADATA, cache_tensor_names
+
+    kinds, lengths = layout  # kinds as the JSON the metadata holds
+    prefix = record.data.get("prefix_token_ids")
+    tensors = {*cache_tensor_names(len(lengths)), *SNAPSHOT_EXTRA_TENSORS}
+    problems = []
+    if held.tensors != tensors:
+        odd = sorted(held.tensors ^ tensors)
+        problems.append(f"holds other tensors than a snapshot of this model ({odd[0]}, ...)")
+    if set(held.metadata) != SNAPSHOT_METADATA:
+        odd = sorted(set(held.metadata) ^ SNAPSHOT_METADATA)
+        problems.append(f"holds other metadata than a snapshot ({odd[0]}, ...)")
+    expected = {
+        "construction": (meta.construction, arm.get("construction")),
+        "layer_kinds": (held.metadata.get("layer_kinds"), kinds),
+        "layer_lengths": (meta.layer_lengths, lengths),
+        "extra": (meta.extra, {"arm": arm_name, "row": record.key}),
+    }
+    problems += [
+        f"field {field_name} of its metadata is not the row's"
+        for field_name, (value, wanted) in expected.items()
+        if value != wanted
+    ]
+    if held.token_ids != prefix:
+        problems.append("its token_ids tensor is not the row's prefix_token_ids")
     return problems
 
 
@@ -134,9 +220,13 @@ MACHINE_FIELDS = (
 )
 
 
-def malformed_field(record: Record, manifest: dict[str, Any]) -> str | None:
-    """What is wrong with a row every check relies on, or None: a field missing or of the
-    wrong kind, or a completed row that does not read as its experiment's typed row."""
+def read_record(
+    record: Record, experiment: Experiment | None
+) -> tuple[PanelRow | None, str | None]:
+    """A row typed (None where there is nothing to type: a prefix row, an unreached one,
+    an experiment this kvreplay does not know), or what is wrong with a row every check
+    relies on: a field missing or of the wrong kind, or a completed row that does not
+    read as its experiment's typed row."""
     data = record.data
     checks = {
         "item_id": isinstance(data.get("item_id"), str),
@@ -146,19 +236,33 @@ def malformed_field(record: Record, manifest: dict[str, Any]) -> str | None:
     }
     wrong = next((name for name, ok in checks.items() if not ok), None)
     if wrong is not None:
-        return f"field {wrong} is missing or malformed"
-    experiment = recorded_experiment(record.experiment, manifest)
+        return None, f"field {wrong} is missing or malformed"
     if experiment is None or data.get("kind") == "prefix" or data["status"] != "ok":
-        return None
+        return None, None
     try:
-        experiment.read_row(data)
+        return experiment.read_row(data), None
     except Exception as exc:  # noqa: BLE001 - hand-edited data can fail in any way
-        return f"does not read as a {record.experiment} row ({type(exc).__name__}: {exc})"
-    return None
+        return None, f"does not read as a {record.experiment} row ({type(exc).__name__}: {exc})"
+
+
+def check_rows(
+    records: list[Record], typed: dict[str, PanelRow | None], scorer: Scorer | None
+) -> list[str]:
+    """What every row says of itself (:mod:`kvreplay.consistency`), on every row: the
+    sample only limits which rows are re-executed. A row whose re-derivation fails (a
+    hand-edited field of the wrong kind) is named, not raised."""
+    problems = []
+    for record in records:
+        try:
+            found = row_problems(record.data, typed.get(record.key), scorer)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            found = [f"cannot be re-derived from its own fields ({type(exc).__name__})"]
+        problems += [f"row {record.key}: {p}" for p in found]
+    return problems
 
 
 def check_contract(
-    ledger: RunLedger, config: RunConfig, items: list[Item] | None
+    ledger: RunLedger, config: RunConfig, items: list[Item] | None, tokenizer: Any
 ) -> tuple[list[str], list[str]]:
     """The recorded contract against its own hash and against the contract this machine
     builds from the recorded run settings, model files and items.jsonl.
@@ -172,7 +276,7 @@ def check_contract(
     recorded_items = contract.get("items")
     source = recorded_items.get("source", "") if isinstance(recorded_items, dict) else ""
     scheme = contract_scheme(contract)
-    info = config.backend.describe_model(config.model, config.trust_remote_code, scheme)
+    info = config.backend.describe_model(config.model, config.trust_remote_code, scheme, tokenizer)
     built = json.loads(canonical(build_contract(config, info, source, items or [], scheme)))
     if items is None:
         built["items"] = recorded_items  # already named as unreadable
@@ -324,24 +428,39 @@ def _audit(
     records, chain = parse_rows(ledger.rows_path, ledger.contract_hash)
     result.rows_total = len(records)
     result.problems += chain
-    keys = [r.key for r in records]
-    for key in sorted({k for k in keys if keys.count(k) > 1}):
-        result.problems.append(f"row {key}: appears more than once")
+    counts = Counter(r.key for r in records)
+    result.problems += [f"row {k}: appears more than once" for k in sorted(counts) if counts[k] > 1]
     result.problems += check_header(ledger, records)
     result.problems += check_plan(ledger, records, [i.id for i in item_list or []])
-    malformed = {r.key: why for r in records if (why := malformed_field(r, ledger.manifest))}
-    result.problems += [f"row {key}: {why}" for key, why in malformed.items()]
-    records = [r for r in records if r.key not in malformed]
+    experiments = {
+        n: recorded_experiment(n, ledger.manifest) for n in {r.experiment for r in records}
+    }
+    typed: dict[str, PanelRow | None] = {}
+    for record in records:
+        row, why = read_record(record, experiments[record.experiment])
+        if why is None:
+            typed[record.key] = row
+        else:
+            result.problems.append(f"row {record.key}: {why}")
+    records = [r for r in records if r.key in typed]
     items = {i.id: i for i in item_list or []}
     input_problems, depends, foreign = check_inputs(ledger, config, records, items)
     result.problems += input_problems
     result.foreign_inputs = foreign
     result.problems += check_csvs(ledger, records)
-    result.problems += check_snapshots(run_dir, records)
     result.problems += check_files(ledger, records)
     if result.problems and any(p.startswith(HASH_PROBLEMS) for p in result.problems):
         return result  # a forged contract, items or chain names no model worth loading
-    problems, result.environment_diff = check_contract(ledger, config, item_list)
+    # What the rows say of themselves, against the model's tokenizer and cache layout.
+    layout = functools.cache(
+        lambda tokens: config.backend.state_layout(config.model, config.trust_remote_code, tokens)
+    )
+    layers = ledger.manifest["contract"].get("model_info", {}).get("num_layers")
+    result.problems += check_snapshots(run_dir, records, layout, layers)
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    answers = {i.id: i.answer for i in item_list} if item_list is not None else None
+    result.problems += check_rows(records, typed, Scorer(tokenizer, config.extractor, answers))
+    problems, result.environment_diff = check_contract(ledger, config, item_list, tokenizer)
     result.problems += problems
     if result.environment_diff and announce is not None:
         announce(environment_note(result.environment_diff))
@@ -439,7 +558,7 @@ def check_files(ledger: RunLedger, records: list[Record]) -> list[str]:
         for path in sorted(run_dir.iterdir())
         if path.name not in expected and not TORN.fullmatch(path.name)
     ]
-    snapshots = {entry["file"] for r in records for _, entry in _snapshots(r.data)}
+    snapshots = {entry["file"] for r in records for _, _, entry in _snapshots(r.data)}
     if (run_dir / "snapshots").is_dir():
         problems += [
             f"snapshots/{path.name}: not a snapshot any row names"

@@ -455,7 +455,10 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
     "--sample",
     type=click.IntRange(min=0),
     default=None,
-    help="Re-execute a seeded sample of K rows.",
+    help="Re-execute a seeded sample of K rows (default: every row). The checks that need "
+    "no re-execution (hashes, CSVs, labels and scores re-derived from each row's tokens, "
+    "snapshots) run on every row whatever K is; --sample 0 is those checks alone: structure "
+    "only, no row re-executed (see docs/audit.md).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True)
@@ -470,7 +473,8 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 @threads_option
 @plain_errors
 def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) -> None:
-    """Re-execute a run's rows and verify every fingerprint, hash and derived CSV."""
+    """Verify a run: every row against itself and the folder, and re-execute its rows (or
+    a --sample of them) to verify every token, fingerprint and hash."""
     from kvreplay.audit import audit, format_audit
     from kvreplay.backends import setting_options
 

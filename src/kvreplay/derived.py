@@ -12,7 +12,7 @@ from kvreplay.ledger import Record, RunLedger
 
 
 def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = False) -> list[str]:
-    """Each experiment's CSV must equal the one derived from rows.jsonl, cell for cell;
+    """Each experiment's CSV must equal the one derived from rows.jsonl, byte for byte;
     ``present_only`` skips experiments whose CSV is not written yet (a run in progress)."""
     problems = []
     for name, entry in ledger.manifest.get("experiments", {}).items():
@@ -33,8 +33,8 @@ def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = Fa
         if not path.exists():
             problems.append(f"{path.name}: missing although {name} has rows")
             continue
-        try:
-            actual = path.read_text(encoding="utf-8")
+        try:  # bytes, not read_text: that would read CRLF line endings as the run's LF
+            actual = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             problems.append(f"{path.name}: not UTF-8 text")
             continue
@@ -52,5 +52,8 @@ def check_csvs(ledger: RunLedger, records: list[Record], present_only: bool = Fa
                         f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
                     )
         if not problems or not problems[-1].startswith(path.name):
-            problems.append(f"{path.name}: differs from the CSV derived from rows.jsonl")
+            problems.append(
+                f"{path.name}: differs byte for byte from the CSV derived from rows.jsonl "
+                "(its line endings, quoting or columns)"
+            )
     return problems

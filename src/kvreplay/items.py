@@ -4,6 +4,7 @@ pre-generated trajectories), validation that names the offending line, prompt en
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import random
 import unicodedata
@@ -15,7 +16,7 @@ from typing import Any
 from kvreplay.canonical import canonical
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
-from kvreplay.paths import check_name
+from kvreplay.paths import check_name, read_regular
 
 Prompt = str | list[dict[str, str]]
 
@@ -287,8 +288,13 @@ def _parse_item(data: Any, path: Path, line: int) -> Item:
 def load_jsonl(path: Path) -> list[Item]:
     """Read and validate a JSONL item file; any problem names its line."""
     try:
-        lines = path.read_bytes().split(b"\n")  # not splitlines: U+2028 may be in a string
+        lines = read_regular(path).split(b"\n")  # not splitlines: U+2028 may be in a string
     except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise KvreplayError(
+                f"The item file {path} is not a regular file (a FIFO, device, socket or "
+                "folder would block or fail the read); give a JSONL file."
+            ) from exc
         raise KvreplayError(f"Cannot read the item file {path}: {exc.__class__.__name__}.") from exc
     items: list[Item] = []
     seen: dict[str, int] = {}
@@ -314,7 +320,7 @@ def load_items(source: str) -> list[Item]:
     if source in BUILTIN_ITEMS:
         return BUILTIN_ITEMS[source]()
     path = check_name(Path(source), "The item file")
-    if not path.is_file():
+    if not path.exists():
         raise KvreplayError(
             f"Items {source!r} are neither a built-in set ({', '.join(BUILTIN_ITEMS)}) nor a file."
         )

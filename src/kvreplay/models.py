@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvreplay import folder as plain
+from kvreplay.architecture import check_architecture, config_refusal
 from kvreplay.embedded import DEFAULT_MODEL
 from kvreplay.errors import KvreplayError, first_line
 from kvreplay.extras import missing
@@ -117,14 +118,17 @@ def describe_source(
 
 
 def model_config(spec: str, trust_remote_code: bool = False) -> Any:
-    """The model's config, without the weights."""
+    """The model's config, without the weights, once it is one a model can be built from
+    and run with (see :mod:`kvreplay.architecture`)."""
     from transformers import AutoConfig
 
-    source, _, kwargs = _pretrained(spec, trust_remote_code)
+    source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
     try:
-        return AutoConfig.from_pretrained(source, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        raise KvreplayError(f"Could not read the config of model {spec!r}.") from exc
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the folder is the only input: its config is at fault
+        raise config_refusal(spec, exc) from exc
+    check_architecture(spec, config, None if gguf_file else generation_config(source))
+    return config
 
 
 def text_config(spec: str, trust_remote_code: bool = False) -> Any:
@@ -146,10 +150,15 @@ def generation_config(folder: Path) -> Any:
         return plain.generation_config(folder)
     from transformers import GenerationConfig
 
+    if not (folder / "generation_config.json").is_file():
+        return None
     try:
         return GenerationConfig.from_pretrained(folder)
-    except OSError:
-        return None
+    except Exception as exc:  # noqa: BLE001 - the file is the only input: it is at fault
+        raise KvreplayError(
+            f"The generation_config.json of model folder {str(folder)!r} is not one "
+            f"transformers accepts ({first_line(exc)})."
+        ) from exc
 
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
@@ -227,6 +236,11 @@ def check_loadable(spec: str, attn_implementation: str, trust_remote_code: bool 
     except ImportError as exc:
         raise KvreplayError(
             f"--attn {attn_implementation} cannot be used here: {first_line(exc)}."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - built on meta from the config alone: it is at fault
+        raise KvreplayError(
+            f"Model {spec!r} is not a causal language model transformers can build from its "
+            f"config.json ({type(exc).__name__}: {first_line(exc)})."
         ) from exc
     source, gguf_file, kwargs = _pretrained(spec, trust_remote_code)
     if gguf_file:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,18 @@ def check_name(path: Path, what: str) -> Path:
 
 
 def read_regular(path: Path) -> bytes:
-    """A regular file's bytes; anything else that exists is refused before it is opened,
-    as an OSError whose strerror callers already turn into their sentence."""
-    if path.exists() and not path.is_file():
+    """A regular file's bytes; anything else (a FIFO, a device, a socket, a folder) is
+    refused as an OSError whose strerror callers already turn into their sentence. The
+    file is opened without blocking and what was opened is checked, so a FIFO put in its
+    place after a check cannot hang the read."""
+    if path.exists() and not path.is_file():  # a socket cannot even be opened
         raise OSError(errno.EINVAL, "not a regular file", str(path))
-    return path.read_bytes()
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
 
 
 class UserPath(click.Path):

@@ -40,7 +40,7 @@ from kvreplay.ledger import (
 )
 from kvreplay.lock import installed
 from kvreplay.models import load_tokenizer, text_config, vocabulary_size
-from kvreplay.paths import check_name
+from kvreplay.paths import check_name, read_regular
 from kvreplay.precision import parse_device, parse_dtypes
 from kvreplay.scoring import get_extractor
 from kvreplay.sources import canonical_spec
@@ -242,7 +242,7 @@ def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
     text = "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items)
     if ledger.fresh or not path.exists():
         write_text_atomic(path, text)
-    elif path.read_bytes() != text.encode("utf-8"):
+    elif _frozen_bytes(path) != text.encode("utf-8"):
         raise KvreplayError(
             f"{path} differs from the items this run's contract records; run kvreplay audit."
         )
@@ -257,6 +257,15 @@ class Stop(Protocol):
     def __call__(self, rows: list[Record]) -> bool: ...
 
     def to_json(self) -> dict[str, Any]: ...
+
+
+def _frozen_bytes(path: Path) -> bytes:
+    try:
+        return read_regular(path)
+    except OSError as exc:
+        raise KvreplayError(
+            f"{path} cannot be read as the run's frozen items ({exc.strerror}); run kvreplay audit."
+        ) from exc
 
 
 def run(

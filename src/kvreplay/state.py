@@ -364,27 +364,72 @@ def read_state_metadata(path: Path) -> SavedState:
         raise KvreplayError(f"The snapshot {path} is not a readable safetensors file.") from exc
     if meta.get("format") != STATE_FORMAT:
         raise KvreplayError(f"The file {path} is not a kvreplay boundary-state snapshot.")
-    return SavedState(
-        construction=meta["construction"],
-        layer_lengths=json.loads(meta["layer_lengths"]),
-        cache_fingerprint=meta["cache_fingerprint"],
-        logits_fingerprint=meta["logits_fingerprint"],
-        extra=json.loads(meta.get("extra", "{}")),
-    )
+    try:
+        saved = SavedState(
+            construction=meta["construction"],
+            layer_lengths=json.loads(meta["layer_lengths"]),
+            cache_fingerprint=meta["cache_fingerprint"],
+            logits_fingerprint=meta["logits_fingerprint"],
+            extra=json.loads(meta.get("extra", "{}")),
+        )
+    except (KeyError, ValueError) as exc:
+        raise KvreplayError(
+            f"The snapshot {path} has missing or malformed metadata ({type(exc).__name__}: {exc})."
+        ) from exc
+    if not (isinstance(saved.layer_lengths, list) and isinstance(saved.extra, dict)):
+        raise KvreplayError(f"The snapshot {path} has malformed layer_lengths or extra metadata.")
+    return saved
 
 
-def snapshot_fingerprints(path: Path) -> tuple[str, str]:
-    """The cache and logits fingerprints of the tensors a snapshot holds, computed from
-    its bytes (its metadata only says what they were when it was written)."""
+# The metadata keys save_state writes, and the tensors beside a cache's layers.
+SNAPSHOT_METADATA = frozenset(
+    ("format", "layer_kinds", "construction", "layer_lengths", "cache_fingerprint",
+     "logits_fingerprint", "extra")
+)  # fmt: skip
+SNAPSHOT_EXTRA_TENSORS = ("logits", "token_ids")
+
+
+def cache_tensor_names(layers: int) -> list[str]:
+    """The names of a snapshot's cache tensors, in fingerprint order."""
+    return [f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values")]
+
+
+@dataclass(frozen=True)
+class SnapshotContents:
+    """What a snapshot file holds, read from its bytes: its metadata as written, the
+    names of its tensors, the token ids it was saved over, and the fingerprints of its
+    cache and logits computed from the tensors (the metadata only says what they were)."""
+
+    metadata: dict[str, str]
+    tensors: frozenset[str]
+    token_ids: list[int] | None
+    cache_fingerprint: str
+    logits_fingerprint: str
+
+
+def read_snapshot(path: Path) -> SnapshotContents:
+    """A snapshot's contents, for an audit (see :class:`SnapshotContents`)."""
     layers = len(read_state_metadata(path).layer_lengths)
     with safe_open(str(path), framework="pt") as handle:
-        names = [f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values")]
+        metadata, tensors = dict(handle.metadata() or {}), frozenset(handle.keys())  # noqa: SIM118
         try:
-            cache = fingerprint_tensors((name, handle.get_tensor(name)) for name in names)
+            cache = fingerprint_tensors(
+                (name, handle.get_tensor(name)) for name in cache_tensor_names(layers)
+            )
             logits = fingerprint_tensors([("logits", handle.get_tensor("logits"))])
         except Exception as exc:  # noqa: BLE001 - a missing tensor is the same user problem
             raise KvreplayError(f"The snapshot {path} lacks a tensor its metadata names.") from exc
-    return cache, logits
+        ids = handle.get_tensor("token_ids") if "token_ids" in tensors else None
+    token_ids = (
+        ids.tolist() if ids is not None and ids.dtype == torch.long and ids.dim() == 1 else None
+    )
+    return SnapshotContents(metadata, tensors, token_ids, cache, logits)
+
+
+def config_layer_kinds(config: Any) -> list[str]:
+    """The layer kinds of the cache a model of ``config`` builds (no weights needed):
+    what a snapshot saved from that model holds."""
+    return layer_kinds(DynamicCache(config=config))
 
 
 def layer_kinds(cache: DynamicCache) -> list[str]:

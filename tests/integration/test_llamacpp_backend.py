@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 from forgery import assert_named, audit, read_rows, rechain
 from helpers import invoke
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvreplay.backends.llamacpp import LlamaCppBackend
 from kvreplay.backends.llamacpp_runtime import LlamaState, Runtime
+from kvreplay.identity import file_digests
 from kvreplay.sources import gguf_file
 from kvreplay.state import bit_equal
 
@@ -86,6 +89,32 @@ def test_audit_passes_and_catches_a_forged_suffix(matched: Path, tmp_path: Path)
     arm["suffix_sha256"] = "0" * 64
     rechain(forged, records)
     assert_named(audit(forged), "prefill")
+
+
+def test_a_snapshot_layout_edited_where_the_backend_cannot_say_it(tmp_path: Path) -> None:
+    """Issue 34 item 9: llama.cpp's cache layout is known only to a loaded model, so the
+    audit holds every snapshot of a precision to one layout and every layer to the
+    prefix: a kinds edit and a layer past the prefix are named without re-execution."""
+    out = tmp_path / "snapshots"
+    run(out, "matched", "--n", "2", "--dtypes", "fp16", "--save-snapshots")
+    assert audit(out, "--sample", 0).exit_code == 0
+    records = read_rows(out)
+    for record, field, value in (
+        (records[0], "layer_kinds", lambda m: m.replace("llama.cpp:1:1", "llama.cpp:0:0")),
+        (records[1], "layer_lengths", lambda m: json.dumps([n + 1 for n in json.loads(m)])),
+    ):
+        arm = record["data"]["arms"]["prefill"]
+        path = out / arm["snapshot"]["file"]
+        with safe_open(str(path), "pt") as handle:
+            metadata = dict(handle.metadata())
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+        metadata[field] = value(metadata[field])
+        save_file(tensors, str(path), metadata=metadata)
+        arm["snapshot"]["sha256"] = file_digests(path.parent, [path])[path.name]
+    rechain(out, records)
+    result = audit(out, "--sample", 0)
+    assert_named(result, f"row {records[0]['key']}", "field layer_kinds of its metadata")
+    assert_named(result, f"row {records[1]['key']}", "field layer_lengths of its metadata")
 
 
 def test_bridge_is_bit_exact_on_llamacpp(tmp_path: Path) -> None:

@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import invoke
+from helpers import QUICK, check, copy_model, invoke, run_args
 from tiny import save_tiny
+
+from kvreplay.backends import vllm as vllm_backend
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -142,6 +144,53 @@ def test_model_vllm_cannot_serve_is_refused(tmp_path: Path, tiny_dirs) -> None:
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "vLLM cannot serve the model" in result.output
     assert not out.exists()
+
+
+def _with_config(model: Path, **fields: object) -> Path:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | fields))
+    return model
+
+
+def test_what_the_engine_config_rules_out_is_refused_before_the_manifest(
+    tmp_path: Path, tiny_dirs
+) -> None:
+    """Issue 34 item 7: vLLM's CPU attention has no kernel for head size 16 (the engine
+    starts, then fails at the first request), and a config whose architecture vLLM runs
+    as a pooling model generates nothing: both are read from vLLM's own engine config
+    and attention backend, before the manifest, in one sentence."""
+    pooling = _with_config(copy_model(tiny_dirs["qwen2"], tmp_path / "pooling"),
+                           architectures=["BertModel"])  # fmt: skip
+    for model, expected in (
+        (tiny_dirs["qwen2"], f"serves head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, "
+                             f"256, 512, and the model '{tiny_dirs['qwen2']}' has head size 16."),
+        (pooling, f"vLLM would run the model '{pooling}' as a pooling model"),
+    ):  # fmt: skip
+        args, out = run_args("matched", tmp_path, model, ("--out", tmp_path / model.name))
+        check(invoke(*args, *QUICK, "--backend", "vllm"), expected, out)
+        assert not (out / "manifest.json").exists()
+
+
+def test_an_engine_failure_is_one_sentence_and_the_folder_stays_reusable(
+    served_run: Path, tmp_path: Path, tiny_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were the check before the manifest to miss what the engine cannot serve, the
+    engine's own failure is one sentence, no row is recorded, and a rerun into the same
+    folder with a model the engine serves completes."""
+    monkeypatch.setattr(vllm_backend, "check_engine_config", lambda *args: None)
+    args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
+    result = invoke(*args, *QUICK, "--backend", "vllm")
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    # the run's progress bars come before it: the sentence is the last line
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("kvreplay: error: The vLLM engine failed on a request, so no row")
+    assert "head_dim=16" in last
+    assert not (out / "rows.jsonl").exists()
+    args, out = run_args("matched", tmp_path, served_run.parent / "model")
+    result = invoke(*args, *QUICK, "--backend", "vllm")
+    assert result.exit_code == 0, result.output
+    assert len(rows(out)) == 1
 
 
 def test_ray_actor_holds_its_own_engine(served_run: Path, tmp_path: Path, monkeypatch) -> None:

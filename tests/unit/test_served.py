@@ -9,8 +9,8 @@ import pytest
 from kvreplay.backends import backend_from_contract, make_backend, registry, setting_options
 from kvreplay.decode import Segment, Trajectory
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.rows import ArmResult, ServedReport
-from kvreplay.experiments.served import _gate, computed_tokens
+from kvreplay.experiments.rows import ArmResult, ReplicaGate, ServedReport
+from kvreplay.experiments.served import computed_tokens
 from kvreplay.experiments.tables.matrix import first_token_logprob_diff
 from kvreplay.trajectory import Prefix
 
@@ -39,13 +39,13 @@ def test_expected_hit_counts_the_full_blocks_the_rewrite_computed() -> None:
 
 @pytest.mark.parametrize(("cached", "met"), [(64, True), (32, False), (0, False)])
 def test_a_hit_that_did_not_hit_fails_its_gate(cached: int, met: bool) -> None:
-    gate = _gate([arm(cached, 64)], [arm(cached, 64)])
+    gate = ReplicaGate.served([arm(cached, 64)], [arm(cached, 64)])
     assert gate.cached_tokens_equal and gate.suffix_exact and gate.logits_exact
     assert gate.cache_condition_met is met and gate.passed is met
 
 
 def test_replica_with_other_cached_tokens_fails() -> None:
-    gate = _gate([arm(64, 64)], [arm(32, 64)])
+    gate = ReplicaGate.served([arm(64, 64)], [arm(32, 64)])
     assert not gate.cached_tokens_equal and not gate.passed
 
 

@@ -189,6 +189,15 @@ class Backend:
 
         return describe_source(spec, trust_remote_code, scheme, tokenizer)
 
+    def state_layout(
+        self, spec: str, trust_remote_code: bool, tokens: int
+    ) -> tuple[list[str], list[int]] | None:
+        """The layer kinds and per-layer lengths of this backend's boundary state over
+        ``tokens`` tokens, as a snapshot records them, from the model's config alone;
+        None where only a loaded model could say (an audit then holds the snapshots of
+        one precision to one layout, each layer to at most ``tokens``)."""
+        return None
+
     def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
         """The model a K/V-access experiment advances boundary states through, for one
         precision: a :class:`~kvreplay.models.LoadedModel` or one with its interface."""

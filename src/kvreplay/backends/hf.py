@@ -20,3 +20,13 @@ class HfBackend(Backend):
 
     def contract(self) -> dict[str, Any] | None:
         return None
+
+    def state_layout(
+        self, spec: str, trust_remote_code: bool, tokens: int
+    ) -> tuple[list[str], list[int]]:
+        """transformers' cache for the config; a sliding layer counts every token it saw."""
+        from kvreplay.models import model_config
+        from kvreplay.state import config_layer_kinds
+
+        kinds = config_layer_kinds(model_config(spec, trust_remote_code))
+        return kinds, [tokens] * len(kinds)

@@ -14,8 +14,11 @@ no ``__main__`` guard.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +113,7 @@ class VllmBackend(Backend):
     ) -> None:
         check_servable(spec, trust_remote_code)
         check_device(device)
+        check_engine_config(spec, trust_remote_code, self, dtypes)
 
     def expected_hit(self, computed: int) -> int:
         """Only full blocks are cached: a hit reads every full block of what was computed."""
@@ -174,7 +178,13 @@ class VllmServed:
             for r in requests
         ]
         prompts = [{"prompt_token_ids": list(r.context)} for r in requests]
-        outputs = self.engine.generate(prompts, params, use_tqdm=False)
+        try:
+            outputs = self.engine.generate(prompts, params, use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 - the engine's kernels raise many kinds
+            raise KvreplayError(
+                f"The vLLM engine failed on a request, so no row was recorded for it "
+                f"({type(exc).__name__}: {first_line(exc)})."
+            ) from exc
         return [self._reply(r, out) for r, out in zip(requests, outputs, strict=True)]
 
     def _reply(self, request: Request, output: Any) -> Reply:
@@ -228,29 +238,112 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
     )
 
 
+def engine_settings(
+    folder: str, precision: str, backend: VllmBackend, trust_remote_code: bool, context_length: int
+) -> dict[str, Any]:
+    """The engine's arguments for a model folder, with the run's recorded settings: the
+    same for the engine and for the check of its config before the manifest."""
+    return dict(
+        model=folder,
+        tokenizer=folder,
+        dtype=VLLM_DTYPES[precision],
+        block_size=backend.block_size,
+        enable_prefix_caching=True,
+        max_num_seqs=backend.max_num_seqs,
+        max_model_len=backend.context_window(context_length),
+        max_num_batched_tokens=MAX_MODEL_LEN,
+        enforce_eager=True,
+        seed=backend.seed,
+        trust_remote_code=trust_remote_code,
+        distributed_executor_backend="uni",
+    )
+
+
 def start_engine(
     folder: str, precision: str, backend: VllmBackend, trust_remote_code: bool, context_length: int
 ) -> Any:
     """An in-process engine over a model folder, with the run's recorded settings."""
     from vllm import LLM
 
+    settings = engine_settings(folder, precision, backend, trust_remote_code, context_length)
     try:
-        return LLM(
-            model=folder,
-            tokenizer=folder,
-            dtype=VLLM_DTYPES[precision],
-            block_size=backend.block_size,
-            enable_prefix_caching=True,
-            max_num_seqs=backend.max_num_seqs,
-            max_model_len=backend.context_window(context_length),
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            enforce_eager=True,
-            seed=backend.seed,
-            trust_remote_code=trust_remote_code,
-            distributed_executor_backend="uni",
-        )
+        return LLM(**settings)
     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for an unservable model
         raise KvreplayError(f"vLLM cannot serve the model {folder!r}: {first_line(exc)}.") from exc
+
+
+@contextmanager
+def _vllm_quiet() -> Iterator[None]:
+    """vLLM logs its warnings while it builds a config; a refusal must be one sentence."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def check_engine_config(
+    spec: str, trust_remote_code: bool, backend: VllmBackend, dtypes: tuple[str, ...]
+) -> None:
+    """Refuse, before the manifest, what vLLM itself says it cannot serve, from the engine
+    config it builds out of config.json without starting an engine: a config it rejects,
+    a model it would run as anything but a text generator, and a head size, precision or
+    block size the platform's attention backend has no kernel for. vLLM's CPU attention
+    (CPU_ATTN) lists the head sizes it serves and starts on any other, but then fails at
+    the first request ("Unsupported CPU attention configuration: head_dim=16")."""
+    from kvreplay.models import text_config
+    from kvreplay.sources import resolve_source
+
+    folder, _ = resolve_source(spec, trust_remote_code)
+    context = int(getattr(text_config(spec, trust_remote_code), "max_position_embeddings", 0) or 0)
+    with _vllm_quiet():
+        from vllm.config import set_current_vllm_config
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.attention.selector import get_attn_backend
+
+        settings = engine_settings(str(folder), dtypes[0], backend, trust_remote_code, context)
+        try:
+            config = EngineArgs(**settings).create_engine_config()
+            model = config.model_config
+            with set_current_vllm_config(config):
+                attention = (
+                    None
+                    if model.is_attention_free
+                    else get_attn_backend(
+                        model.get_head_size(), model.dtype, None, use_mla=model.use_mla
+                    )
+                )
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for a config
+            raise KvreplayError(
+                f"vLLM cannot serve the model {spec!r}: {first_line(exc)}."
+            ) from exc
+    if model.runner_type != "generate":
+        raise KvreplayError(
+            f"vLLM would run the model {spec!r} as a {model.runner_type} model, not one that "
+            "generates text."
+        )
+    if attention is None:
+        return
+    head = model.get_head_size()
+    if not attention.supports_head_size(head):
+        sizes = ", ".join(map(str, attention.get_supported_head_sizes()))
+        raise KvreplayError(
+            f"vLLM's {attention.get_name()} attention serves head sizes {sizes}, and the model "
+            f"{spec!r} has head size {head}."
+        )
+    if not attention.supports_block_size(backend.block_size):
+        raise KvreplayError(
+            f"vLLM's {attention.get_name()} attention cannot use --block-size {backend.block_size}."
+        )
+    import torch
+
+    for precision in dtypes:
+        if not attention.supports_dtype(getattr(torch, VLLM_DTYPES[precision])):
+            raise KvreplayError(
+                f"vLLM's {attention.get_name()} attention does not run {precision}; "
+                "choose other --dtypes."
+            )
 
 
 def check_device(device: str) -> None:
@@ -279,7 +372,8 @@ def check_servable(spec: str, trust_remote_code: bool) -> None:
         )
     architectures = list(getattr(text_config(spec, trust_remote_code), "architectures", None) or [])
     try:
-        from vllm import ModelRegistry
+        with _vllm_quiet():
+            from vllm import ModelRegistry
     except Exception as exc:  # noqa: BLE001 - a broken install fails in many ways
         raise KvreplayError(VLLM_SETUP + f" (importing vLLM failed: {type(exc).__name__})") from exc
 

@@ -174,6 +174,27 @@ class ReplicaGate:
     prefix_rewrites_exact: bool | None = None
     cache_condition_met: bool | None = None  # served: the hit hit and the miss missed
 
+    @classmethod
+    def served(cls, arm: list[ArmResult], replica: list[ArmResult]) -> ReplicaGate:
+        """A served replica's gate, from what its arm and it recorded over the seeds it
+        continued (one, unless resampled): the run derives it so, and so does an audit."""
+        pairs = list(zip(arm, replica, strict=False))
+        reports = [r.served for r in arm + replica if r.served is not None]
+        reproduced = [r.prefix_reproduced for r in reports]
+        return cls(
+            cache_exact=None,
+            logits_exact=all(a.logits_fingerprint == r.logits_fingerprint for a, r in pairs),
+            suffix_exact=all(a.suffix_sha256 == r.suffix_sha256 for a, r in pairs),
+            cached_tokens_equal=all(
+                a.served is not None
+                and r.served is not None
+                and a.served.cached_tokens == r.served.cached_tokens
+                for a, r in pairs
+            ),
+            prefix_rewrites_exact=None if None in reproduced else all(reproduced),
+            cache_condition_met=all(r.condition_met is not False for r in reports),
+        )
+
     @property
     def is_clone(self) -> bool:
         return self.suffix_exact is None

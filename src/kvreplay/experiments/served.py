@@ -231,26 +231,6 @@ def _arm_result(
     )
 
 
-def _gate(arm: list[ArmResult], replica: list[ArmResult]) -> ReplicaGate:
-    """A served replica's gate over the seeds it continued (one, unless resampled)."""
-    pairs = list(zip(arm, replica, strict=False))
-    reports = [r.served for r in arm + replica if r.served is not None]
-    reproduced = [r.prefix_reproduced for r in reports]
-    return ReplicaGate(
-        cache_exact=None,
-        logits_exact=all(a.logits_fingerprint == r.logits_fingerprint for a, r in pairs),
-        suffix_exact=all(a.suffix_sha256 == r.suffix_sha256 for a, r in pairs),
-        cached_tokens_equal=all(
-            a.served is not None
-            and r.served is not None
-            and a.served.cached_tokens == r.served.cached_tokens
-            for a, r in pairs
-        ),
-        prefix_rewrites_exact=None if None in reproduced else all(reproduced),
-        cache_condition_met=all(r.condition_met is not False for r in reports),
-    )
-
-
 def run_served_panel(
     worker: Workbench, unit: Unit, clock: Clock, panel: Panel[ServedArm]
 ) -> tuple[PanelRow | None, dict[str, Any]]:
@@ -289,7 +269,7 @@ def run_served_panel(
                     _arm_result(worker, served, unit, arm, run, prefix, companions, construction)
                 )
     gates = {
-        arm.name: _gate(results[arm.name], results[replica_name(arm.name)])
+        arm.name: ReplicaGate.served(results[arm.name], results[replica_name(arm.name)])
         for arm in panel.arms
         if arm.replica == "replica"
     }

@@ -24,16 +24,32 @@ from kvreplay.report.figures import Figures
 JUDGED = ("matched", "fixed-prefix", "bridge", "resample")
 
 
-def _manifest_rows(run_dir: Path) -> list[tuple[str, ...]]:
-    """The facts a reader needs to judge a run: model, precision contract, machine, items."""
+def _manifest(run_dir: Path) -> dict[str, Any] | None:
+    """The run's manifest, or None for a bare folder of ledgers."""
     path = run_dir / "manifest.json"
     if not path.is_file():
-        return []
+        return None
     try:
-        manifest = parse_json(path.read_bytes())
+        return parse_json(path.read_bytes())
+    except (OSError, ValueError) as error:
+        raise LedgerError("manifest.json", f"it is not a kvreplay run manifest ({error})") from None
+
+
+def _title(manifest: dict[str, Any] | None, folder: LedgerDir) -> str:
+    """What the report is about, from the run's files alone: never the folder's name, so
+    that a run moved or copied elsewhere derives the same report."""
+    if manifest is None:
+        return "kvreplay report: " + ", ".join(sorted(folder.ledgers))
+    experiments = ", ".join(manifest.get("experiments", {})) or "no experiment"
+    return f"kvreplay report: {experiments} on {manifest['contract']['model_info']['spec']}"
+
+
+def _manifest_rows(manifest: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The facts a reader needs to judge a run: model, precision contract, machine, items."""
+    try:
         contract = manifest["contract"]
         model, env, run = contract["model_info"], contract["environment"], contract["run"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (KeyError, TypeError) as error:
         raise LedgerError("manifest.json", f"it is not a kvreplay run manifest ({error})") from None
     threads = f", {env['threads']} threads" if "threads" in env else ""
     libraries = [f"{k} {env[k]}" for k in ("torch", "transformers", "tokenizers") if k in env]
@@ -81,11 +97,11 @@ def _backend_version(recorded: dict[str, Any], environment: dict[str, Any]) -> s
 
 def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figures) -> list[Block]:
     """The report's content, independent of its Markdown or HTML rendering."""
-    blocks: list[Block] = [Heading(f"kvreplay report: {run_dir.resolve().name}")]
-    manifest = _manifest_rows(run_dir)
-    blocks.append(Heading("Run"))
-    if manifest:
-        blocks.append(Table(("field", "value"), manifest))
+    manifest = _manifest(run_dir)
+    facts = _manifest_rows(manifest) if manifest is not None else None  # checks its fields
+    blocks: list[Block] = [Heading(_title(manifest, folder)), Heading("Run")]
+    if facts is not None:
+        blocks.append(Table(("field", "value"), facts))
     else:
         blocks.append(Paragraph("No manifest.json here, so model, engine and device are unknown."))
     blocks.append(Paragraph("Ledgers read: " + ", ".join(sorted(folder.ledgers)) + "."))
