@@ -10,8 +10,9 @@ from kvreplay.backends import backend_from_contract, make_backend, registry, set
 from kvreplay.construct import Prefix
 from kvreplay.decode import Segment, Trajectory
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.requests import computed_tokens
 from kvreplay.experiments.rows import ArmResult, ServedReport
-from kvreplay.experiments.served import _gate, computed_tokens
+from kvreplay.experiments.served import _gate
 from kvreplay.experiments.tables.matrix import first_token_logprob_diff
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from kvreplay.analysis.sections.localize import draw, recovery
 from kvreplay.decode import Sampler, feed_each
+from kvreplay.experiments.blocks import engine_of, follow_in_engine
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, run_panel
 from kvreplay.experiments.prefixes import prefix_inputs
@@ -48,6 +49,7 @@ from kvreplay.experiments.tables.localize import (
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 from kvreplay.models import LoadedModel
+from kvreplay.stages import StagePlan
 from kvreplay.state import BoundaryState, Component, transplant
 from kvreplay.trajectory import Trajectory
 
@@ -136,6 +138,7 @@ def sweep(probe: Prober, num_layers: int) -> None:
 
 def _decide(
     lm: LoadedModel,
+    plan: StagePlan,
     sampler: Sampler,
     clock: Clock,
     donor: BoundaryState,
@@ -144,9 +147,12 @@ def _decide(
     layers: tuple[int, ...],
     component: Component,
 ) -> int | None:
-    """Transplant ``layers`` of ``component`` and follow the donor's suffix."""
+    """Transplant ``layers`` of ``component`` and follow the donor's suffix (in full, in
+    an engine that holds the states)."""
     state = transplant(donor, recipient, layers, component)
     with clock.model():
+        if engine_of(lm) is not None:
+            return follow_in_engine(lm, state, reference, plan, sampler)
         return follow(lm, state, reference, sampler)
 
 
@@ -203,6 +209,7 @@ class Localize(Experiment):
                 decide = functools.partial(
                     _decide,
                     lm,
+                    worker.config.plan,
                     worker.config.sampler,
                     clock,
                     result.states[donor],

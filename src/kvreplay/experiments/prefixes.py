@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.construct import Prefix, live
+from kvreplay.construct import Prefix
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.blocks import live_state
 from kvreplay.experiments.rows import PREFIX_FIELDS
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item, encode_prompt
@@ -59,7 +60,7 @@ def prefix_row(worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
         return {**base, "status": "ok", **unit.inputs}
     lm = worker.model(unit.precision)
     with clock.model():
-        _, prefix = live(
+        _, prefix = live_state(
             lm, prompt_ids(worker, lm, unit.item), worker.config.plan, worker.config.sampler
         )
     return {

@@ -19,7 +19,8 @@ EXPERIMENTS: dict[str, Experiment] = {
 }
 
 
-# The experiments a backend without K/V access runs, declared as served panels.
+# The experiments a serving engine runs as served panels (a backend without K/V access
+# runs only these).
 SERVED: dict[str, Experiment] = {e.name: e for e in (ServedMatched(), ServedResample())}
 
 
@@ -30,9 +31,10 @@ def get_experiment(
     recorded run's CSV needs no engine installed (``require_engine=False``)."""
     if name not in EXPERIMENTS:
         raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
-    if backend is None or backend.kv_access:
+    if backend is None:
         return EXPERIMENTS[name]
-    if name not in SERVED:
+    served = backend.runs_served(name in SERVED)
+    if served and name not in SERVED:
         with_kv = [b for b in registry() if backend_class(b).capabilities.kv_access]
         raise KvreplayError(
             f"{name} reads or writes K/V tensors, which the {backend.name} backend does "
@@ -41,7 +43,7 @@ def get_experiment(
         )
     if require_engine:
         backend.check_ready()
-    return SERVED[name]
+    return SERVED[name] if served else EXPERIMENTS[name]
 
 
 def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:

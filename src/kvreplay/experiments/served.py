@@ -36,10 +36,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvreplay.config import RunConfig
-from kvreplay.construct import Prefix, generated_prefix
-from kvreplay.decode import Sampler, opener_ids
-from kvreplay.experiments.panel import Panel, Replica
+from kvreplay.construct import Prefix
+from kvreplay.decode import Sampler
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
+from kvreplay.experiments.requests import computed_tokens, generate_prefix, serve_stages
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.items import encode_prompt
@@ -50,6 +50,7 @@ from kvreplay.trajectory import Segment, Trajectory
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
+    from kvreplay.experiments.panel import Panel, Replica
 
 Condition = Literal["hit", "miss", "uninterrupted"]
 
@@ -87,44 +88,6 @@ def straight_through(plan: StagePlan, prefix: Prefix) -> bool:
     )
 
 
-def serve_stages(
-    served: ServedModel,
-    context: list[int],
-    stages: Sequence[Stage],
-    sampler: Sampler,
-    first_opener_fed: bool,
-    companions: Sequence[list[int]] = (),
-) -> tuple[list[Segment], ServedReport]:
-    """Serve ``stages`` in order from ``context``, one request per stage, each sharing
-    its batch with a request per companion prompt: their segments, and the report of
-    the cached tokens per request and the first step's top logprobs."""
-    from kvreplay.backends.served import Request
-
-    segments: list[Segment] = []
-    report = ServedReport(cached_tokens=[], first_logprobs=[])
-    for index, stage in enumerate(stages):
-        forced = opener_ids(served.tokenizer, stage)
-        if not (index == 0 and first_opener_fed):
-            context = context + forced
-        requests = [Request(context, stage, sampler, tuple(forced))]
-        requests += [Request(list(c), stage, sampler) for c in companions]
-        result = served.serve(requests)[0]
-        segments.append(result.segment)
-        report.cached_tokens.append(result.cached_tokens)
-        if not report.first_logprobs and result.steps:
-            report.first_logprobs = [[t, lp] for t, lp in result.steps[0]]
-        context = context + result.segment.token_ids
-    return segments, report
-
-
-def _generate_prefix(
-    served: ServedModel, ids: list[int], plan: StagePlan, sampler: Sampler
-) -> Prefix:
-    segments, _ = serve_stages(served, ids, plan.prefix_stages, sampler, first_opener_fed=False)
-    next_opener = opener_ids(served.tokenizer, plan.suffix_stages[0])
-    return generated_prefix(ids, Trajectory(segments), plan, next_opener)
-
-
 def _uninterrupted(
     served: ServedModel, ids: list[int], prefix: Prefix, plan: StagePlan, sampler: Sampler
 ) -> tuple[list[Segment], ServedReport]:
@@ -151,14 +114,6 @@ def _uninterrupted(
     )
 
 
-def computed_tokens(prefix: Prefix) -> int:
-    """The tokens the prefix rewrite computed, which a hit must read back (as much of them
-    as the backend caches, ``Backend.expected_hit``): the prompt and each prefix stage's
-    stream, less the last generated token, which was sampled but never fed; the next
-    stage's opener is not among them."""
-    return prefix.prompt_len + len(Trajectory(prefix.segments).token_ids) - 1
-
-
 def serve_arm(
     served: ServedModel,
     arm: ServedArm,
@@ -178,7 +133,7 @@ def serve_arm(
         return _uninterrupted(served, ids, prefix, plan, sampler)
     reproduced, expected = None, 0
     if arm.condition == "hit":
-        reproduced = _generate_prefix(served, ids, plan, config.sampler).token_ids == (
+        reproduced = generate_prefix(served, ids, plan, config.sampler).token_ids == (
             prefix.token_ids
         )
         expected = config.backend.expected_hit(computed_tokens(prefix))
@@ -257,7 +212,7 @@ def run_served_panel(
     ids = prompt_ids(worker, served, unit.item)
     with clock.model():
         served.reset_cache()
-        prefix = _generate_prefix(served, ids, config.plan, config.sampler)
+        prefix = generate_prefix(served, ids, config.plan, config.sampler)
     record = prefix_record(prefix)
     if not prefix.reached:
         return None, record
