@@ -123,7 +123,12 @@ class BlockEngine:
 
     def __init__(self, served: Any, block_size: int):
         self.served, self.block_size = served, block_size
-        core = served.engine.llm_engine.engine_core.engine_core
+        core = getattr(served.engine.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            raise KvreplayError(
+                "kvreplay reads vLLM's cached blocks only with the engine core in this "
+                "process; unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0."
+            )
         self._manager = core.scheduler.kv_cache_manager
         self._hasher = core.request_block_hasher
         groups = core.scheduler.kv_cache_config.kv_cache_groups
