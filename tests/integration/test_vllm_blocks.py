@@ -100,6 +100,13 @@ def test_bridge_live_blocks_equal_the_teacher_forced_rebuild(blocks_run: Path) -
         assert row["comparison"]["cache"]["exact"] and row["comparison"]["logits"]["exact"]
         assert row["arms"]["live"]["suffix_sha256"] == row["arms"]["teacher"]["suffix_sha256"]
         assert row["boundary_cache_sequence_len"] == row["block_kv"]["cached_tokens"] > 0
+    with (blocks_run / "live_teacher_bridge.csv").open() as handle:
+        lines = list(csv.DictReader(handle))
+    # the cache a hit continues from: the blocks and the tail it recomputes, so all of P
+    assert all(x["boundary_cache_sequence_len"] == x["new_prefix_token_count"] for x in lines)
+    result = invoke("analyze", blocks_run)
+    assert result.exit_code == 0, result.output
+    assert "2/2 caches exact in all layers" in result.output
 
 
 def test_audit_reexecutes_the_block_rows(blocks_run: Path) -> None:
