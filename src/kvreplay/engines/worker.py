@@ -31,6 +31,8 @@ class Worker:
 
     def model(self, dtype: str) -> LoadedModel:
         if dtype not in self._models:
+            if self.config.backend.capabilities.cache_control:
+                self._release()  # an engine holds its device's memory: one at a time
             lm = self.config.backend.load_model(self.config, dtype, self.device_map)
             if not lm.identity.matches(self.config.model_digest):
                 raise KvreplayError(
@@ -44,10 +46,15 @@ class Worker:
         time: a second engine would not fit beside the first on a GPU, and rows come
         precision by precision, so each starts once in a run."""
         if dtype not in self._served:
-            self._served.clear()
-            gc.collect()
+            self._release()
             self._served[dtype] = self.config.backend.open_served(self.config, dtype)
         return self._served[dtype]
+
+    def _release(self) -> None:
+        """Drop every engine this worker holds, so that the next one has the device."""
+        self._models.clear()
+        self._served.clear()
+        gc.collect()
 
     def device_info(self) -> dict[str, str]:
         from kvreplay.environment import device_name
@@ -60,8 +67,8 @@ class Worker:
 
     def run(self, unit: Unit) -> tuple[dict[str, Any], dict[str, float]]:
         # loading is neither model nor harness time of a row
-        backend = self.config.backend
-        (self.model if backend.kv_access else self.served)(unit.precision)
+        experiment = get_experiment(unit.experiment, self.config.backend)
+        (self.served if experiment.served else self.model)(unit.precision)
         clock = Clock()
-        data = get_experiment(unit.experiment, backend).run_unit(self, unit, clock)
+        data = experiment.run_unit(self, unit, clock)
         return data, clock.timing()

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.canonical import sha256_tokens
-from kvreplay.construct import build, live
-from kvreplay.decode import continue_from
+from kvreplay.experiments.blocks import build_state, continue_state, engine_of, live_state
 from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.prefixes import prefix_from_inputs, prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, replica_name
@@ -92,11 +91,11 @@ def run_arm(
     saved = snapshot(worker, unit, arm, state)
     earlier = ArmResult.from_dict(reuse["arm"]) if reuse else None
     if reuse and earlier and sampler.greedy and boundary == _boundary(earlier):
-        suffix, suffix_sha256 = earlier.suffix, earlier.suffix_sha256
+        suffix, suffix_sha256, served = earlier.suffix, earlier.suffix_sha256, earlier.served
         cache_len, reused_from = earlier.post_decode_cache_len, reuse["key"]
     else:
         with clock.model():
-            suffix = continue_from(lm, state, worker.config.plan, sampler)
+            suffix, served = continue_state(lm, state, worker.config.plan, sampler)
         suffix_sha256, cache_len = sha256_tokens(suffix.token_ids), state.position
         reused_from = None
     outcome = score(lm.tokenizer, suffix, unit.item.answer, worker.config.extractor)
@@ -111,6 +110,7 @@ def run_arm(
         correct=outcome["correct"],
         snapshot=saved,
         reused_from=reused_from,
+        served=served,
     )
 
 
@@ -149,7 +149,9 @@ def _construct(
     if retained is not None:
         ids = prompt_ids(worker, lm, unit.item)
         with clock.model():
-            states[retained.name], prefix = live(lm, ids, worker.config.plan, worker.config.sampler)
+            states[retained.name], prefix = live_state(
+                lm, ids, worker.config.plan, worker.config.sampler
+            )
         record = prefix_record(prefix)
         if not prefix.reached:
             return {}, record
@@ -160,7 +162,7 @@ def _construct(
     for arm in panel.arms:
         if arm.name not in states:
             with clock.model():
-                states[arm.name] = build(lm, prefix, arm.construction)
+                states[arm.name] = build_state(lm, prefix, arm.construction)
     return states, record
 
 
@@ -188,6 +190,8 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) ->
     full = [holds_donor(transplants[t.name], states[t.donor]) for t in panel.transplants]
     left, right = panel.compared
     comparison = compare(states[left], states[right])
+    engine = engine_of(lm)
+    block_kv = None if engine is None else engine.coverage(states[left])
     boundary_cache_len = max(states[left].layer_lengths())
     functional = functional_state_equal([*states.values(), *transplants.values()])
     continued = {n: clone(s) for n, s in states.items()} if panel.keep_states else dict(states)
@@ -249,5 +253,6 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) ->
         all_storage_disjoint=disjoint,
         compared=panel.compared,
         all_layers_transplanted=all(full) if panel.transplants else None,
+        block_kv=block_kv,
     )
     return PanelOutcome(row, record, lm, states, boundary_cache_len)

@@ -27,6 +27,7 @@ class Experiment(ABC):
     panel: Panel[Any]  # its arms: built in process (Arm) or served (ServedArm)
     table: Table  # the CSV, declared once
     phases: int = 1
+    served: bool = False  # its arms are served requests, not boundary states
 
     def default_n(self, total: int) -> int:
         """How many items ``--n`` means when it is not given."""

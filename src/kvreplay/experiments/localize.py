@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.analysis.sections.localize import draw, recovery
+from kvreplay.experiments.blocks import engine_of, follow_in_engine
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.prefixes import prefix_inputs
@@ -47,6 +48,7 @@ from kvreplay.experiments.tables.localize import (
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 from kvreplay.sampler import Sampler
+from kvreplay.stages import StagePlan
 from kvreplay.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -143,6 +145,7 @@ def sweep(probe: Prober, num_layers: int) -> None:
 
 def _decide(
     lm: LoadedModel,
+    plan: StagePlan,
     sampler: Sampler,
     clock: Clock,
     donor: BoundaryState,
@@ -151,11 +154,14 @@ def _decide(
     layers: tuple[int, ...],
     component: Component,
 ) -> int | None:
-    """Transplant ``layers`` of ``component`` and follow the donor's suffix."""
+    """Transplant ``layers`` of ``component`` and follow the donor's suffix (in full, in
+    an engine that holds the states)."""
     from kvreplay.state import transplant
 
     state = transplant(donor, recipient, layers, component)
     with clock.model():
+        if engine_of(lm) is not None:
+            return follow_in_engine(lm, state, reference, plan, sampler)
         return follow(lm, state, reference, sampler)
 
 
@@ -214,6 +220,7 @@ class Localize(Experiment):
                 decide = functools.partial(
                     _decide,
                     lm,
+                    worker.config.plan,
                     worker.config.sampler,
                     clock,
                     result.states[donor],

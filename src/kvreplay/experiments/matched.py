@@ -87,6 +87,8 @@ class ServedMatched(Matched):
     the hit co-scheduled with companions (see :mod:`kvreplay.experiments.served`). Its
     rows fill the matched ledger's columns where they apply and leave the K/V ones empty."""
 
+    served = True
+
     panel = Panel(
         (
             ServedArm("left", "hit"),

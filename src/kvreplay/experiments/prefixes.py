@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvreplay.canonical import sha256_tokens
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.blocks import live_state
 from kvreplay.experiments.rows import PREFIX_FIELDS
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item, encode_prompt
@@ -58,11 +59,9 @@ def prefix_row(worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
     base = {"item_id": unit.item.id, "precision": unit.precision, "kind": "prefix"}
     if "prefix_token_ids" in unit.inputs:
         return {**base, "status": "ok", **unit.inputs}
-    from kvreplay.construct import live  # in process only: loads torch
-
     lm = worker.model(unit.precision)
     with clock.model():
-        _, prefix = live(
+        _, prefix = live_state(
             lm, prompt_ids(worker, lm, unit.item), worker.config.plan, worker.config.sampler
         )
     return {

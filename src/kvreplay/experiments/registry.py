@@ -41,9 +41,10 @@ def get_experiment(
     recorded run's CSV needs no engine installed (``require_engine=False``)."""
     if name not in EXPERIMENTS:
         raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
-    if backend is None or backend.kv_access:
+    if backend is None:
         return experiment_at(EXPERIMENTS[name])
-    if name not in SERVED:
+    served = backend.runs_served(name in SERVED)
+    if served and name not in SERVED:
         with_kv = [b for b in registry() if backend_class(b).capabilities.kv_access]
         raise KvreplayError(
             f"{name} reads or writes K/V tensors, which the {backend.name} backend does "
@@ -52,7 +53,7 @@ def get_experiment(
         )
     if require_engine:
         backend.check_ready()
-    return experiment_at(SERVED[name])
+    return experiment_at(SERVED[name] if served else EXPERIMENTS[name])
 
 
 def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:

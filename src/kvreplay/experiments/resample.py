@@ -140,6 +140,8 @@ class ServedResample(Resample):
     per-request seeded sampler (see :mod:`kvreplay.experiments.served`); the K/V
     columns stay empty and ``backend`` names the engine."""
 
+    served = True
+
     panel = Panel((ServedArm("live", "hit"), ServedArm("prefill", "miss")))
     table = SERVED_RESAMPLE_TABLE
 

@@ -45,20 +45,25 @@ class ServedReport:
     (``[token, logprob]``, best first), the cached tokens its cache condition implies
     (every full block of the P a hit's rewrite computed; 0 for a miss; None for a
     request from the prompt), whether the arm's own generation of P reproduced it, and
-    the items whose requests shared its batches."""
+    the items whose requests shared its batches. An arm continued from a state written
+    into an engine's blocks (design: block K/V) reports the tokens of P those blocks
+    cover as its expected cached tokens, and ``blocks_read``: its first request read
+    exactly the blocks written (the hit guard)."""
 
     cached_tokens: list[int]
     first_logprobs: list[list[Any]]
     expected_cached_tokens: int | None = None
     prefix_reproduced: bool | None = None
     companions: list[str] | None = None
+    blocks_read: bool | None = None
 
     @property
     def condition_met(self) -> bool | None:
         """The engine served the first request as the arm's cache condition says."""
         if self.expected_cached_tokens is None:
             return None
-        return self.cached_tokens[0] == self.expected_cached_tokens
+        hit = self.cached_tokens[0] == self.expected_cached_tokens
+        return hit and self.blocks_read is not False
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -237,7 +242,9 @@ class PanelRow:
     panel into one of these). ``compared`` names the two arms the row is about; an
     experiment's own fields (its source, panel entry, probes) stay in ``fields``. A
     resampled panel keeps each arm's seeded continuations, in seed order, in ``samples``
-    instead of ``arms``."""
+    instead of ``arms``. States held in an engine's blocks cover only P's full blocks:
+    ``block_kv`` says how many tokens of P they cover, which the K/V comparison and
+    fingerprints are over, and how many after them every hit recomputes."""
 
     item_id: str
     precision: str
@@ -250,6 +257,7 @@ class PanelRow:
     compared: tuple[str, str]
     all_layers_transplanted: bool | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+    block_kv: dict[str, int] | None = None  # states in an engine's blocks: what they cover
     samples: dict[str, list[ArmResult]] = field(default_factory=dict)
 
     @property
@@ -289,12 +297,15 @@ class PanelRow:
 
     @property
     def integrity_pass(self) -> bool:
-        """Every replica gate, equal cache shapes, no shared storage, full transplants."""
+        """Every replica gate, equal cache shapes, no shared storage, full transplants,
+        and every arm an engine served under its cache condition."""
+        served = [arm.served for arm in self.arms.values() if arm.served is not None]
         return (
             self.replicas_exact
             and self.functional_state_equal is not False
             and self.all_storage_disjoint is not False
             and self.all_layers_transplanted is not False
+            and all(report.condition_met is not False for report in served)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -324,6 +335,8 @@ class PanelRow:
             data["comparison"] = self.comparison.to_dict()
         if self.all_layers_transplanted is not None:
             data["all_layers_transplanted"] = self.all_layers_transplanted
+        if self.block_kv is not None:
+            data["block_kv"] = self.block_kv
         return data
 
     @classmethod
@@ -341,6 +354,7 @@ class PanelRow:
         }
         known = {"item_id", "precision", "status", "arms", "samples", "replicas", "comparison"}
         known |= {"functional_state_equal", "all_storage_disjoint", "all_layers_transplanted"}
+        known |= {"block_kv"}
         known |= {f"{name}_clone" for name in arms}
         return cls(
             item_id=data["item_id"],
@@ -353,6 +367,7 @@ class PanelRow:
             all_storage_disjoint=data["all_storage_disjoint"],
             compared=compared,
             all_layers_transplanted=data.get("all_layers_transplanted"),
+            block_kv=data.get("block_kv"),
             fields={k: v for k, v in data.items() if k not in known and k not in PREFIX_FIELDS},
             samples=samples,
         )

@@ -39,16 +39,18 @@ from kvreplay.canonical import sha256_tokens
 from kvreplay.config import RunConfig
 from kvreplay.experiments.panel import Panel, Replica
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
+from kvreplay.experiments.requests import computed_tokens, generate_prefix, serve_stages
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
 from kvreplay.items import encode_prompt
 from kvreplay.sampler import Sampler
 from kvreplay.scoring import score
-from kvreplay.stages import Stage, StagePlan, opener_ids
-from kvreplay.trajectory import Prefix, Segment, Trajectory, generated_prefix
+from kvreplay.stages import Stage, StagePlan
+from kvreplay.trajectory import Prefix, Segment, Trajectory
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
+    from kvreplay.experiments.panel import Panel, Replica
 
 Condition = Literal["hit", "miss", "uninterrupted"]
 
@@ -86,44 +88,6 @@ def straight_through(plan: StagePlan, prefix: Prefix) -> bool:
     )
 
 
-def serve_stages(
-    served: ServedModel,
-    context: list[int],
-    stages: Sequence[Stage],
-    sampler: Sampler,
-    first_opener_fed: bool,
-    companions: Sequence[list[int]] = (),
-) -> tuple[list[Segment], ServedReport]:
-    """Serve ``stages`` in order from ``context``, one request per stage, each sharing
-    its batch with a request per companion prompt: their segments, and the report of
-    the cached tokens per request and the first step's top logprobs."""
-    from kvreplay.backends.served import Request
-
-    segments: list[Segment] = []
-    report = ServedReport(cached_tokens=[], first_logprobs=[])
-    for index, stage in enumerate(stages):
-        forced = opener_ids(served.tokenizer, stage)
-        if not (index == 0 and first_opener_fed):
-            context = context + forced
-        requests = [Request(context, stage, sampler, tuple(forced))]
-        requests += [Request(list(c), stage, sampler) for c in companions]
-        result = served.serve(requests)[0]
-        segments.append(result.segment)
-        report.cached_tokens.append(result.cached_tokens)
-        if not report.first_logprobs and result.steps:
-            report.first_logprobs = [[t, lp] for t, lp in result.steps[0]]
-        context = context + result.segment.token_ids
-    return segments, report
-
-
-def generate_prefix(
-    served: ServedModel, ids: list[int], plan: StagePlan, sampler: Sampler
-) -> Prefix:
-    segments, _ = serve_stages(served, ids, plan.prefix_stages, sampler, first_opener_fed=False)
-    next_opener = opener_ids(served.tokenizer, plan.suffix_stages[0])
-    return generated_prefix(ids, Trajectory(segments), plan, next_opener)
-
-
 def _uninterrupted(
     served: ServedModel, ids: list[int], prefix: Prefix, plan: StagePlan, sampler: Sampler
 ) -> tuple[list[Segment], ServedReport]:
@@ -153,14 +117,6 @@ def _uninterrupted(
         first_logprobs=[[t, lp] for t, lp in steps[0]] if steps else [],
         prefix_reproduced=ids + segment.token_ids[:cut] == prefix.token_ids,
     )
-
-
-def computed_tokens(prefix: Prefix) -> int:
-    """The tokens the prefix rewrite computed, which a hit must read back (as much of them
-    as the backend caches, ``Backend.expected_hit``): the prompt and each prefix stage's
-    stream, less the last generated token, which was sampled but never fed; the next
-    stage's opener is not among them."""
-    return prefix.prompt_len + len(Trajectory(prefix.segments).token_ids) - 1
 
 
 def serve_arm(

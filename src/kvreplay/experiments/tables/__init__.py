@@ -31,8 +31,8 @@ EXPERIMENT_TABLES: dict[str, tuple[Table, Table | None]] = {
     RESAMPLE: (RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE),
     LOCALIZE: (LOCALIZE_TABLE, None),
 }
-"""Each experiment's table, and its table on a backend without K/V access (None: the
-experiment reads or writes K/V, so such a backend does not run it)."""
+"""Each experiment's table, and its table as served panels (None: the experiment reads or
+writes K/V, so a backend without K/V access does not run it)."""
 TABLES = (
     *(table for pair in EXPERIMENT_TABLES.values() for table in pair if table is not None),
     HISTORICAL_TABLE,
@@ -59,4 +59,4 @@ def recorded_table(name: str, manifest: dict[str, Any]) -> Table | None:
         table, served = EXPERIMENT_TABLES[name]
     except (KvreplayError, KeyError, TypeError):
         return None
-    return table if backend.kv_access else served
+    return served if backend.runs_served(served is not None) else table

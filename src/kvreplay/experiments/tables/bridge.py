@@ -27,6 +27,13 @@ def _field(name: str, kind: Kind) -> Column[Line]:
     return Column(name, kind, get=lambda x: x.row.fields[name])
 
 
+def _boundary_cache(x: Line) -> int:
+    """The cache the arms continue from: the state's own in process; in an engine, P's
+    cached blocks (the row's field) and the tail every hit recomputes over them."""
+    held = int(x.row.fields["boundary_cache_sequence_len"])
+    return held + x.row.block_kv["tail_tokens"] if x.row.block_kv else held
+
+
 def _cmp(x: Line) -> Comparison:
     assert x.row.comparison is not None
     return x.row.comparison
@@ -47,7 +54,7 @@ COLUMNS: tuple[Column[Line], ...] = (
         "bool",
         get=lambda x: _historical(x)["prefix_sha256"] == x.row.prefix["prefix_sha256"],
     ),
-    _field("boundary_cache_sequence_len", "int"),
+    Column("boundary_cache_sequence_len", "int", get=_boundary_cache),
     Column(
         "post_decode_cache_sequence_len",
         "int",
