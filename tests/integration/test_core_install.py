@@ -47,7 +47,7 @@ def test_backends_name_the_command_that_installs_each_missing_one() -> None:
         (("run", "matched", "--backend", "hf"), "The hf backend needs torch and transformers"),
         (("check",), "The hf backend needs torch and transformers"),
         (("run", "resample", "--backend", "vllm"), "The vllm backend needs vLLM"),
-        (("run", "matched", "--backend", "llamacpp"), "The llamacpp backend needs llama_cpp"),
+        (("run", "matched", "--backend", "llamacpp"), "The llamacpp backend needs llama.cpp"),
     ],
 )
 def test_selecting_a_missing_backend_is_refused_in_one_sentence(
