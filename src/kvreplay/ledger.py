@@ -9,6 +9,8 @@ hash, so a deleted, reordered or edited row breaks the chain where it happened.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
@@ -112,14 +114,23 @@ class Record:
             "contract": self.contract,
         }
 
-    @property
+    @functools.cached_property
     def row_sha256(self) -> str:
         """SHA-256 of the row's content alone (no timing, worker or chain), so that the
         derived CSVs of a resumed run are byte-identical to an uninterrupted run's."""
         return sha256_json(self.data)
 
     def expected_hash(self) -> str:
-        return sha256_json(self.body())
+        """``sha256_json(self.body())``, with the row's data (nearly all of its bytes)
+        encoded once for this hash and :attr:`row_sha256` both: the body's keys sort as
+        contract, data, then the rest, so its canonical JSON is spliced around the data's."""
+        data = canonical(self.data)
+        self.__dict__["row_sha256"] = hashlib.sha256(data).hexdigest()  # the cached property
+        body = self.body()
+        head = canonical({"contract": body.pop("contract")})[:-1]
+        del body["data"]
+        rest = canonical(body)[1:]
+        return hashlib.sha256(head + b',"data":' + data + b"," + rest).hexdigest()
 
     def to_line(self) -> str:
         return canonical({**self.body(), "hash": self.hash}).decode() + "\n"
