@@ -32,10 +32,11 @@ def _constant(name: str) -> Any:
 
 # A lone surrogate can only come from an escape in the text (UTF-8 cannot encode one).
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-# Where a number could be too long for an id or too large for a float: a run of more
-# digits than MAX_INT_DIGITS, or an exponent of three digits or more. Text without one
-# (nearly all) is parsed without a Python call per number, about twice as fast.
-NUMBER_RISK = re.compile(f"[0-9]{{{MAX_INT_DIGITS + 1}}}|[eE][-+]?[0-9]{{3}}")
+# Every byte as "0" for a digit, " " for anything else: a run of more digits than an
+# integer may have is then a substring search, at C speed. Text without one (nearly
+# all) leaves json its own integer parsing instead of a Python call per integer.
+DIGIT_RUNS = bytes(48 if 48 <= byte <= 57 else 32 for byte in range(256))
+LONG_DIGITS = b"0" * (MAX_INT_DIGITS + 1)
 CONTAINERS = frozenset((dict, list))
 
 
@@ -86,13 +87,9 @@ def parse_json(text: str | bytes) -> Any:
     with or without a BOM (json.loads would also take UTF-16 and UTF-32)."""
     try:
         text = text.decode("utf-8-sig") if isinstance(text, bytes) else text
-        text.encode("utf-8")  # a string given may hold a lone surrogate itself
-        if NUMBER_RISK.search(text):
-            value = json.loads(
-                text, parse_constant=_constant, parse_float=_float, parse_int=_integer
-            )
-        else:
-            value = json.loads(text, parse_constant=_constant)
+        encoded = text.encode("utf-8")  # a string given may hold a lone surrogate itself
+        integers = _integer if LONG_DIGITS in encoded.translate(DIGIT_RUNS) else int
+        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=integers)
     except JsonError:
         raise
     except RecursionError:
