@@ -81,17 +81,23 @@ def _strip(data: Any) -> Any:
     return data
 
 
-def _snapshots(data: Any, name: str = "") -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(arm name, arm fingerprint record, snapshot entry) anywhere in a row."""
-    found = []
-    if isinstance(data, dict):
-        if isinstance(data.get("snapshot"), dict):
-            found.append((name, data, data["snapshot"]))
-        for key, value in data.items():
-            found += _snapshots(value, str(key))
-    elif isinstance(data, list):
-        for value in data:
-            found += _snapshots(value, name)
+def _snapshots(data: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(arm name, arm record, snapshot entry) of every arm and seeded sample of a row:
+    where a run records snapshots (a snapshot named anywhere else names no file this
+    run wrote, and check_files says so)."""
+    arms = data.get("arms")
+    samples = data.get("samples")
+    found = [
+        (name, arm, arm["snapshot"])
+        for name, arm in (arms.items() if isinstance(arms, dict) else ())
+        if isinstance(arm, dict) and isinstance(arm.get("snapshot"), dict)
+    ]
+    for name, seeds in samples.items() if isinstance(samples, dict) else ():
+        found += [
+            (name, arm, arm["snapshot"])
+            for arm in (seeds if isinstance(seeds, list) else ())
+            if isinstance(arm, dict) and isinstance(arm.get("snapshot"), dict)
+        ]
     return found
 
 

@@ -32,6 +32,12 @@ def _constant(name: str) -> Any:
 
 # A lone surrogate can only come from an escape in the text (UTF-8 cannot encode one).
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+# Every byte as "0" for a digit, " " for anything else: a run of more digits than an
+# integer may have is then a substring search, at C speed. Text without one (nearly
+# all) leaves json its own integer parsing instead of a Python call per integer.
+DIGIT_RUNS = bytes(48 if 48 <= byte <= 57 else 32 for byte in range(256))
+LONG_DIGITS = b"0" * (MAX_INT_DIGITS + 1)
+CONTAINERS = frozenset((dict, list))
 
 
 def _integer(text: str) -> int:
@@ -55,6 +61,8 @@ def _check_depth(value: Any) -> None:
         if depth > MAX_DEPTH:
             raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels")
         children = node.values() if isinstance(node, dict) else node
+        if CONTAINERS.isdisjoint(map(type, children)):  # a list of numbers, at C speed
+            continue
         stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
@@ -79,8 +87,9 @@ def parse_json(text: str | bytes) -> Any:
     with or without a BOM (json.loads would also take UTF-16 and UTF-32)."""
     try:
         text = text.decode("utf-8-sig") if isinstance(text, bytes) else text
-        text.encode("utf-8")  # a string given may hold a lone surrogate itself
-        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_integer)
+        encoded = text.encode("utf-8")  # a string given may hold a lone surrogate itself
+        integers = _integer if LONG_DIGITS in encoded.translate(DIGIT_RUNS) else int
+        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=integers)
     except JsonError:
         raise
     except RecursionError:

@@ -9,11 +9,14 @@ hash, so a deleted, reordered or edited row breaks the chain where it happened.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from kvreplay.canonical import canonical, sha256_json
 from kvreplay.environment import CONTRACT_SCHEME, INFORMATIONAL
 from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
-from kvreplay.paths import read_regular
+from kvreplay.paths import open_regular, read_regular
 from kvreplay.runlock import RunLock
 
 RUN_FORMAT = "kvreplay-run-v1"
@@ -112,14 +115,23 @@ class Record:
             "contract": self.contract,
         }
 
-    @property
+    @functools.cached_property
     def row_sha256(self) -> str:
         """SHA-256 of the row's content alone (no timing, worker or chain), so that the
         derived CSVs of a resumed run are byte-identical to an uninterrupted run's."""
         return sha256_json(self.data)
 
     def expected_hash(self) -> str:
-        return sha256_json(self.body())
+        """``sha256_json(self.body())``, with the row's data (nearly all of its bytes)
+        encoded once for this hash and :attr:`row_sha256` both: the body's keys sort as
+        contract, data, then the rest, so its canonical JSON is spliced around the data's."""
+        data = canonical(self.data)
+        self.__dict__["row_sha256"] = hashlib.sha256(data).hexdigest()  # the cached property
+        body = self.body()
+        head = canonical({"contract": body.pop("contract")})[:-1]
+        del body["data"]
+        rest = canonical(body)[1:]
+        return hashlib.sha256(head + b',"data":' + data + b"," + rest).hexdigest()
 
     def to_line(self) -> str:
         return canonical({**self.body(), "hash": self.hash}).decode() + "\n"
@@ -152,44 +164,102 @@ def parse_rows(path: Path, contract_hash: str) -> tuple[list[Record], list[str]]
     A torn final line (no newline: a crash mid-append) is not a problem here; callers
     set it aside with :meth:`RunLedger.recover`.
     """
-    records: list[Record] = []
     problems: list[str] = []
+    return list(read_rows(path, contract_hash, problems)), problems
+
+
+def read_rows(path: Path, contract_hash: str, problems: list[str]) -> Iterator[Record]:
+    """rows.jsonl a line at a time, each row checked against its hash and chain as it is
+    read; what is wrong is appended to ``problems`` (see :func:`parse_rows`). A reader
+    that keeps only what it needs of each row holds one row at a time."""
     if not path.exists():
-        return records, problems
+        return
     try:
-        raw = read_regular(path)
+        handle = open_regular(path)
     except OSError as exc:
-        return records, [f"{path.name} cannot be read ({exc.strerror or exc})"]
-    lines = raw.split(b"\n")
-    complete = lines[:-1]  # the piece after the last newline is empty or torn
+        problems.append(f"{path.name} cannot be read ({exc.strerror or exc})")
+        return
     prev = GENESIS
-    for number, line in enumerate(complete, start=1):
-        try:
-            record = Record(**parse_json(line))
-        except JsonError as exc:
-            problems.append(f"line {number}: does not parse as a ledger row ({exc})")
-            continue
-        except TypeError:
-            problems.append(f"line {number}: does not parse as a ledger row (TypeError)")
-            continue
-        wrong = [
-            name for name, kind in ROW_TYPES.items() if not _typed(getattr(record, name), kind)
-        ]
-        if wrong:
-            problems.append(f"line {number}: field {wrong[0]} has the wrong type")
-            continue
-        where = f"row {record.key} (line {number})"
-        if record.hash != record.expected_hash():
-            problems.append(f"{where}: field hash does not match the row's content")
-        if record.prev != prev:
-            problems.append(f"{where}: field prev does not chain to the row before it")
-        if record.contract != contract_hash:
-            problems.append(f"{where}: field contract does not match the manifest")
-        if record.seq != number - 1:
-            problems.append(f"{where}: field seq is {record.seq}, expected {number - 1}")
-        prev = record.hash
-        records.append(record)
-    return records, problems
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.endswith(b"\n"):
+                return  # the piece after the last newline is torn
+            try:
+                record = Record(**parse_json(line))
+            except JsonError as exc:
+                problems.append(f"line {number}: does not parse as a ledger row ({exc})")
+                continue
+            except TypeError:
+                problems.append(f"line {number}: does not parse as a ledger row (TypeError)")
+                continue
+            wrong = [
+                name for name, kind in ROW_TYPES.items() if not _typed(getattr(record, name), kind)
+            ]
+            if wrong:
+                problems.append(f"line {number}: field {wrong[0]} has the wrong type")
+                continue
+            where = f"row {record.key} (line {number})"
+            if record.hash != record.expected_hash():
+                problems.append(f"{where}: field hash does not match the row's content")
+            if record.prev != prev:
+                problems.append(f"{where}: field prev does not chain to the row before it")
+            if record.contract != contract_hash:
+                problems.append(f"{where}: field contract does not match the manifest")
+            if record.seq != number - 1:
+                problems.append(f"{where}: field seq is {record.seq}, expected {number - 1}")
+            prev = record.hash
+            yield record
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    stat = path.stat()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+@dataclass(frozen=True)
+class RunRows:
+    """A run's rows (``experiment``'s only, where named), read afresh from rows.jsonl
+    each time they are iterated: an analysis of any size holds one row at a time. The
+    hash chain is checked once (:meth:`checked`); a later pass parses the rows only, and
+    raises if the file changed since (its inode, size or modification time)."""
+
+    path: Path
+    stamp: tuple[int, int, int]
+    experiment: str | None = None
+
+    @classmethod
+    def checked(cls, path: Path, contract_hash: str) -> tuple[RunRows, list[str]]:
+        """The rows, and what is wrong with them (as :func:`parse_rows` says)."""
+        stamp = _stamp(path)
+        problems: list[str] = []
+        for _ in read_rows(path, contract_hash, problems):
+            pass
+        if _stamp(path) != stamp:
+            raise TamperedLedger(f"{path} changed while it was read.")
+        return cls(path, stamp), problems
+
+    def of(self, experiment: str) -> RunRows:
+        return RunRows(self.path, self.stamp, experiment)
+
+    def __iter__(self) -> Iterator[Record]:
+        if _stamp(self.path) != self.stamp:
+            raise TamperedLedger(f"{self.path} changed after its rows were checked.")
+        with open_regular(self.path) as handle:
+            for line in handle:
+                if not line.endswith(b"\n"):
+                    break  # the torn piece after the last newline
+                record = Record(**parse_json(line))
+                if self.experiment in (None, record.experiment):
+                    yield record
+        if _stamp(self.path) != self.stamp:
+            raise TamperedLedger(f"{self.path} changed while it was read.")
+
+
+def rows_of(records: Iterable[Record], experiment: str) -> Iterable[Record]:
+    """One experiment's rows, as re-readable as ``records`` (a list, or a run's rows)."""
+    if isinstance(records, RunRows):
+        return records.of(experiment)
+    return [r for r in records if r.experiment == experiment]
 
 
 class RunLedger:
@@ -411,13 +481,22 @@ def csv_cell(text: str) -> str:
     return text
 
 
-def render_csv(columns: list[str], rows: list[dict[str, str]]) -> str:
+def render_csv(columns: list[str], rows: Iterable[dict[str, str]]) -> str:
     """A derived ledger CSV, byte-for-byte reproducible from rows.jsonl."""
+    return "".join(render_csv_lines(columns, rows))
+
+
+def render_csv_lines(columns: list[str], rows: Iterable[dict[str, str]]) -> Iterator[str]:
+    """:func:`render_csv` a line at a time (the header first), for a CSV of any length."""
     import csv
     import io
 
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    writer.writerows({name: csv_cell(cell) for name, cell in row.items()} for row in rows)
-    return buffer.getvalue()
+    yield buffer.getvalue()
+    for row in rows:
+        buffer.seek(0)
+        buffer.truncate()
+        writer.writerow({name: csv_cell(cell) for name, cell in row.items()})
+        yield buffer.getvalue()

@@ -12,7 +12,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import click
 
@@ -62,18 +62,23 @@ def check_name(path: Path, what: str) -> Path:
 
 
 def read_regular(path: Path) -> bytes:
-    """A regular file's bytes; anything else (a FIFO, a device, a socket, a folder) is
-    refused as an OSError whose strerror callers already turn into their sentence. The
-    file is opened without blocking and what was opened is checked, so a FIFO put in its
-    place after a check cannot hang the read."""
+    """A regular file's bytes (see :func:`open_regular`)."""
+    with open_regular(path) as handle:
+        return handle.read()
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """A regular file opened for reading in binary; anything else (a FIFO, a device, a
+    socket, a folder) is refused as an OSError whose strerror callers already turn into
+    their sentence. The file is opened without blocking and what was opened is checked,
+    so a FIFO put in its place after a check cannot hang the read."""
     if path.exists() and not path.is_file():  # a socket cannot even be opened
         raise OSError(errno.EINVAL, "not a regular file", str(path))
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", str(path))
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
+    return os.fdopen(fd, "rb")
 
 
 class UserPath(click.Path):

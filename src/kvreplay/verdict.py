@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 from xml.etree import ElementTree
@@ -173,7 +174,7 @@ class ItemOutcome:
         return {**asdict(self), "bits": self.bits}
 
 
-def outcomes(experiment: Experiment, rows: list[Record]) -> list[ItemOutcome]:
+def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome]:
     """Each compared row's outcome, in ledger order."""
     found = []
     for record in rows:
@@ -554,12 +555,13 @@ def _why(outcome: ItemOutcome) -> str:
 
 def judge(
     experiment: Experiment,
-    rows: list[Record],
+    rows: Iterable[Record],
     expectation: Expectation,
     environment: dict[str, Any] | None = None,
     planned: int | None = None,
 ) -> Verdict:
-    """The verdict of a run's rows; a sampled run is judged by its certificate."""
+    """The verdict of a run's rows (read once, twice for a sampled run, which is judged
+    by its certificate)."""
     items = outcomes(experiment, rows)
     certificate = None
     if any(o.seeds for o in items):
@@ -603,7 +605,7 @@ class StopRule:
         return cls(experiment, Expectation(**data["expectation"]))
 
 
-def _certificate(experiment: Experiment, rows: list[Record], margin: float) -> dict[str, Any]:
+def _certificate(experiment: Experiment, rows: Iterable[Record], margin: float) -> dict[str, Any]:
     from kvreplay.analysis.certificate import PairedSamples, certify
 
     samples = []
@@ -624,7 +626,7 @@ def _certificate(experiment: Experiment, rows: list[Record], margin: float) -> d
     return certify(samples, margin).to_json()
 
 
-def verdict_sentence(experiment: Experiment, rows: list[Record], margin: float | None) -> str:
+def verdict_sentence(experiment: Experiment, rows: Iterable[Record], margin: float | None) -> str:
     """The sentence a ``kvreplay run`` ends with: its rows judged against the default
     expectation (every suffix equal; the certificate when sampled), with the bits level,
     the near-ties and the power beside it."""

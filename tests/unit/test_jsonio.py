@@ -47,3 +47,17 @@ def test_numbers_at_the_limits_read_as_python_reads_them(text: str) -> None:
     import json
 
     assert parse_json(text) == json.loads(text)
+
+
+def test_integers_parse_the_same_with_or_without_the_fast_path() -> None:
+    """Text where no digit run is longer than an integer may be takes json's own integer
+    parsing; every value must be what the checked parsing gives, and a long digit run
+    in a string only sends the text the checked way."""
+    assert parse_json("[1e-300, 2.5E+99, -7, 0.1, 12345678901234567890]") == [
+        1e-300, 2.5e99, -7, 0.1, 12345678901234567890,
+    ]  # fmt: skip
+    assert parse_json('{"s": "' + "9" * 80 + '", "n": 3}') == {"s": "9" * 80, "n": 3}
+    with pytest.raises(JsonError, match="digits"):
+        parse_json("[" + "9" * 65 + "]")
+    with pytest.raises(JsonError, match="too large"):
+        parse_json("[1e400]")

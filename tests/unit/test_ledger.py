@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -104,7 +105,7 @@ def test_row_hash_commits_to_every_field(tmp_path: Path) -> None:
         ("seq", 7), ("key", "other"), ("experiment", "x"), ("data", {}), ("worker", "w2"),
         ("timing", {"s": 0.25}), ("prev", "1" * 64), ("contract", "2" * 64),
     ):  # fmt: skip
-        changed = Record(**{**record.__dict__, field: value})
+        changed = dataclasses.replace(record, **{field: value})
         assert changed.expected_hash() != record.hash, field
 
 
@@ -120,7 +121,7 @@ def test_edited_row_is_named(tmp_path: Path) -> None:
 def test_edited_row_with_recomputed_hash_breaks_the_next_link(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     record = ledger.records[1]
-    forged = Record(**{**record.__dict__, "data": {**record.data, "value": 9}})
+    forged = dataclasses.replace(record, data={**record.data, "value": 9})
     forged.hash = forged.expected_hash()
     lines = raw_lines(ledger)
     lines[1] = forged.to_line().encode()
@@ -322,3 +323,17 @@ def test_write_text_atomic(tmp_path: Path) -> None:
     write_text_atomic(path, "new ✓\n")
     assert path.read_text(encoding="utf-8") == "new ✓\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.csv"]
+
+
+def test_spliced_row_hash_is_the_canonical_body_hash() -> None:
+    """expected_hash encodes the data once for both digests; it must equal the hash of
+    the body's canonical JSON whatever the other fields hold."""
+    from kvreplay.canonical import sha256_json
+
+    for contract in ("c" * 64, 'a"data":null', ""):
+        record = Record(
+            seq=3, key="k", experiment="e", data={"z": [1, 2.5], "a": {"b": None}},
+            worker="w", timing={"s": 0.5}, prev="0" * 64, contract=contract, hash="",
+        )  # fmt: skip
+        assert record.expected_hash() == sha256_json(record.body())
+        assert record.row_sha256 == sha256_json(record.data)

@@ -13,17 +13,18 @@ from pathlib import Path
 
 from kvreplay.experiments.table import Ledger, LedgerError, read_ledger
 from kvreplay.experiments.tables import table_for
-from kvreplay.ledger import Record
+from kvreplay.ledger import RunRows
 
 
 @dataclass(frozen=True)
 class LedgerDir:
     """A folder as analysis reads it: each known CSV as its table, by file name in sorted
     order, and in a kvreplay run the rows of its rows.jsonl, from which those CSVs were
-    checked to derive (None: a folder of CSVs alone, such as the paper's release)."""
+    checked to derive, read afresh by each reader so that no reader holds them all
+    (None: a folder of CSVs alone, such as the paper's release)."""
 
     ledgers: dict[str, Ledger]
-    records: list[Record] | None
+    records: RunRows | None
 
 
 def load_ledger_dir(folder: Path) -> LedgerDir:
@@ -42,16 +43,17 @@ def load_ledger_dir(folder: Path) -> LedgerDir:
     return LedgerDir(ledgers, None)
 
 
-def _run_records(folder: Path) -> list[Record]:
+def _run_records(folder: Path) -> RunRows:
     """A kvreplay run's CSVs are derived from its rows.jsonl, the source of truth: one
     cut at a row boundary (or edited) would otherwise be analysed as a smaller (or
     different) run."""
     from kvreplay.derived import check_csvs
-    from kvreplay.ledger import RunLedger, parse_rows
+    from kvreplay.ledger import RunLedger
 
     ledger = RunLedger.open_existing(folder)
-    records, problems = parse_rows(ledger.rows_path, ledger.contract_hash)
-    problems += check_csvs(ledger, records, present_only=True)
+    records, problems = RunRows.checked(ledger.rows_path, ledger.contract_hash)
+    if not problems:
+        problems += check_csvs(ledger, records, present_only=True)
     if problems:
         raise LedgerError(
             str(folder),

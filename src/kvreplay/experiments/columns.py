@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar, cast
 
@@ -86,13 +86,18 @@ class Line:
     source_row_sha256: str
 
 
-def reached_lines(compared: tuple[str, str]) -> Callable[[list[Record]], list[Line]]:
+def prefix_row_hashes(rows: Iterable[Record]) -> dict[str, str]:
+    """Each prefix row's row_sha256 by key: what a row sourced from its prefix names."""
+    return {r.key: r.row_sha256 for r in rows if r.data.get("kind") == "prefix"}
+
+
+def reached_lines(compared: tuple[str, str]) -> Callable[[Iterable[Record]], Iterator[Line]]:
     """A table's lines: every row that reached the boundary, sourced from itself."""
-    return lambda rows: [
+    return lambda rows: (
         Line(PanelRow.from_dict(r.data, compared), r.row_sha256)
         for r in rows
         if r.data["status"] == "ok"
-    ]
+    )
 
 
 def kv(get: Callable[[Comparison], Any]) -> Callable[[Line], Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import numpy as np
 
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.columns import Column, Field, Kind, csv_value, parse_cell
-from kvreplay.ledger import Record, render_csv
+from kvreplay.ledger import Record, render_csv_lines
 
 SCHEMA_VERSION = "schema_version"
 """The key of an experiment's config that records its CSV's schema version."""
@@ -42,14 +42,16 @@ def recorded_version(config: Mapping[str, Any]) -> int:
 @dataclass(frozen=True, eq=False)  # a table is one declaration: equal only to itself
 class Table:
     """A CSV and how it is read. A table kvreplay writes names its ``experiment`` and
-    ``lines``, which types the experiment's rows into the lines its columns read; a CSV
-    only the paper's release has names neither. ``marker`` tells this table from another
+    ``lines``, which types the experiment's rows into the lines its columns read (one
+    at a time, reading the rows as often as it needs: they may be a run read afresh
+    each time, see :class:`~kvreplay.ledger.RunRows`); a CSV only the paper's release
+    has names neither. ``marker`` tells this table from another
     of the same file: the CSV has that column (a served backend's ``backend``)."""
 
     file: str
     columns: tuple[Field, ...]
     experiment: str | None = None
-    lines: Callable[[list[Record]], list[Any]] | None = None
+    lines: Callable[[Iterable[Record]], Iterator[Any]] | None = None
     key: tuple[str, ...] = ("row_id",)
     checks: tuple[Check, ...] = ()
     marker: str | None = None
@@ -87,12 +89,16 @@ class Table:
     def header(self, config: Mapping[str, Any]) -> list[str]:
         return [column.name for column in self._written(recorded_version(config))]
 
-    def csv(self, rows: list[Record], config: Mapping[str, Any]) -> str:
+    def csv(self, rows: Iterable[Record], config: Mapping[str, Any]) -> str:
         """The CSV of an experiment's rows, at the schema version its config records."""
+        return "".join(self.csv_lines(rows, config))
+
+    def csv_lines(self, rows: Iterable[Record], config: Mapping[str, Any]) -> Iterator[str]:
+        """:meth:`csv` a line at a time, the header first."""
         assert self.lines is not None, f"kvreplay does not write {self.file}"
         columns = self._written(recorded_version(config))
-        lines = [{c.name: csv_value(c.get(line)) for c in columns} for line in self.lines(rows)]
-        return render_csv([c.name for c in columns], lines)
+        lines = ({c.name: csv_value(c.get(line)) for c in columns} for line in self.lines(rows))
+        return render_csv_lines([c.name for c in columns], lines)
 
     def ledger(self, rows: list[Record], config: Mapping[str, Any]) -> Ledger:
         """The ledger analysis reads from the CSV of these rows."""

@@ -5,6 +5,7 @@ own blocks (``analysis/sections``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from kvreplay.backends import backend_class
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.table import LedgerError
 from kvreplay.jsonio import parse_json
-from kvreplay.ledger import Record
+from kvreplay.ledger import Record, rows_of
 from kvreplay.report.document import Block, Heading, Paragraph, Table
 from kvreplay.report.figures import Figures
 
@@ -123,7 +124,7 @@ def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figur
     return blocks
 
 
-def _verdicts(run_dir: Path, records: list[Record] | None) -> list[Block]:
+def _verdicts(run_dir: Path, records: Iterable[Record] | None) -> list[Block]:
     """Each experiment's closing verdict, as ``kvreplay run`` printed it: both levels,
     the near-ties and the power (a folder of CSVs alone has no rows to judge)."""
     if not records:
@@ -135,8 +136,8 @@ def _verdicts(run_dir: Path, records: list[Record] | None) -> list[Block]:
     found = []
     for name, entry in manifest.get("experiments", {}).items():
         experiment = recorded_experiment(name, manifest)
-        rows = [r for r in records if r.experiment == name]
-        if experiment is None or not rows or name not in JUDGED:
+        rows = rows_of(records, name)
+        if experiment is None or next(iter(rows), None) is None or name not in JUDGED:
             continue
         sentence = verdict_sentence(experiment, rows, entry["config"].get("margin"))
         found.append(Paragraph(f"{name}: {sentence}"))

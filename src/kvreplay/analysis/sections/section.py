@@ -5,7 +5,7 @@ the registry of sections; a section whose tables the folder lacks adds nothing."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +23,11 @@ Row = tuple[str, ...]
 @dataclass(frozen=True)
 class Reading:
     """What a section's claims come from: its ledgers, by file name, and a run's rows
-    (None: a folder of CSVs alone)."""
+    (None: a folder of CSVs alone), which a reader may iterate more than once and must
+    not keep whole."""
 
     ledgers: Mapping[str, Ledger]
-    records: list[Record] | None
+    records: Iterable[Record] | None
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Page:
 
     claims: Json
     ledgers: Mapping[str, Ledger]
-    records: list[Record] | None
+    records: Iterable[Record] | None
     figures: Figures
 
 

@@ -5,7 +5,7 @@ index and carries the donor's suffix hash; one that leaves it has the index, no 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,12 +86,10 @@ COLUMNS: tuple[Column[ProbeLine], ...] = (
 )
 
 
-def probe_lines(rows: list[Record]) -> list[ProbeLine]:
-    out = []
+def probe_lines(rows: Iterable[Record]) -> Iterator[ProbeLine]:
     for record in rows:
         row = PanelRow.from_dict(record.data, COMPARED)
-        out += [ProbeLine(row, Probe(**probe)) for probe in row.fields["probes"]]
-    return out
+        yield from (ProbeLine(row, Probe(**probe)) for probe in row.fields["probes"])
 
 
 def _check_recovery(ledger: Ledger) -> None:

@@ -8,13 +8,21 @@ engine's measures."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 import numpy as np
 
 from kvreplay.comparison import Comparison, first_divergence
-from kvreplay.experiments.columns import Column, Kind, Line, kv, optional, written
+from kvreplay.experiments.columns import (
+    Column,
+    Kind,
+    Line,
+    kv,
+    optional,
+    prefix_row_hashes,
+    written,
+)
 from kvreplay.experiments.rows import ArmResult, PanelRow, replica_name
 from kvreplay.experiments.table import Check, Ledger, LedgerError, Table, check_equal_flag
 from kvreplay.experiments.units import UnitKey
@@ -206,38 +214,40 @@ def served_columns(left: str) -> list[Column[Line]]:
     ]  # fmt: skip
 
 
-def matched_lines(rows: list[Record]) -> list[Line]:
-    """Rows of items that reached the boundary at every precision.
+def matched_lines(rows: Iterable[Record]) -> Iterator[Line]:
+    """Rows of items that reached the boundary at every precision (the rows are read
+    twice: which items those are, then their lines).
 
     Live generation may reach the boundary at one precision and not another; the paper's
     ledger pairs precisions row by row, so such items stay in rows.jsonl and in the run
     summary (as unreached) but not in the CSV.
     """
-    rows = [r for r in rows if r.data.get("kind") != "prefix"]  # --select fragile's screens
-    precisions = {r.data["precision"] for r in rows}
+    precisions: set[str] = set()
     reached: dict[str, set[str]] = {}
     for r in rows:
+        if r.data.get("kind") == "prefix":  # --select fragile's screens
+            continue
+        precisions.add(r.data["precision"])
         if r.data["status"] == "ok":
             reached.setdefault(r.data["item_id"], set()).add(r.data["precision"])
     complete = {item for item, seen in reached.items() if seen == precisions}
-    return [
+    return (
         Line(PanelRow.from_dict(r.data, COMPARED), r.row_sha256)
         for r in rows
-        if r.data["item_id"] in complete
-    ]
+        if r.data.get("kind") != "prefix" and r.data["item_id"] in complete
+    )
 
 
-def fixed_prefix_lines(rows: list[Record]) -> list[Line]:
-    """Matrix rows that reached the boundary, sourced from their recorded prefix."""
-    by_key = {r.key: r for r in rows}
-    out = []
+def fixed_prefix_lines(rows: Iterable[Record]) -> Iterator[Line]:
+    """Matrix rows that reached the boundary, sourced from their recorded prefix (the
+    rows are read twice: the prefix rows' hashes, then the lines)."""
+    prefixes = prefix_row_hashes(rows)
     for record in rows:
         if record.data.get("kind") != "matrix" or record.data["status"] != "ok":
             continue
-        prefix = by_key[str(UnitKey.prefix(FIXED_PREFIX, record.data["item_id"]))]
-        source = record.data["source"].get("row_sha256") or prefix.row_sha256
-        out.append(Line(PanelRow.from_dict(record.data, COMPARED), source))
-    return out
+        prefix = prefixes[str(UnitKey.prefix(FIXED_PREFIX, record.data["item_id"]))]
+        source = record.data["source"].get("row_sha256") or prefix
+        yield Line(PanelRow.from_dict(record.data, COMPARED), source)
 
 
 def _check_divergence_index(ledger: Ledger) -> None:
@@ -292,7 +302,7 @@ def _checks(left: str) -> tuple[Check, ...]:
 
 
 def _table(
-    file: str, experiment: str, lines: Callable[[list[Record]], list[Line]], left: str
+    file: str, experiment: str, lines: Callable[[Iterable[Record]], Iterator[Line]], left: str
 ) -> Table:
     """A matrix table; the paper's fixed-prefix ledger has the L2 norms among its columns."""
     columns = matrix_columns(left, paper_l2=experiment == FIXED_PREFIX)

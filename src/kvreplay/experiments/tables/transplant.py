@@ -4,12 +4,12 @@ transplant recovers its donor when its suffix equals the donor's own, token for 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvreplay.experiments.columns import Column, Kind, Line, written
+from kvreplay.experiments.columns import Column, Kind, Line, prefix_row_hashes, written
 from kvreplay.experiments.rows import PairLabels, PanelRow
 from kvreplay.experiments.table import Check, Ledger, Table, check_equal_flag
 from kvreplay.experiments.units import UnitKey
@@ -140,18 +140,17 @@ COLUMNS: tuple[Column[Line], ...] = (
 )
 
 
-def transplant_lines(rows: list[Record]) -> list[Line]:
-    """The panel's rows, each sourced from the row its prefix was taken from."""
-    by_key = {r.key: r for r in rows}
-    out = []
+def transplant_lines(rows: Iterable[Record]) -> Iterator[Line]:
+    """The panel's rows, each sourced from the row its prefix was taken from (the rows
+    are read twice: the prefix rows' hashes, then the lines)."""
+    prefixes = prefix_row_hashes(rows)
     for record in rows:
         data = record.data
         if data.get("kind") != "transplant":
             continue
-        prefix = by_key[str(UnitKey.prefix(TRANSPLANT, data["item_id"]))]
-        source = data["source"].get("row_sha256") or prefix.row_sha256
-        out.append(Line(PanelRow.from_dict(data, COMPARED), source))
-    return out
+        prefix = prefixes[str(UnitKey.prefix(TRANSPLANT, data["item_id"]))]
+        source = data["source"].get("row_sha256") or prefix
+        yield Line(PanelRow.from_dict(data, COMPARED), source)
 
 
 def _check_integrity(ledger: Ledger) -> None:
