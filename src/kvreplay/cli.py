@@ -552,7 +552,7 @@ def env_command(run_dir: Path, venv: str | None) -> None:
 
 
 def _add_analysis_commands() -> None:
-    from kvreplay.analysis.cli_commands import analyze, report
+    from kvreplay.report.commands import analyze, report
 
     main.add_command(analyze)
     main.add_command(report)

@@ -17,7 +17,7 @@ EXPERIMENTS: dict[str, str] = {
     "bridge": "kvreplay.experiments.bridge:Bridge",
     "transplant": "kvreplay.experiments.transplant:Transplant",
     "resample": "kvreplay.experiments.resample:Resample",
-    "localize": "kvreplay.experiments.localize:Localize",
+    "localize": "kvreplay.experiments.localize.experiment:Localize",
 }
 
 

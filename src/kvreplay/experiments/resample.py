@@ -9,7 +9,7 @@ by the sampler. Each arm has a replica that continues only the first
 ``--replica-samples R`` seeds and must reproduce them token for token (the integrity
 gate), so a row costs 2K + 2R continuations rather than 4K. The live prefix is itself
 generated with the run's sampler (seed S0). The certificate over the CSV is computed
-by :mod:`kvreplay.analysis.certificate`; the CSV is declared in
+by :mod:`kvreplay.measure.certificate`; the CSV is declared in
 :mod:`kvreplay.experiments.tables.resample`.
 """
 

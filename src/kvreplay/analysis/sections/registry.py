@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from kvreplay.analysis.sections.bridge import BRIDGE
 from kvreplay.analysis.sections.flip import FLIP
-from kvreplay.analysis.sections.localize import LOCALIZE
 from kvreplay.analysis.sections.matrix import MATRIX
 from kvreplay.analysis.sections.paper import HISTORICAL, STOCK
 from kvreplay.analysis.sections.resample import RESAMPLE
-from kvreplay.analysis.sections.section import Section
 from kvreplay.analysis.sections.served import SERVED
 from kvreplay.analysis.sections.transplant import TRANSPLANT
+from kvreplay.experiments.localize.section import LOCALIZE
+from kvreplay.experiments.section import Section
 
 SECTIONS: tuple[Section, ...] = (
     MATRIX,

@@ -9,9 +9,9 @@ from typing import Any
 
 from kvreplay.backends import backend_from_contract
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.localize.table import LOCALIZE, LOCALIZE_TABLE
 from kvreplay.experiments.table import Table, read_header
 from kvreplay.experiments.tables.bridge import BRIDGE, BRIDGE_TABLE
-from kvreplay.experiments.tables.localize import LOCALIZE, LOCALIZE_TABLE
 from kvreplay.experiments.tables.matrix import (
     FIXED_PREFIX,
     FIXED_PREFIX_TABLE,
