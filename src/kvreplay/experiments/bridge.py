@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.scope import Scope, Selection
@@ -20,6 +21,9 @@ from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
 
+# Items a bridge runs when --n is not given: each row advances every layer twice.
+DEFAULT_N = 12
+
 
 class Bridge(Experiment):
     name = BRIDGE
@@ -27,7 +31,7 @@ class Bridge(Experiment):
     panel = Panel((Arm("live", "live", replica="clone"), Arm("teacher", "replay", replica="clone")))
 
     def default_n(self, total: int) -> int:
-        return min(12, total)
+        return min(DEFAULT_N, total)
 
     def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
         return items  # the selection spreads over every item's length
@@ -98,3 +102,13 @@ class Bridge(Experiment):
             "boundary_cache_sequence_len": result.boundary_cache_len,
         }
         return result.row.to_dict()
+
+
+DECLARATION = Declaration(
+    name=BRIDGE,
+    summary="The retained live state vs the teacher-forced replay of its schedule.",
+    experiment=f"{__name__}:Bridge",
+    table=BRIDGE_TABLE,
+    source="Take historical prefixes from this run.",
+    default_n=str(DEFAULT_N),
+)

@@ -15,10 +15,11 @@ by :mod:`kvreplay.measure.certificate`; the CSV is declared in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.declaration import Declaration, option
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Samples
 from kvreplay.experiments.rows import PanelRow
@@ -39,9 +40,17 @@ MAX_SAMPLES = 10_000
 class ResampleOptions:
     """The own options of ``resample``, typed and checked before anything is written."""
 
-    samples: int = 16
-    replica_samples: int = 2
-    margin: float = 0.05
+    samples: int = field(
+        default=16, metadata=option("--samples", "Seeded samples per arm and row.")
+    )
+    replica_samples: int = field(
+        default=2,
+        metadata=option("--replica-samples", "Seeds each replica continues to gate determinism."),
+    )
+    margin: float = field(
+        default=0.05,
+        metadata=option("--margin", "Equivalence margin of the certificate, in (0, 1)."),
+    )
 
     @classmethod
     def of(cls, scope: Scope) -> ResampleOptions:
@@ -149,3 +158,16 @@ class ServedResample(Resample):
         self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples
     ) -> tuple[PanelRow | None, dict[str, Any]]:
         return run_served_panel(worker, unit, clock, replace(self.panel, samples=samples))
+
+
+DECLARATION = Declaration(
+    name=RESAMPLE,
+    summary="K seeded samples from the live and prefill states of each prefix: is resampling "
+    "from a rebuilt prefix faithful? (resample_live_prefill.csv)",
+    experiment=f"{__name__}:Resample",
+    table=RESAMPLE_TABLE,
+    served=f"{__name__}:ServedResample",
+    served_table=SERVED_RESAMPLE_TABLE,
+    options=f"{__name__}:ResampleOptions",
+    temperature=0.7,
+)

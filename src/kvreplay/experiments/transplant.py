@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Transplanted
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
@@ -129,3 +130,14 @@ class Transplant(Experiment):
             "labels": result.row.labels.to_dict(),
         }
         return result.row.to_dict()
+
+
+DECLARATION = Declaration(
+    name=TRANSPLANT,
+    summary="The six-arm K/V transplant panel (kv_transplant_<name>.csv).",
+    experiment=f"{__name__}:Transplant",
+    table=TRANSPLANT_TABLE,
+    options="kvreplay.experiments.selection:PanelOptions",
+    takes=("panel", "alias", "name", "divergent", "controls", "panel_seed"),
+    source="Take the panel and its prefixes from this run.",
+)
