@@ -5,16 +5,16 @@ registry's order (its name is enough: nothing is added here)."""
 
 from __future__ import annotations
 
-from kvreplay.analysis.sections.bridge import BRIDGE
 from kvreplay.analysis.sections.flip import FLIP
 from kvreplay.analysis.sections.matrix import MATRIX
 from kvreplay.analysis.sections.paper import HISTORICAL, STOCK
-from kvreplay.analysis.sections.resample import RESAMPLE
 from kvreplay.analysis.sections.served import SERVED
-from kvreplay.analysis.sections.transplant import TRANSPLANT
+from kvreplay.experiments.bridge.section import BRIDGE
 from kvreplay.experiments.localize.section import LOCALIZE
 from kvreplay.experiments.registry import declared
+from kvreplay.experiments.resample.section import RESAMPLE
 from kvreplay.experiments.section import Section
+from kvreplay.experiments.transplant.section import TRANSPLANT
 
 PAPER_ORDER: tuple[Section, ...] = (
     MATRIX,

@@ -3,7 +3,7 @@ it runs), its CSV (``table``) and its section of the analysis and report (``sect
 declared here and registered by one line in :mod:`kvreplay.experiments.registry`."""
 
 from kvreplay.experiments.declaration import Declaration
-from kvreplay.experiments.localize.section import LOCALIZE as LOCALIZE_SECTION
+from kvreplay.experiments.localize.section import LOCALIZE as SECTION
 from kvreplay.experiments.localize.table import LOCALIZE, LOCALIZE_TABLE
 
 DECLARATION = Declaration(
@@ -14,5 +14,5 @@ DECLARATION = Declaration(
     options="kvreplay.experiments.selection:PanelOptions",
     takes=("divergent", "panel_seed", "both_directions"),
     source="Take the divergent rows and their prefixes from this run.",
-    section=LOCALIZE_SECTION,
+    section=SECTION,
 )

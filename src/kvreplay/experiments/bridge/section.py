@@ -3,8 +3,8 @@ prefixes (``prospective_bridge``), beside the paper's 12/12."""
 
 from __future__ import annotations
 
+from kvreplay.experiments.bridge.table import BRIDGE_TABLE
 from kvreplay.experiments.section import Reading, Row, Section
-from kvreplay.experiments.tables.bridge import BRIDGE_TABLE
 from kvreplay.measure.rates import Json, count, fraction
 
 SECTION = "prospective_bridge"

@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Transplanted
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PanelOptions, select_panel
 from kvreplay.experiments.table import RUN_NAME
-from kvreplay.experiments.tables.transplant import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
+from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
@@ -130,14 +129,3 @@ class Transplant(Experiment):
             "labels": result.row.labels.to_dict(),
         }
         return result.row.to_dict()
-
-
-DECLARATION = Declaration(
-    name=TRANSPLANT,
-    summary="The six-arm K/V transplant panel (kv_transplant_<name>.csv).",
-    experiment=f"{__name__}:Transplant",
-    table=TRANSPLANT_TABLE,
-    options="kvreplay.experiments.selection:PanelOptions",
-    takes=("panel", "alias", "name", "divergent", "controls", "panel_seed"),
-    source="Take the panel and its prefixes from this run.",
-)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.declaration import Declaration
+from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import prompt_lengths, spread_selection
-from kvreplay.experiments.tables.bridge import BRIDGE, BRIDGE_TABLE
 from kvreplay.experiments.tables.matrix import MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
@@ -102,13 +101,3 @@ class Bridge(Experiment):
             "boundary_cache_sequence_len": result.boundary_cache_len,
         }
         return result.row.to_dict()
-
-
-DECLARATION = Declaration(
-    name=BRIDGE,
-    summary="The retained live state vs the teacher-forced replay of its schedule.",
-    experiment=f"{__name__}:Bridge",
-    table=BRIDGE_TABLE,
-    source="Take historical prefixes from this run.",
-    default_n=str(DEFAULT_N),
-)

@@ -10,7 +10,7 @@ by the sampler. Each arm has a replica that continues only the first
 gate), so a row costs 2K + 2R continuations rather than 4K. The live prefix is itself
 generated with the run's sampler (seed S0). The certificate over the CSV is computed
 by :mod:`kvreplay.measure.certificate`; the CSV is declared in
-:mod:`kvreplay.experiments.tables.resample`.
+:mod:`kvreplay.experiments.resample.table`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreplay.errors import KvreplayError
-from kvreplay.experiments.declaration import Declaration, option
+from kvreplay.experiments.declaration import option
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Samples
+from kvreplay.experiments.resample.table import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.experiments.served import ServedArm, run_served_panel
-from kvreplay.experiments.tables.resample import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -158,16 +158,3 @@ class ServedResample(Resample):
         self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples
     ) -> tuple[PanelRow | None, dict[str, Any]]:
         return run_served_panel(worker, unit, clock, replace(self.panel, samples=samples))
-
-
-DECLARATION = Declaration(
-    name=RESAMPLE,
-    summary="K seeded samples from the live and prefill states of each prefix: is resampling "
-    "from a rebuilt prefix faithful? (resample_live_prefill.csv)",
-    experiment=f"{__name__}:Resample",
-    table=RESAMPLE_TABLE,
-    served=f"{__name__}:ServedResample",
-    served_table=SERVED_RESAMPLE_TABLE,
-    options=f"{__name__}:ResampleOptions",
-    temperature=0.7,
-)

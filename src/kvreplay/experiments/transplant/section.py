@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvreplay.experiments.section import Page, Reading, Row, Section
 from kvreplay.experiments.table import Ledger
-from kvreplay.experiments.tables.transplant import SWAPS, TRANSPLANT_TABLE, recovers
+from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT_TABLE, recovers
 from kvreplay.measure.rates import Json, count, fraction, rate_payload, rate_text
 from kvreplay.measure.stats import TRANSPLANT_WILSON_Z
 from kvreplay.render.document import Block, Heading, Image
