@@ -87,3 +87,6 @@ def test_the_tutorial_experiment_runs_through_the_cli(tmp_path: Path, tiny_dirs)
     assert len(lines) == 2
     assert all(line["boundary_argmax_equal"] == "true" for line in lines)
     assert all(line["suffix_equal"] == "true" for line in lines)
+
+    audited = kvreplay(site, "audit", str(out), "--sample", "1")
+    assert audited.returncode == 0, audited.stdout + audited.stderr
