@@ -151,6 +151,7 @@ dist:
 lint: setup
 	.venv/bin/ruff check src tests bench docs/_hooks
 	.venv/bin/ruff format --check src tests bench docs/_hooks
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_layers.py  # the import contract
 
 # The docs site (mkdocs.yml): a small environment of its own from its lock, kvreplay from
 # src/ (mkdocs-click renders the CLI reference from kvreplay.cli), a strict build into site/.

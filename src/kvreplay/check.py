@@ -23,6 +23,10 @@ from kvreplay.items import load_jsonl
 from kvreplay.ledger import ITEMS, Record
 from kvreplay.verdict import SCHEMA, Expectation, StopRule, Verdict, judge, parse_expectation
 
+# The experiments a check runs: live vs prefill greedily, or the resample certificate
+# under --expect faithful (whose options, --select and --screen, a check takes too).
+GREEDY, FAITHFUL = "matched", "resample"
+
 DEFAULT_ITEMS = 4
 
 
@@ -214,10 +218,10 @@ def run_check(
         take("max_rate"),
     )  # fmt: skip
     samples = take("samples")
-    name = "resample" if expectation.kind == "faithful" else "matched"
-    if samples is not None and name != "resample":
+    name = FAITHFUL if expectation.kind == "faithful" else GREEDY
+    if samples is not None and name != FAITHFUL:
         raise KvreplayError("--samples applies at --temperature above 0 only.")
-    if name == "resample":
+    if name == FAITHFUL:
         if options["select"] is not None or options["screen"] is not None:
             raise KvreplayError("--select and --screen apply to greedy checks only.")
         options |= {"samples": samples or 8, "margin": expectation.margin}

@@ -130,11 +130,12 @@ def run_options(
     func: Callable[..., Any],
     temperature: float = 0.0,
     dtypes: str = "bf16,fp32",
-    n_help: str = "How many items (default: all; bridge 12).",
+    n_help: str = "How many items (default: all).",
 ) -> Callable[..., Any]:
     """Options shared by every ``run`` experiment and ``check`` (the backends' settings
-    follow them: :class:`WithBackends`); the defaults given are the command's own
-    (resample samples at 0.7; a check runs a few items in bf16)."""
+    follow them: :class:`WithBackends`); the defaults given are the command's own (an
+    experiment that samples by nature declares its temperature; a check runs a few items
+    in bf16)."""
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Embedded model name, local folder, GGUF file, or cached hub id."),
@@ -151,8 +152,8 @@ def run_options(
         click.option("--device", default="cpu", show_default=True, callback=_parsed(_device),
                      help="cpu, cuda or cuda:N."),
         click.option("--temperature", type=float, default=temperature, show_default=True,
-                     help="0 is greedy; above 0 samples with --seed (resample: seeds "
-                          "--seed, --seed+1, ...)."),
+                     help="0 is greedy; above 0 samples with --seed (several samples an item "
+                          "take seeds --seed, --seed+1, ...)."),
         click.option("--top-p", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--chat/--no-chat", default=None,
@@ -176,93 +177,35 @@ def run_options(
     return func
 
 
-def _source_option(help_text: str) -> Callable[..., Any]:
+def own_option(key: str, meta: dict[str, Any]) -> Callable[..., Any]:
+    """The CLI option of one field of an experiment's options dataclass (its metadata:
+    :func:`kvreplay.experiments.declaration.option`). Its default stays None, so that the
+    run's ``extra`` holds only what was given; the field's default is shown."""
+    kind = meta["type"].removesuffix(" | None")
+    if kind == "bool":
+        return click.option(meta["option"], key, is_flag=True, default=False, help=meta["help"])
+    default = f" [default: {meta['default']}]" if meta["default"] is not None else ""
+    if meta["choices"]:
+        kind_type: Any = click.Choice(list(meta["choices"]))
+    elif meta["minimum"] is not None:
+        kind_type = click.IntRange(min=meta["minimum"])
+    else:
+        kind_type = {"int": int, "str": str, "float": float}[kind]  # the experiment checks it
     return click.option(
-        "--prefix-from", "--from", "prefix_from", type=UserPath(path_type=Path), default=None,
-        help=help_text,
-    )  # fmt: skip
+        meta["option"], key, type=kind_type, default=None, help=meta["help"] + default
+    )
 
 
-def _divergent_option(default: str) -> Callable[..., Any]:
-    return click.option(
-        "--divergent", type=click.IntRange(min=0), default=None,
-        help=f"Divergent rows to take from --from (default {default}).",
-    )  # fmt: skip
-
-
-SELECT = click.option(
-    "--select", type=click.Choice(["first", "fragile"]), default=None,
-    help="Which items run: the first --n (default), or the --n most fragile of --screen "
-         "screened candidates (nearest a tie along their live trajectory), riskiest first.",
-)  # fmt: skip
-SCREEN = click.option(
-    "--screen", type=click.IntRange(min=1), default=None,
-    help="Candidates --select fragile screens (the first of the item set; default 16, or "
-         "--n if larger); each costs one short live generation.",
-)  # fmt: skip
-PANEL_SEED = click.option(
-    "--panel-seed", type=int, default=None,
-    help="Seed that orders equal-length rows in a panel (default 0).",
-)  # fmt: skip
-
-# Each experiment's summary and own options; they reach the run as ``extra`` (``--from`` as
-# its source run). The experiments themselves are not imported here: ``kvreplay analyze``
-# and ``--help`` do not pay for torch.
-EXPERIMENTS: dict[str, tuple[str, list[Callable[..., Any]]]] = {
-    "matched": (
-        "Per item and precision, the retained live state vs a one-shot prefill.",
-        [SELECT, SCREEN],
-    ),
-    "fixed-prefix": (
-        "Prefixes fixed across precisions: replay vs prefill in each.",
-        [_source_option("Take prefixes from this run (default: this run's bf16 live rows).")],
-    ),
-    "bridge": (
-        "The retained live state vs the teacher-forced replay of its schedule.",
-        [_source_option("Take historical prefixes from this run.")],
-    ),
-    "transplant": (
-        "The six-arm K/V transplant panel (kv_transplant_<name>.csv).",
-        [
-            _source_option("Take the panel and its prefixes from this run."),
-            click.option("--panel", type=click.Choice(["stratified", "blind"]), default=None,
-                         help="A prior run's divergent rows plus exact controls "
-                              "(stratified, default) or an outcome-blind length spread (blind)."),
-            click.option("--alias", default=None, help="Checkpoint alias (e.g. C0)."),
-            click.option("--name", default=None,
-                         help="Ledger kv_transplant_<name>.csv "
-                              "(default primary for stratified, later for blind)."),
-            _divergent_option("24"),
-            click.option("--controls", type=click.IntRange(min=0), default=None,
-                         help="Exact control rows to take from --from (default 8)."),
-            PANEL_SEED,
-        ],
-    ),
-    "resample": (
-        "K seeded samples from the live and prefill states of each prefix: is resampling "
-        "from a rebuilt prefix faithful? (resample_live_prefill.csv)",
-        [
-            click.option("--samples", type=int, default=None,
-                         help="Seeded samples per arm and row (default 16)."),
-            click.option("--replica-samples", type=int, default=None,
-                         help="Seeds each replica continues to gate determinism (default 2)."),
-            click.option("--margin", type=float, default=None,
-                         help="Equivalence margin of the certificate, in (0, 1) (default 0.05)."),
-        ],
-    ),
-    "localize": (
-        "Which layers, keys or values carry a divergent trajectory (localize.csv).",
-        [
-            _source_option("Take the divergent rows and their prefixes from this run."),
-            _divergent_option("all"),
-            PANEL_SEED,
-            click.option("--both-directions", is_flag=True, default=False,
-                         help="Also probe prefill K/V into the replay state."),
-        ],
-    ),
-}  # fmt: skip
-# An experiment that samples by nature has its own default temperature.
-DEFAULT_TEMPERATURE = {"resample": 0.7}
+def own_options(declaration: Any) -> list[Callable[..., Any]]:
+    """An experiment's own options, from its declaration: ``--from`` where it reads
+    another run, then each field of its options dataclass."""
+    options = [
+        click.option(
+            "--prefix-from", "--from", "prefix_from", type=UserPath(path_type=Path),
+            default=None, help=declaration.source,
+        )
+    ] if declaration.source else []  # fmt: skip
+    return options + [own_option(key, meta) for key, meta in declaration.option_fields().items()]
 
 
 def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
@@ -324,12 +267,13 @@ class RunGroup(PlainGroup):
 
 @main.group("run", cls=RunGroup)
 def run_group() -> None:
-    """Run (or resume) an experiment: matched, fixed-prefix, bridge, transplant, resample
-    or localize."""
+    """Run (or resume) an experiment, one of the commands below."""
 
 
-def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -> None:
-    """``kvreplay run EXPERIMENT``: the shared options (defined once) and its own."""
+def _run_command(declaration: Any) -> None:
+    """``kvreplay run EXPERIMENT``: the shared options (defined once) and its own, from
+    its declaration (:class:`kvreplay.experiments.declaration.Declaration`)."""
+    experiment = declaration.name
 
     def command(out: Path, **kwargs: Any) -> None:
         from kvreplay.runner import run
@@ -337,19 +281,28 @@ def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -
         run(build_request(experiment, out, kwargs))
         click.echo(f"Ledger: {out}")
 
-    command.__doc__ = summary
+    command.__doc__ = declaration.summary
     func: Callable[..., Any] = plain_errors(command)
-    for option in reversed(own):
+    for option in reversed(own_options(declaration)):
         func = option(func)
-    func = run_options(func, DEFAULT_TEMPERATURE.get(experiment, 0.0))
+    n_help = f"How many items (default: {declaration.default_n})."
+    func = run_options(func, declaration.temperature, n_help=n_help)
     func = click.option(
         "--out", type=UserPath(path_type=Path), required=True, help="Run directory."
     )(func)
     run_group.command(experiment, cls=WithBackends, backends=backend_options)(func)
 
 
-for _name, (_summary, _own) in EXPERIMENTS.items():
-    _run_command(_name, _summary, _own)
+def _run_commands() -> None:
+    """One ``run`` subcommand per declared experiment (importing the declarations loads
+    no torch: ``--help`` and ``analyze`` stay light)."""
+    from kvreplay.experiments.registry import declared
+
+    for declaration in declared().values():
+        _run_command(declaration)
+
+
+_run_commands()
 
 
 def command_line(ctx: click.Context) -> list[str]:
@@ -372,6 +325,15 @@ def command_line(ctx: click.Context) -> list[str]:
     return words
 
 
+def _greedy_options() -> list[Callable[..., Any]]:
+    """``--select`` and ``--screen``: the own options of the experiment a greedy check
+    runs."""
+    from kvreplay.check import GREEDY
+    from kvreplay.experiments.registry import declared
+
+    return [own_option(k, m) for k, m in declared()[GREEDY].option_fields().items()]
+
+
 CHECK_OPTIONS = [
     click.option("--out", type=UserPath(path_type=Path), default=None,
                  help="Run folder of the check (default: kvreplay-check/<model>-<backend>-"
@@ -385,7 +347,7 @@ CHECK_OPTIONS = [
                       "bitwise (every compared step's numerics bit-equal: logits or top-k "
                       "logprobs, and K/V where the backend has them; stops at the first item "
                       "whose numerics part; what a gate on a deterministic mode such as "
-                      "VLLM_BATCH_INVARIANT=1 wants), or faithful (the resample certificate "
+                      "VLLM_BATCH_INVARIANT=1 wants), or faithful (the seeded samples' certificate "
                       "within --margin; the default at --temperature > 0). Every verdict "
                       "reports both levels."),
     click.option("--max-divergent", type=click.IntRange(min=0), default=None,
@@ -398,8 +360,7 @@ CHECK_OPTIONS = [
                  help="Equivalence margin of --expect faithful, in (0, 1) (default 0.05)."),
     click.option("--samples", type=click.IntRange(min=2, max=4096), default=None,
                  help="Seeded samples per item at --temperature > 0 (default 8)."),
-    SELECT,
-    SCREEN,
+    *_greedy_options(),
     click.option("--json", "json_path", type=UserPath(path_type=Path, dir_okay=False),
                  default=None, help="Write the verdict as JSON (schema kvreplay-check-v2)."),
     click.option("--junit", "junit_path", type=UserPath(path_type=Path, dir_okay=False),
@@ -552,7 +513,7 @@ def env_command(run_dir: Path, venv: str | None) -> None:
 
 
 def _add_analysis_commands() -> None:
-    from kvreplay.analysis.cli_commands import analyze, report
+    from kvreplay.report.commands import analyze, report
 
     main.add_command(analyze)
     main.add_command(report)

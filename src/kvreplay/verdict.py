@@ -606,7 +606,7 @@ class StopRule:
 
 
 def _certificate(experiment: Experiment, rows: Iterable[Record], margin: float) -> dict[str, Any]:
-    from kvreplay.analysis.certificate import PairedSamples, certify
+    from kvreplay.measure.certificate import PairedSamples, certify
 
     samples = []
     for record in rows:

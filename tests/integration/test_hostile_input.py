@@ -33,7 +33,7 @@ from kvreplay.errors import KvreplayError
 from kvreplay.experiments.tables.matrix import LAYER_DRIFT, MATCHED_TABLE
 from kvreplay.ledger import csv_cell, render_csv
 from kvreplay.models import load_model
-from kvreplay.report.document import Paragraph, Table, to_markdown
+from kvreplay.render.document import Paragraph, Table, to_markdown
 
 NESTED = "[" * 50_000 + "]" * 50_000  # under csv's field limit, far past json's recursion
 

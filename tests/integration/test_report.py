@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvreplay.analysis.cli_commands import report
 from kvreplay.experiments.table import LedgerError
 from kvreplay.report.build import build_report
+from kvreplay.report.commands import report
 
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"
 

@@ -16,7 +16,7 @@ from forgery import read_rows, rechain
 from helpers import check, invoke
 
 from kvreplay.cli import main
-from kvreplay.experiments.tables.resample import RESAMPLE_TABLE
+from kvreplay.experiments.resample.table import RESAMPLE_TABLE
 from kvreplay.ledger import parse_rows
 
 CSV = "resample_live_prefill.csv"

@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 from helpers import find_divergence
 
 from kvreplay.cli import main
-from kvreplay.experiments.tables.transplant import TRANSPLANT_TABLE
+from kvreplay.experiments.transplant.table import TRANSPLANT_TABLE
 from kvreplay.stages import Stage, StagePlan
 
 PAPER_COLUMNS = [c.name for c in TRANSPLANT_TABLE.columns if c.use == "required"]

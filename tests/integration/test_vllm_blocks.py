@@ -26,7 +26,7 @@ from kvreplay.decode import Sampler  # noqa: E402
 from kvreplay.engines.worker import Worker  # noqa: E402
 from kvreplay.errors import KvreplayError  # noqa: E402
 from kvreplay.experiments.blocks import build_state, continue_state  # noqa: E402
-from kvreplay.experiments.localize import _decide  # noqa: E402
+from kvreplay.experiments.localize.experiment import _decide  # noqa: E402
 from kvreplay.experiments.units import Clock  # noqa: E402
 from kvreplay.state import bit_equal, make_replica, transplant  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvreplay.analysis.claims import analyze_dir
-from kvreplay.analysis.cli_commands import analyze
+from kvreplay.report.commands import analyze
 
 PAPER = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release"
 Row = dict[str, str]

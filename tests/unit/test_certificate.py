@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvreplay.analysis.certificate import (
+from kvreplay.measure.certificate import (
     ALPHA,
     FAITHFUL,
     NOT_FAITHFUL,
@@ -68,7 +68,7 @@ def test_tv_distance_is_the_same_bits_under_every_hash_seed() -> None:
     ledger must not change from one process to the next (ten answers whose plain float
     sum depends on their order)."""
     code = (
-        "from kvreplay.analysis.certificate import tv_distance;"
+        "from kvreplay.measure.certificate import tv_distance;"
         "print(repr(tv_distance([f'a{i}' for i in range(7)] + ['b'] * 3,"
         " [f'c{i}' for i in range(3)] + ['a0'] * 8)))"
     )

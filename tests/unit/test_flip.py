@@ -1,4 +1,4 @@
-"""The flip predictor's statistics on hand-made rows (analysis/flip.py, analysis/stats.py)."""
+"""The flip predictor's statistics on hand-made rows (analysis/flip.py, measure/stats.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvreplay.analysis.flip import (
     roc_points,
     score_panel,
 )
-from kvreplay.analysis.stats import bootstrap_index_blocks, mann_whitney_auc, row_bootstrap_ci
+from kvreplay.measure.stats import bootstrap_index_blocks, mann_whitney_auc, row_bootstrap_ci
 
 LABELS = np.array([True, True, True, False, False, False, False])
 RISKS = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0])

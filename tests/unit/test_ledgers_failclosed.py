@@ -17,12 +17,12 @@ import pytest
 from click.testing import CliRunner
 from helpers import Rows, synthetic_ledger, token_hash, write_ledger
 
-from kvreplay.analysis.cli_commands import analyze
 from kvreplay.analysis.ledgers import load_ledger_dir
+from kvreplay.experiments.bridge.table import BRIDGE_TABLE
 from kvreplay.experiments.table import LedgerError
-from kvreplay.experiments.tables.bridge import BRIDGE_TABLE
 from kvreplay.experiments.tables.matrix import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
 from kvreplay.experiments.tables.paper import HISTORICAL_TABLE, STOCK_TABLE
+from kvreplay.report.commands import analyze
 
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"
 MATCHED_FILE, FIXED_FILE, BRIDGE_FILE = (

@@ -1,6 +1,6 @@
 """The report's figures must be byte-reproducible: nothing in them may follow set order."""
 
-from kvreplay.analysis.sections.resample import answer_order
+from kvreplay.experiments.resample.section import answer_order
 
 
 def test_answer_order_puts_pooled_counts_first_and_breaks_ties_by_text() -> None:

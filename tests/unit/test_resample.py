@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from helpers import PROMPTS, SHORT
 
 from kvreplay import LoadedModel
-from kvreplay.analysis.certificate import FAITHFUL, UNDECIDED, PairedSamples, certify
 from kvreplay.config import RunConfig
 from kvreplay.experiments.executor import run_panel
 from kvreplay.experiments.panel import Arm, Panel, Samples
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.units import Clock, Unit, UnitKey
 from kvreplay.items import Item
+from kvreplay.measure.certificate import FAITHFUL, UNDECIDED, PairedSamples, certify
 from kvreplay.sampler import Sampler
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvreplay.analysis import stats
-from kvreplay.analysis.stats import (
+from kvreplay.measure import stats
+from kvreplay.measure.stats import (
     BOOTSTRAP_BLOCK,
     BOOTSTRAP_REPLICATES,
     BOOTSTRAP_SEED,

@@ -9,9 +9,9 @@ from helpers import PLAN, PROMPTS, bit_equal, find_divergence, reach, state_equa
 from kvreplay import KvreplayError, build, continue_from
 from kvreplay.comparison import first_divergence
 from kvreplay.experiments.executor import holds_donor
-from kvreplay.experiments.localize import Prober, bisect, follow, sweep
+from kvreplay.experiments.localize.experiment import Prober, bisect, follow, sweep
+from kvreplay.experiments.localize.table import layer_label
 from kvreplay.experiments.selection import spread
-from kvreplay.experiments.tables.localize import layer_label
 from kvreplay.sampler import Sampler
 from kvreplay.state import clone, transplant
 

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
-from kvreplay.analysis.rates import Json
 from kvreplay.analysis.sections.registry import SECTIONS
-from kvreplay.analysis.sections.section import Reading
+from kvreplay.experiments.section import Reading
+from kvreplay.measure.rates import Json
 
 SCHEMA = "stage-replay-paper-claims-v1"
 

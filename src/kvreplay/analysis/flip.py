@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvreplay.analysis.rates import Json
-from kvreplay.analysis.stats import (
+from kvreplay.measure.rates import Json
+from kvreplay.measure.stats import (
     BOOTSTRAP_REPLICATES,
     BOOTSTRAP_SEED,
     BootstrapInterval,

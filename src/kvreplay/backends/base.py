@@ -169,11 +169,9 @@ class Backend:
         """Refuse (one sentence) when this environment cannot run the backend."""
 
     def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
-        """Refuse, before the manifest, a model transformers could not build or load here
-        (:func:`kvreplay.models.check_loadable`)."""
-        from kvreplay.models import check_loadable
-
-        check_loadable(spec, attn_implementation, trust_remote_code)
+        """Refuse, before the manifest, a model this backend could not build or load here
+        with ``attn_implementation`` (nothing by default: a backend that loads no model
+        itself, or checks its loading in :meth:`check_model`, has nothing to add)."""
 
     def check_model(
         self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
@@ -206,17 +204,9 @@ class Backend:
 
     def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
         """The model a K/V-access experiment advances boundary states through, for one
-        precision: a :class:`~kvreplay.models.LoadedModel` or one with its interface."""
-        from kvreplay.models import load_model
-
-        return load_model(
-            config.model,
-            precision,
-            config.device,
-            config.attn_implementation,
-            config.trust_remote_code,
-            device_map,
-        )
+        precision: a :class:`~kvreplay.models.LoadedModel` or one with its interface;
+        ``config`` is the run's :class:`~kvreplay.config.RunConfig`."""
+        raise KvreplayError(f"The {self.name} backend loads no model with K/V access.")
 
     def expected_hit(self, computed: int) -> int:
         """How many of ``computed`` prompt tokens a prefix-cache hit must report."""

@@ -1,6 +1,11 @@
 """The hf backend: transformers eager, with full K/V access, so every experiment runs on
 it. Its contract names no backend, so runs made before backends existed keep their
-contract and hash."""
+contract and hash.
+
+It is a backend like the others: transformers' loading checks and its model loading live
+here (through :mod:`kvreplay.models`), not in the protocol's defaults, so no other backend
+imports transformers to be checked.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,13 @@ class HfBackend(Backend):
     def contract(self) -> dict[str, Any] | None:
         return None
 
+    def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
+        """transformers must build the model from its config on the meta device with this
+        attention implementation, and its weights must fit the config."""
+        from kvreplay.models import check_loadable
+
+        check_loadable(spec, attn_implementation, trust_remote_code)
+
     def state_layout(
         self, spec: str, trust_remote_code: bool, tokens: int
     ) -> tuple[list[str], list[int]]:
@@ -30,3 +42,16 @@ class HfBackend(Backend):
 
         kinds = config_layer_kinds(model_config(spec, trust_remote_code))
         return kinds, [tokens] * len(kinds)
+
+    def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
+        """transformers' model for one precision, on the run's device and attention."""
+        from kvreplay.models import load_model
+
+        return load_model(
+            config.model,
+            precision,
+            config.device,
+            config.attn_implementation,
+            config.trust_remote_code,
+            device_map,
+        )

@@ -1,14 +1,22 @@
-"""Experiments (design: experiments): each one module with one class, registered in
-``registry.py``. Experiment classes run models, so the registry's names are imported on
-first use (PEP 562): the typed rows and the CSV declarations in this package load no
-torch, and ``kvreplay analyze`` reads them."""
+"""Experiments (design: experiments): each declared once (``declaration.py``) and registered
+by one line in ``registry.py``; a new one is one package (see ``localize/``). Experiment
+classes run models, so the registry's names are imported on first use (PEP 562): the
+declarations, the typed rows and the CSV declarations in this package load no torch, and
+``kvreplay analyze`` reads them."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-_REGISTRY = ("EXPERIMENTS", "SERVED", "experiment_at", "get_experiment", "recorded_experiment")
+_REGISTRY = (
+    "EXPERIMENTS",
+    "SERVED",
+    "declared",
+    "experiment_at",
+    "get_experiment",
+    "recorded_experiment",
+)
 
 
 def __getattr__(name: str) -> Any:

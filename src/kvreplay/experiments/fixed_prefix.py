@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_panel, run_matrix
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
@@ -79,3 +80,12 @@ class FixedPrefix(Experiment):
             return prefix_row(worker, unit, clock)
         base = {"item_id": unit.item.id, "precision": unit.precision}
         return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, self.panel)}
+
+
+DECLARATION = Declaration(
+    name=FIXED_PREFIX,
+    summary="Prefixes fixed across precisions: replay vs prefill in each.",
+    experiment=f"{__name__}:FixedPrefix",
+    table=FIXED_PREFIX_TABLE,
+    source="Take prefixes from this run (default: this run's bf16 live rows).",
+)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_panel, run_matrix
 from kvreplay.experiments.panel import Panel
@@ -140,3 +141,14 @@ def companions(items: list[Item], index: int, k: int) -> list[dict[str, Any]]:
     """The ``k`` items after ``index``, wrapping around, as plain data for the unit."""
     mates = [items[(index + step) % len(items)] for step in range(1, k + 1)]
     return [{"item_id": item.id, "prompt": item.prompt} for item in mates]
+
+
+DECLARATION = Declaration(
+    name=MATCHED,
+    summary="Per item and precision, the retained live state vs a one-shot prefill.",
+    experiment=f"{__name__}:Matched",
+    table=MATCHED_TABLE,
+    served=f"{__name__}:ServedMatched",
+    served_table=SERVED_MATCHED_TABLE,
+    options="kvreplay.experiments.screen:MatchedOptions",
+)

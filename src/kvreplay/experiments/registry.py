@@ -1,31 +1,51 @@
-"""The registry of experiments that ``kvreplay run`` knows, each named by where its class
-lives and imported when first asked for: the in-process ones load torch, which the core
-install lacks, and a served run needs only the served ones."""
+"""The registry of experiments that ``kvreplay run`` knows: one line per experiment, naming
+its declaration (:mod:`kvreplay.experiments.declaration`). A declaration names its classes by
+where they live, imported when first asked for: the in-process ones load torch, which the
+core install lacks, and a served run needs only the served ones."""
 
 from __future__ import annotations
 
 import functools
+from importlib.metadata import entry_points
 from typing import Any
 
 from kvreplay.backends import Backend, backend_class, backend_from_contract, load, registry
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment
 
-EXPERIMENTS: dict[str, str] = {
-    "matched": "kvreplay.experiments.matched:Matched",
-    "fixed-prefix": "kvreplay.experiments.fixed_prefix:FixedPrefix",
-    "bridge": "kvreplay.experiments.bridge:Bridge",
-    "transplant": "kvreplay.experiments.transplant:Transplant",
-    "resample": "kvreplay.experiments.resample:Resample",
-    "localize": "kvreplay.experiments.localize:Localize",
-}
+# Every built-in experiment's declaration, one line each, in the order ``kvreplay run
+# --help`` lists them; installed packages add theirs through the entry point group.
+BUILTIN: tuple[str, ...] = (
+    "kvreplay.experiments.matched:DECLARATION",
+    "kvreplay.experiments.fixed_prefix:DECLARATION",
+    "kvreplay.experiments.bridge:DECLARATION",
+    "kvreplay.experiments.transplant:DECLARATION",
+    "kvreplay.experiments.resample:DECLARATION",
+    "kvreplay.experiments.localize:DECLARATION",
+)
+GROUP = "kvreplay.experiments"
 
 
-# The experiments a backend without K/V access runs, declared as served panels.
-SERVED: dict[str, str] = {
-    "matched": "kvreplay.experiments.matched:ServedMatched",
-    "resample": "kvreplay.experiments.resample:ServedResample",
-}
+@functools.cache
+def declared() -> dict[str, Declaration]:
+    """Every experiment's declaration by name: the built-in ones, then those installed
+    packages register (``[project.entry-points."kvreplay.experiments"]``)."""
+    found: dict[str, Declaration] = {}
+    for where in (*BUILTIN, *(entry.value for entry in entry_points(group=GROUP))):
+        declaration = load(where)
+        found.setdefault(declaration.name, declaration)
+    return found
+
+
+def __getattr__(name: str) -> dict[str, str]:
+    """``EXPERIMENTS`` and ``SERVED``: where each experiment's class (and served class,
+    for a backend without K/V access) lives, by name, from the declarations."""
+    if name == "EXPERIMENTS":
+        return {key: d.experiment for key, d in declared().items()}
+    if name == "SERVED":
+        return {key: d.served for key, d in declared().items() if d.served}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache
@@ -39,21 +59,23 @@ def get_experiment(
 ) -> Experiment:
     """The experiment ``name`` as ``backend`` runs it (hf when not given); deriving a
     recorded run's CSV needs no engine installed (``require_engine=False``)."""
-    if name not in EXPERIMENTS:
-        raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(EXPERIMENTS)}.")
+    experiments = declared()
+    if name not in experiments:
+        raise KvreplayError(f"Unknown experiment {name!r}; choose {', '.join(experiments)}.")
+    declaration = experiments[name]
     if backend is None:
-        return experiment_at(EXPERIMENTS[name])
-    served = backend.runs_served(name in SERVED)
-    if served and name not in SERVED:
+        return experiment_at(declaration.experiment)
+    served = backend.runs_served(declaration.served is not None)
+    if served and declaration.served is None:
         with_kv = [b for b in registry() if backend_class(b).capabilities.kv_access]
         raise KvreplayError(
             f"{name} reads or writes K/V tensors, which the {backend.name} backend does "
             f"not expose; run it with --backend {with_kv[0]} (the {backend.name} backend runs "
-            f"{', '.join(sorted(SERVED))})."
+            f"{', '.join(sorted(k for k, d in experiments.items() if d.served))})."
         )
     if require_engine:
         backend.check_ready()
-    return experiment_at(SERVED[name] if served else EXPERIMENTS[name])
+    return experiment_at(declaration.served if served else declaration.experiment)
 
 
 def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:

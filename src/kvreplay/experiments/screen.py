@@ -15,10 +15,11 @@ the recorded screen rows, so an audit re-derives it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.declaration import option
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.scope import Scope, own_options
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
@@ -36,8 +37,24 @@ class MatchedOptions:
     """``matched``'s own options: which items run (the first ``--n``, or the ``--n``
     most fragile of ``screen`` screened candidates)."""
 
-    select: str = "first"
-    screen: int | None = None
+    select: str = field(
+        default="first",
+        metadata=option(
+            "--select",
+            "Which items run: the first --n, or the --n most fragile of --screen screened "
+            "candidates (nearest a tie along their live trajectory), riskiest first.",
+            choices=SELECTIONS,
+        ),
+    )
+    screen: int | None = field(
+        default=None,
+        metadata=option(
+            "--screen",
+            f"Candidates --select fragile screens (the first of the item set; default "
+            f"{DEFAULT_SCREEN}, or --n if larger); each costs one short live generation.",
+            minimum=1,
+        ),
+    )
 
     @classmethod
     def of(cls, scope: Scope) -> MatchedOptions:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.environment import contract_scheme
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.declaration import option
 from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.items import Item, encode_prompt, items_digest
 from kvreplay.ledger import Record, RunLedger
@@ -37,13 +38,45 @@ OUTCOME_SOURCES = ("fixed-prefix", "matched")
 class PanelOptions:
     """The own options of a panel experiment (``transplant``, ``localize``), typed."""
 
-    panel: str = "stratified"
-    alias: str | None = None
-    name: str | None = None
-    divergent: int | None = None
-    controls: int = DEFAULT_CONTROLS
-    panel_seed: int = 0
-    both_directions: bool = False
+    panel: str = field(
+        default="stratified",
+        metadata=option(
+            "--panel",
+            "A prior run's divergent rows plus exact controls (stratified) or an "
+            "outcome-blind length spread (blind).",
+            choices=PANELS,
+        ),
+    )
+    alias: str | None = field(
+        default=None, metadata=option("--alias", "Checkpoint alias (e.g. C0).")
+    )
+    name: str | None = field(
+        default=None,
+        metadata=option(
+            "--name",
+            "Ledger kv_transplant_<name>.csv (default primary for stratified, later for blind).",
+        ),
+    )
+    divergent: int | None = field(
+        default=None,
+        metadata=option(
+            "--divergent",
+            f"Divergent rows to take from --from (default {DEFAULT_DIVERGENT} for a "
+            "stratified panel; every one for localize).",
+            minimum=0,
+        ),
+    )
+    controls: int = field(
+        default=DEFAULT_CONTROLS,
+        metadata=option("--controls", "Exact control rows to take from --from.", minimum=0),
+    )
+    panel_seed: int = field(
+        default=0, metadata=option("--panel-seed", "Seed that orders equal-length rows in a panel.")
+    )
+    both_directions: bool = field(
+        default=False,
+        metadata=option("--both-directions", "Also probe prefill K/V into the replay state."),
+    )
 
     @classmethod
     def of(cls, scope: Scope) -> PanelOptions:

@@ -5,9 +5,9 @@ run directory and on a bare folder of CSVs (such as the paper's release) alike. 
 are drawn with matplotlib's Agg renderer and embedded in the HTML as base64 PNG, so the
 page needs no network and no scripts.
 
-One concept a module: build (the report's files), document (the blocks and their
-Markdown and HTML rendering), figures (matplotlib), sections (the run's facts, the
-headline and each analysis section's blocks, in reading order). Only figures loads
-matplotlib, and only ``build`` imports it: callers import ``build`` when a report is asked
-for.
+One concept a module: build (the report's files), sections (the run's facts, the
+headline and each analysis section's blocks, in reading order), commands (the ``analyze``
+and ``report`` click commands). The blocks and figures it is made of live below, in
+:mod:`kvreplay.render`; only figures loads matplotlib, and only ``build`` imports it:
+callers import ``build`` when a report is asked for.
 """

@@ -10,16 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.analysis.ledgers import LedgerDir
-from kvreplay.analysis.rates import Json
 from kvreplay.analysis.sections.registry import SECTIONS
-from kvreplay.analysis.sections.section import Page
 from kvreplay.backends import backend_class
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.section import Page
 from kvreplay.experiments.table import LedgerError
 from kvreplay.jsonio import parse_json
 from kvreplay.ledger import Record, rows_of
-from kvreplay.report.document import Block, Heading, Paragraph, Table
-from kvreplay.report.figures import Figures
+from kvreplay.measure.rates import Json
+from kvreplay.render.document import Block, Heading, Paragraph, Table
+from kvreplay.render.figures import Figures
 
 # The experiments whose rows compare a rebuilt state with the live one, item by item.
 JUDGED = ("matched", "fixed-prefix", "bridge", "resample")

@@ -22,13 +22,13 @@ from kvreplay.analysis.flip import (
     roc_points,
     score_panel,
 )
-from kvreplay.analysis.rates import Json
 from kvreplay.analysis.sections.matrix import MATRIX, MATRIX_DESIGNS
-from kvreplay.analysis.sections.section import Page, Reading, Section
+from kvreplay.experiments.section import Page, Reading, Section
 from kvreplay.experiments.table import Ledger
 from kvreplay.ledger import Record
-from kvreplay.report.document import Block, Heading, Image, Paragraph
-from kvreplay.report.document import Table as Grid
+from kvreplay.measure.rates import Json
+from kvreplay.render.document import Block, Heading, Image, Paragraph
+from kvreplay.render.document import Table as Grid
 
 SKIP_NO_ROWS = (
     "The flip predictor needs the live margins in rows.jsonl; this folder holds CSV"

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import numpy as np
 
-from kvreplay.analysis.rates import (
+from kvreplay.experiments.rows import replica_name
+from kvreplay.experiments.section import Page, Reading, Row, Section
+from kvreplay.experiments.table import Ledger, Table
+from kvreplay.experiments.tables.matrix import (
+    FIXED_PREFIX_TABLE,
+    LAYER_DRIFT,
+    MATCHED_TABLE,
+    SERVED_MATCHED_TABLE,
+)
+from kvreplay.measure.rates import (
     Json,
     count,
     fraction,
@@ -22,23 +31,14 @@ from kvreplay.analysis.rates import (
     rate_payload,
     rate_text,
 )
-from kvreplay.analysis.sections.section import Page, Reading, Row, Section
-from kvreplay.analysis.stats import (
+from kvreplay.measure.stats import (
     MATRIX_WILSON_Z,
     mcnemar_exact_p,
     newcombe_paired_difference_ci,
     paired_bootstrap_ci_pp,
 )
-from kvreplay.experiments.rows import replica_name
-from kvreplay.experiments.table import Ledger, Table
-from kvreplay.experiments.tables.matrix import (
-    FIXED_PREFIX_TABLE,
-    LAYER_DRIFT,
-    MATCHED_TABLE,
-    SERVED_MATCHED_TABLE,
-)
-from kvreplay.report.document import Block, Heading, Image, Paragraph
-from kvreplay.report.document import Table as Grid
+from kvreplay.render.document import Block, Heading, Image, Paragraph
+from kvreplay.render.document import Table as Grid
 
 PRECISION_STREAM_OFFSET = {"bf16": 0, "fp32": 1}
 CROSS_PRECISION_STREAMS = {

@@ -4,14 +4,14 @@ checkpoint (exactness counts only)."""
 
 from __future__ import annotations
 
-from kvreplay.analysis.rates import Json, count
-from kvreplay.analysis.sections.section import Reading, Section
+from kvreplay.experiments.section import Reading, Section
 from kvreplay.experiments.tables.paper import (
     HISTORICAL_FLAG_COLUMNS,
     HISTORICAL_LEAF_COLUMNS,
     HISTORICAL_TABLE,
     STOCK_TABLE,
 )
+from kvreplay.measure.rates import Json, count
 
 HISTORICAL_SECTION = "historical_bridge"
 STOCK_SECTION = "stock_qwen_diagnostic"

@@ -1,19 +1,22 @@
 """Every section in reading order: the order of the ``analyze`` summary, of the report's
-headline rows and of its body. A new experiment adds its section here."""
+headline rows and of its body. The paper's sections come in the paper's order; an
+experiment that is one package declares its own section, which follows them in the
+registry's order (its name is enough: nothing is added here)."""
 
 from __future__ import annotations
 
-from kvreplay.analysis.sections.bridge import BRIDGE
 from kvreplay.analysis.sections.flip import FLIP
-from kvreplay.analysis.sections.localize import LOCALIZE
 from kvreplay.analysis.sections.matrix import MATRIX
 from kvreplay.analysis.sections.paper import HISTORICAL, STOCK
-from kvreplay.analysis.sections.resample import RESAMPLE
-from kvreplay.analysis.sections.section import Section
 from kvreplay.analysis.sections.served import SERVED
-from kvreplay.analysis.sections.transplant import TRANSPLANT
+from kvreplay.experiments.bridge.section import BRIDGE
+from kvreplay.experiments.localize.section import LOCALIZE
+from kvreplay.experiments.registry import declared
+from kvreplay.experiments.resample.section import RESAMPLE
+from kvreplay.experiments.section import Section
+from kvreplay.experiments.transplant.section import TRANSPLANT
 
-SECTIONS: tuple[Section, ...] = (
+PAPER_ORDER: tuple[Section, ...] = (
     MATRIX,
     BRIDGE,
     HISTORICAL,
@@ -23,4 +26,8 @@ SECTIONS: tuple[Section, ...] = (
     RESAMPLE,
     LOCALIZE,
     FLIP,
+)
+SECTIONS: tuple[Section, ...] = (
+    *PAPER_ORDER,
+    *(d.section for d in declared().values() if d.section and d.section not in PAPER_ORDER),
 )

@@ -4,12 +4,12 @@ each control continued differently."""
 
 from __future__ import annotations
 
-from kvreplay.analysis.rates import Json, median, rate_payload, rate_text
-from kvreplay.analysis.sections.section import Page, Reading, Section
-from kvreplay.analysis.stats import MATRIX_WILSON_Z
+from kvreplay.experiments.section import Page, Reading, Section
 from kvreplay.experiments.tables.matrix import SERVED_CONTROLS, SERVED_MATCHED_TABLE
-from kvreplay.report.document import Block, Heading, Paragraph
-from kvreplay.report.document import Table as Grid
+from kvreplay.measure.rates import Json, median, rate_payload, rate_text
+from kvreplay.measure.stats import MATRIX_WILSON_Z
+from kvreplay.render.document import Block, Heading, Paragraph
+from kvreplay.render.document import Table as Grid
 
 SECTION = "served_matched"
 

@@ -10,44 +10,46 @@ from typing import Any
 from kvreplay.backends import backend_from_contract
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.table import Table, read_header
-from kvreplay.experiments.tables.bridge import BRIDGE, BRIDGE_TABLE
-from kvreplay.experiments.tables.localize import LOCALIZE, LOCALIZE_TABLE
-from kvreplay.experiments.tables.matrix import (
-    FIXED_PREFIX,
-    FIXED_PREFIX_TABLE,
-    MATCHED,
-    MATCHED_TABLE,
-    SERVED_MATCHED_TABLE,
-)
 from kvreplay.experiments.tables.paper import HISTORICAL_TABLE, STOCK_TABLE
-from kvreplay.experiments.tables.resample import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
-from kvreplay.experiments.tables.transplant import TRANSPLANT, TRANSPLANT_TABLE
 
-EXPERIMENT_TABLES: dict[str, tuple[Table, Table | None]] = {
-    MATCHED: (MATCHED_TABLE, SERVED_MATCHED_TABLE),
-    FIXED_PREFIX: (FIXED_PREFIX_TABLE, None),
-    BRIDGE: (BRIDGE_TABLE, None),
-    TRANSPLANT: (TRANSPLANT_TABLE, None),
-    RESAMPLE: (RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE),
-    LOCALIZE: (LOCALIZE_TABLE, None),
-}
-"""Each experiment's table, and its table as served panels (None: the experiment reads or
-writes K/V, so a backend without K/V access does not run it)."""
-TABLES = (
-    *(table for pair in EXPERIMENT_TABLES.values() for table in pair if table is not None),
-    HISTORICAL_TABLE,
-    STOCK_TABLE,
-)
+
+def experiment_tables() -> dict[str, tuple[Table, Table | None]]:
+    """Each experiment's table, and its table as served panels (None: the experiment
+    reads or writes K/V, so a backend without K/V access does not run it), from the
+    experiments' declarations."""
+    from kvreplay.experiments.registry import declared
+
+    return {name: (d.table, d.served_table) for name, d in declared().items()}
+
+
+def tables() -> tuple[Table, ...]:
+    """Every table: the experiments', then the paper release's."""
+    pairs = experiment_tables().values()
+    return (
+        *(table for pair in pairs for table in pair if table is not None),
+        HISTORICAL_TABLE,
+        STOCK_TABLE,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """``EXPERIMENT_TABLES`` and ``TABLES``, read from the declarations when first used
+    (a declaration's module imports its table from this package)."""
+    if name == "EXPERIMENT_TABLES":
+        return experiment_tables()
+    if name == "TABLES":
+        return tables()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def table_for(path: Path) -> Table | None:
     """The table a CSV file is read as, or None for any other file; of two tables of one
     file, the one whose marker column the CSV has (a served run's ``backend``)."""
-    tables = [table for table in TABLES if table.matches(path.name)]
-    if any(table.marker for table in tables):
+    found = [table for table in tables() if table.matches(path.name)]
+    if any(table.marker for table in found):
         header = read_header(path)
-        tables = [table for table in tables if table.marker in (None, *header)]
-    return max(tables, key=lambda table: table.marker is not None, default=None)
+        found = [table for table in found if table.marker in (None, *header)]
+    return max(found, key=lambda table: table.marker is not None, default=None)
 
 
 def recorded_table(name: str, manifest: dict[str, Any]) -> Table | None:
@@ -56,7 +58,7 @@ def recorded_table(name: str, manifest: dict[str, Any]) -> Table | None:
     run = manifest.get("contract", {}).get("run")
     try:
         backend = backend_from_contract(run.get("backend") if isinstance(run, dict) else None)
-        table, served = EXPERIMENT_TABLES[name]
+        table, served = experiment_tables()[name]
     except (KvreplayError, KeyError, TypeError):
         return None
     return served if backend.runs_served(served is not None) else table

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.analysis.stats import wilson_interval
+from kvreplay.measure.stats import wilson_interval
 
 Json = dict[str, Any]
 

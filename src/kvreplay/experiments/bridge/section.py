@@ -3,9 +3,9 @@ prefixes (``prospective_bridge``), beside the paper's 12/12."""
 
 from __future__ import annotations
 
-from kvreplay.analysis.rates import Json, count, fraction
-from kvreplay.analysis.sections.section import Reading, Row, Section
-from kvreplay.experiments.tables.bridge import BRIDGE_TABLE
+from kvreplay.experiments.bridge.table import BRIDGE_TABLE
+from kvreplay.experiments.section import Reading, Row, Section
+from kvreplay.measure.rates import Json, count, fraction
 
 SECTION = "prospective_bridge"
 PAPER_BRIDGE_EXACT = (12, 12)

@@ -9,13 +9,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.analysis.rates import Json
 from kvreplay.experiments.table import Ledger, Table
 from kvreplay.ledger import Record
-from kvreplay.report.document import Block
+from kvreplay.measure.rates import Json
+from kvreplay.render.document import Block
 
 if TYPE_CHECKING:  # the report hands a section its Figures; analysis loads no matplotlib
-    from kvreplay.report.figures import Figures
+    from kvreplay.render.figures import Figures
 
 Row = tuple[str, ...]
 

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvreplay.analysis.rates import Json, count, fraction
-from kvreplay.analysis.sections.section import Page, Reading, Section
+from kvreplay.experiments.localize.table import LOCALIZE_TABLE
+from kvreplay.experiments.section import Page, Reading, Section
 from kvreplay.experiments.table import Ledger
-from kvreplay.experiments.tables.localize import LOCALIZE_TABLE
-from kvreplay.report.document import Block, Heading, Image, Paragraph
-from kvreplay.report.document import Table as Grid
+from kvreplay.measure.rates import Json, count, fraction
+from kvreplay.render.document import Block, Heading, Image, Paragraph
+from kvreplay.render.document import Table as Grid
 
 if TYPE_CHECKING:
-    from kvreplay.report.figures import Figures
+    from kvreplay.render.figures import Figures
 
 SECTION = "localize"
 SWEEP_AXES = {"single": "layer", "prefix": "layers", "suffix": "from_layer"}

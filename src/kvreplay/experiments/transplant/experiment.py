@@ -34,7 +34,7 @@ from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PanelOptions, select_panel
 from kvreplay.experiments.table import RUN_NAME
-from kvreplay.experiments.tables.transplant import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
+from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 

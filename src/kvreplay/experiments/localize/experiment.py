@@ -31,20 +31,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.analysis.sections.localize import draw, recovery
 from kvreplay.experiments.blocks import engine_of, follow_in_engine
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.panel import Arm, Panel
-from kvreplay.experiments.prefixes import prefix_inputs
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import PanelOptions, select_panel
-from kvreplay.experiments.tables.localize import (
+from kvreplay.experiments.localize.section import draw, recovery
+from kvreplay.experiments.localize.table import (
     DIRECTIONS,
     LOCALIZE,
     LOCALIZE_TABLE,
     SWEEPS,
     Probe,
 )
+from kvreplay.experiments.panel import Arm, Panel
+from kvreplay.experiments.prefixes import prefix_inputs
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.selection import PanelOptions, select_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 from kvreplay.sampler import Sampler
@@ -244,8 +244,8 @@ class Localize(Experiment):
 
     def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
         """Recovery rate by layer set and component, one line per direction: the report's
-        localize figure (analysis/sections/localize.py), drawn after each run."""
-        from kvreplay.report.figures import Figures  # matplotlib loads only to draw
+        localize figure (experiments/localize/section.py), drawn after each run."""
+        from kvreplay.render.figures import Figures  # matplotlib loads only to draw
 
         probed = [row for row in rows if row.data.get("probes")]
         directions = recovery(self.table.ledger(probed, {}))["directions"] if probed else {}

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.analysis.stats import mcnemar_exact_p, wilson_interval
+from kvreplay.measure.stats import mcnemar_exact_p, wilson_interval
 
 ALPHA = 0.05
 POWER = 0.8

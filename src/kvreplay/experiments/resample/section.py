@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.analysis.certificate import PairedSamples, certify
-from kvreplay.analysis.rates import Json, percent_interval
-from kvreplay.analysis.sections.section import Page, Reading, Section
+from kvreplay.experiments.resample.table import RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
+from kvreplay.experiments.section import Page, Reading, Section
 from kvreplay.experiments.table import Ledger
-from kvreplay.experiments.tables.resample import RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
-from kvreplay.report.document import Block, Heading, Image, Paragraph
-from kvreplay.report.document import Table as Grid
+from kvreplay.measure.certificate import PairedSamples, certify
+from kvreplay.measure.rates import Json, percent_interval
+from kvreplay.render.document import Block, Heading, Image, Paragraph
+from kvreplay.render.document import Table as Grid
 
 SECTION = "resample"
 OTHER_AFTER = 6  # answers drawn per item panel before the rest are lumped as "other"

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import prompt_lengths, spread_selection
-from kvreplay.experiments.tables.bridge import BRIDGE, BRIDGE_TABLE
 from kvreplay.experiments.tables.matrix import MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
+
+# Items a bridge runs when --n is not given: each row advances every layer twice.
+DEFAULT_N = 12
 
 
 class Bridge(Experiment):
@@ -27,7 +30,7 @@ class Bridge(Experiment):
     panel = Panel((Arm("live", "live", replica="clone"), Arm("teacher", "replay", replica="clone")))
 
     def default_n(self, total: int) -> int:
-        return min(12, total)
+        return min(DEFAULT_N, total)
 
     def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
         return items  # the selection spreads over every item's length

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.analysis.certificate import tv_distance
 from kvreplay.canonical import canonical
 from kvreplay.experiments.columns import Column, Kind, Line, kv, optional, reached_lines, written
 from kvreplay.experiments.rows import ArmResult, PairLabels
 from kvreplay.experiments.table import Ledger, Table, check_same
+from kvreplay.measure.certificate import tv_distance
 
 RESAMPLE = "resample"
 COMPARED = ("live", "prefill")

@@ -12,7 +12,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from kvreplay.analysis.rates import Json, rate_text
+from kvreplay.measure.rates import Json, rate_text
 
 PRECISION_COLOURS = {"bf16": "#c0392b", "fp32": "#2471a3"}
 

@@ -9,22 +9,23 @@ by the sampler. Each arm has a replica that continues only the first
 ``--replica-samples R`` seeds and must reproduce them token for token (the integrity
 gate), so a row costs 2K + 2R continuations rather than 4K. The live prefix is itself
 generated with the run's sampler (seed S0). The certificate over the CSV is computed
-by :mod:`kvreplay.analysis.certificate`; the CSV is declared in
-:mod:`kvreplay.experiments.tables.resample`.
+by :mod:`kvreplay.measure.certificate`; the CSV is declared in
+:mod:`kvreplay.experiments.resample.table`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreplay.errors import KvreplayError
+from kvreplay.experiments.declaration import option
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Samples
+from kvreplay.experiments.resample.table import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.experiments.served import ServedArm, run_served_panel
-from kvreplay.experiments.tables.resample import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.items import Item
 from kvreplay.ledger import Record
@@ -39,9 +40,17 @@ MAX_SAMPLES = 10_000
 class ResampleOptions:
     """The own options of ``resample``, typed and checked before anything is written."""
 
-    samples: int = 16
-    replica_samples: int = 2
-    margin: float = 0.05
+    samples: int = field(
+        default=16, metadata=option("--samples", "Seeded samples per arm and row.")
+    )
+    replica_samples: int = field(
+        default=2,
+        metadata=option("--replica-samples", "Seeds each replica continues to gate determinism."),
+    )
+    margin: float = field(
+        default=0.05,
+        metadata=option("--margin", "Equivalence margin of the certificate, in (0, 1)."),
+    )
 
     @classmethod
     def of(cls, scope: Scope) -> ResampleOptions:

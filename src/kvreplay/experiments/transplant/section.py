@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvreplay.analysis.rates import Json, count, fraction, rate_payload, rate_text
-from kvreplay.analysis.sections.section import Page, Reading, Row, Section
-from kvreplay.analysis.stats import TRANSPLANT_WILSON_Z
+from kvreplay.experiments.section import Page, Reading, Row, Section
 from kvreplay.experiments.table import Ledger
-from kvreplay.experiments.tables.transplant import SWAPS, TRANSPLANT_TABLE, recovers
-from kvreplay.report.document import Block, Heading, Image
-from kvreplay.report.document import Table as Grid
+from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT_TABLE, recovers
+from kvreplay.measure.rates import Json, count, fraction, rate_payload, rate_text
+from kvreplay.measure.stats import TRANSPLANT_WILSON_Z
+from kvreplay.render.document import Block, Heading, Image
+from kvreplay.render.document import Table as Grid
 
 PREFIX = "transplant_"  # a panel's claims section: transplant_<name>
 PAPER_TRANSPLANT = {"primary": ((24, 24), (0, 8)), "later": ((43, 43), (0, 5))}

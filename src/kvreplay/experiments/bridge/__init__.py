@@ -1,0 +1,18 @@
+"""The bridge experiment, one package: its run (``experiment``; it loads torch only when it
+runs), its CSV (``table``) and its section of the analysis and report (``section``),
+declared here and registered by one line in :mod:`kvreplay.experiments.registry`."""
+
+from kvreplay.experiments.bridge.experiment import DEFAULT_N
+from kvreplay.experiments.bridge.section import BRIDGE as SECTION
+from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
+from kvreplay.experiments.declaration import Declaration
+
+DECLARATION = Declaration(
+    name=BRIDGE,
+    summary="The retained live state vs the teacher-forced replay of its schedule.",
+    experiment=f"{__name__}.experiment:Bridge",
+    table=BRIDGE_TABLE,
+    source="Take historical prefixes from this run.",
+    default_n=str(DEFAULT_N),
+    section=SECTION,
+)

@@ -1,0 +1,20 @@
+"""The resample experiment, one package: its run (``experiment``; it loads torch only when it
+runs), its CSV (``table``) and its section of the analysis and report (``section``),
+declared here and registered by one line in :mod:`kvreplay.experiments.registry`."""
+
+from kvreplay.experiments.declaration import Declaration
+from kvreplay.experiments.resample.section import RESAMPLE as SECTION
+from kvreplay.experiments.resample.table import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
+
+DECLARATION = Declaration(
+    name=RESAMPLE,
+    summary="K seeded samples from the live and prefill states of each prefix: is resampling "
+    "from a rebuilt prefix faithful? (resample_live_prefill.csv)",
+    experiment=f"{__name__}.experiment:Resample",
+    table=RESAMPLE_TABLE,
+    served=f"{__name__}.experiment:ServedResample",
+    served_table=SERVED_RESAMPLE_TABLE,
+    options=f"{__name__}.experiment:ResampleOptions",
+    temperature=0.7,
+    section=SECTION,
+)
