@@ -18,6 +18,7 @@ EXPERIMENTS: dict[str, str] = {
     "transplant": "kvreplay.experiments.transplant:Transplant",
     "resample": "kvreplay.experiments.resample:Resample",
     "localize": "kvreplay.experiments.localize:Localize",
+    "history": "kvreplay.experiments.history:History",
 }
 
 
@@ -25,6 +26,7 @@ EXPERIMENTS: dict[str, str] = {
 SERVED: dict[str, str] = {
     "matched": "kvreplay.experiments.matched:ServedMatched",
     "resample": "kvreplay.experiments.resample:ServedResample",
+    "history": "kvreplay.experiments.history:History",
 }
 
 

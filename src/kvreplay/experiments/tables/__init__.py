@@ -11,6 +11,7 @@ from kvreplay.backends import backend_from_contract
 from kvreplay.errors import KvreplayError
 from kvreplay.experiments.table import Table, read_header
 from kvreplay.experiments.tables.bridge import BRIDGE, BRIDGE_TABLE
+from kvreplay.experiments.tables.history import HISTORY, HISTORY_TABLE
 from kvreplay.experiments.tables.localize import LOCALIZE, LOCALIZE_TABLE
 from kvreplay.experiments.tables.matrix import (
     FIXED_PREFIX,
@@ -30,11 +31,14 @@ EXPERIMENT_TABLES: dict[str, tuple[Table, Table | None]] = {
     TRANSPLANT: (TRANSPLANT_TABLE, None),
     RESAMPLE: (RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE),
     LOCALIZE: (LOCALIZE_TABLE, None),
+    HISTORY: (HISTORY_TABLE, HISTORY_TABLE),  # served only: history refuses other backends
 }
 """Each experiment's table, and its table as served panels (None: the experiment reads or
 writes K/V, so a backend without K/V access does not run it)."""
 TABLES = (
-    *(table for pair in EXPERIMENT_TABLES.values() for table in pair if table is not None),
+    *dict.fromkeys(
+        table for pair in EXPERIMENT_TABLES.values() for table in pair if table is not None
+    ),
     HISTORICAL_TABLE,
     STOCK_TABLE,
 )
