@@ -260,6 +260,11 @@ EXPERIMENTS: dict[str, tuple[str, list[Callable[..., Any]]]] = {
                          help="Also probe prefill K/V into the replay state."),
         ],
     ),
+    "history": (
+        "On a server: the same hit after different histories of P's blocks (decoded, warm, "
+        "evicted) and under --traffic N, beside the miss (history_hit_miss.csv).",
+        [],
+    ),
 }  # fmt: skip
 # An experiment that samples by nature has its own default temperature.
 DEFAULT_TEMPERATURE = {"resample": 0.7}
@@ -324,8 +329,8 @@ class RunGroup(PlainGroup):
 
 @main.group("run", cls=RunGroup)
 def run_group() -> None:
-    """Run (or resume) an experiment: matched, fixed-prefix, bridge, transplant, resample
-    or localize."""
+    """Run (or resume) an experiment: matched, fixed-prefix, bridge, transplant, resample,
+    localize or history."""
 
 
 def _run_command(experiment: str, summary: str, own: list[Callable[..., Any]]) -> None:

@@ -251,8 +251,9 @@ def run_served_panel(
             for seed in seeds:
                 sampler = replace(config.sampler, seed=seed)
                 with clock.model(), ExitStack() as stack:
+                    background = f"{unit.item.id}:{seed}"  # the traffic's own seed
                     traffic = (
-                        stack.enter_context(served.traffic(clients, f"{unit.item.id}:{seed}", others))
+                        stack.enter_context(served.traffic(clients, background, others))
                         if arm.traffic
                         else None
                     )
