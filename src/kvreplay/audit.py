@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from kvreplay.state import SavedState, SnapshotContents
 
 # Keys that legitimately differ between a run and its re-execution.
-UNCHECKED = {"reused_from", "snapshot"}
+UNCHECKED = {"reused_from", "snapshot", "load"}  # load: what else the server did
 
 
 @dataclass
