@@ -37,7 +37,7 @@ fi
 if [ -z "${SKIP_VLLM:-}" ]; then
   PORT=${PORT_VLLM:-18410}
   MODEL=$("$PY" -c "from kvreplay.sources import resolve_source; print(resolve_source('smollm2-135m')[0])")
-  VLLM_SERVER_DEV_MODE=1 "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+  VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --host 127.0.0.1 --port "$PORT" --dtype bfloat16 --enable-prompt-tokens-details \
     --block-size 32 --num-gpu-blocks-override 256 --max-model-len 2048 \
     > /tmp/vllm-serve-history.log 2>&1 &
