@@ -39,7 +39,9 @@ LENGTHS = (8, 256)
 """Random-token prompt lengths, drawn uniformly between these."""
 POLL_SECONDS = 0.2
 """How often the server's load is read while an arm runs."""
-MAX_EVICTION_REQUESTS = 512
+MAX_EVICTION_REQUESTS = 64
+"""Eviction requests per arm at most: on a pool larger than they fill, part of P survives
+(the row says how much the hit read)."""
 
 Send = Callable[[list[int], int], None]
 """Sends one prompt (token ids) on a client's slot and waits for its completion."""
