@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvreplay.analysis.sections.bridge import BRIDGE
 from kvreplay.analysis.sections.flip import FLIP
+from kvreplay.analysis.sections.history import HISTORY
 from kvreplay.analysis.sections.localize import LOCALIZE
 from kvreplay.analysis.sections.matrix import MATRIX
 from kvreplay.analysis.sections.paper import HISTORICAL, STOCK
@@ -22,5 +23,6 @@ SECTIONS: tuple[Section, ...] = (
     STOCK,
     RESAMPLE,
     LOCALIZE,
+    HISTORY,
     FLIP,
 )
