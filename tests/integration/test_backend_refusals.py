@@ -153,6 +153,17 @@ def test_a_negative_or_huge_traffic_is_refused(tmp_path: Path, tiny_dirs, value,
     assert message in output
 
 
+@pytest.mark.parametrize("command", [("run", "matched"), ("run", "resample"), ("check",)])
+def test_traffic_is_refused_where_no_arm_runs_under_it(tmp_path: Path, tiny_dirs, command) -> None:
+    out = tmp_path / "run"
+    result = invoke(
+        *command, "--model", tiny_dirs["qwen2"], "--backend", "http",
+        "--url", "http://127.0.0.1:9", "--traffic", 2, "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert "--traffic applies to history;" in result.output
+
+
 def test_history_needs_a_server(tmp_path: Path, tiny_dirs) -> None:
     output = refused(tmp_path, "history", "--model", tiny_dirs["qwen2"])
     assert "the hf backend has none; run it with --backend http." in output

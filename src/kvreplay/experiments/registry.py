@@ -53,9 +53,16 @@ def get_experiment(
             f"not expose; run it with --backend {with_kv[0]} (the {backend.name} backend runs "
             f"{', '.join(sorted(SERVED))})."
         )
+    experiment = experiment_at(SERVED[name] if served else EXPERIMENTS[name])
+    if backend.traffic_clients and not any(
+        getattr(arm, "traffic", False) for arm in experiment.panel.arms
+    ):
+        raise KvreplayError(
+            f"--traffic applies to history; {name} has no arm that runs under traffic."
+        )
     if require_engine:
         backend.check_ready()
-    return experiment_at(SERVED[name] if served else EXPERIMENTS[name])
+    return experiment
 
 
 def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:
