@@ -70,6 +70,8 @@ def test_a_hit_names_what_it_read(cached: int, evicted: int | None, read: str, m
     report = ServedReport([cached], [], 96, True, evicted_tokens=evicted)
     assert report.read == read and report.condition_met is met
     assert ServedReport([0], [], 0).read is None  # a miss reads nothing by design
+    beside_traffic = ServedReport([64], [], 96, True, load={"clients": 2})
+    assert beside_traffic.read == "part" and beside_traffic.condition_met is True
 
 
 def test_history_arms_are_named_by_their_construction() -> None:

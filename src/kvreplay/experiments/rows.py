@@ -49,9 +49,10 @@ class ServedReport:
     into an engine's blocks (design: block K/V) reports the tokens of P those blocks
     cover as its expected cached tokens, and ``blocks_read``: its first request read
     exactly the blocks written (the hit guard). A hit served after unrelated prompts
-    overwrote part of P (``evicted_tokens`` of them) reads what survived, at most what
-    was written: ``read`` names how much. ``load`` is what was in flight while an arm
-    under background traffic ran (:class:`~kvreplay.backends.traffic.Load`)."""
+    overwrote part of P (``evicted_tokens`` of them), or beside background traffic,
+    reads what survived, at most what was written: ``read`` names how much. ``load`` is
+    what was in flight while an arm under background traffic ran
+    (:class:`~kvreplay.backends.traffic.Load`)."""
 
     cached_tokens: list[int]
     first_logprobs: list[list[Any]]
@@ -67,7 +68,8 @@ class ServedReport:
         """The engine served the first request as the arm's cache condition says."""
         if self.expected_cached_tokens is None:
             return None
-        if self.evicted_tokens is not None:
+        if self.evicted_tokens is not None or self.load is not None:
+            # after an eviction or beside traffic (which can evict too): what survived
             return 0 <= self.cached_tokens[0] <= self.expected_cached_tokens
         hit = self.cached_tokens[0] == self.expected_cached_tokens
         return hit and self.blocks_read is not False
