@@ -291,7 +291,8 @@ class HttpServed:
     def traffic(self, clients: int, seed: str, prompts: Sequence[list[int]]) -> Traffic:
         slots = [self.adapter.traffic_slot(i) for i in range(clients)]
         send = self._sender(slots.__getitem__)
-        return Traffic(send, self.adapter.load, clients, seed, prompts, self.vocabulary)
+        monitor = type(self.adapter)(self.adapter.client.with_timeout(REQUEST_SECONDS))
+        return Traffic(send, monitor.load, clients, seed, prompts, self.vocabulary)
 
     def evict(self, computed: int, seed: str) -> int:
         tokens = self.adapter.eviction_tokens(computed)
