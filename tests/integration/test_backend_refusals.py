@@ -153,7 +153,7 @@ def test_a_negative_or_huge_traffic_is_refused(tmp_path: Path, tiny_dirs, value,
     assert message in output
 
 
-@pytest.mark.parametrize("command", [("run", "matched"), ("run", "resample"), ("check",)])
+@pytest.mark.parametrize("command", [("run", "matched"), ("run", "resample")])
 def test_traffic_is_refused_where_no_arm_runs_under_it(tmp_path: Path, tiny_dirs, command) -> None:
     out = tmp_path / "run"
     result = invoke(

@@ -239,3 +239,21 @@ def test_history_under_traffic_names_what_an_evicted_hit_read(
     assert invoke("report", out).exit_code == 0
     audited = invoke("audit", out, "--url", evicting, "--sample", 1)
     assert audited.exit_code == 0 and "PASS" in audited.output, audited.output
+
+
+def test_a_check_under_traffic_compares_the_hit_with_the_hit_alone_and_the_miss(
+    evicting: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_cache: Path
+) -> None:
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    result = invoke(
+        "check", "--backend", "http", "--url", evicting, "--plan", "short", "--n", "2",
+        "--dtypes", "fp16", "--companions", "0", "--traffic", "2", "--expect", "max-divergent",
+        "--max-divergent", "2", "--out", tmp_path / "check",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert re.search(
+        r"Under --traffic .*: the hit's suffix differs from the hit alone on \d of "
+        r"2 item\(s\) and from the miss on \d",
+        result.output,
+    ), result.output
+    assert (tmp_path / "check" / "history_hit_miss.csv").is_file()
