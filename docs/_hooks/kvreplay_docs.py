@@ -107,7 +107,7 @@ def backends_markdown() -> str:
     """Every built-in backend: its capabilities and the experiments it runs."""
     from kvreplay.backends import BUILTIN, backend_class
     from kvreplay.backends.base import Capabilities
-    from kvreplay.experiments.tables import EXPERIMENT_TABLES
+    from kvreplay.experiments.registry import declared
 
     names = [f.name for f in dataclasses.fields(Capabilities)]
     lines = [
@@ -117,11 +117,7 @@ def backends_markdown() -> str:
     for name in BUILTIN:
         cls = backend_class(name)
         marks = ["yes" if getattr(cls.capabilities, n) else "" for n in names]
-        runs = [
-            e
-            for e, (_, served) in EXPERIMENT_TABLES.items()
-            if cls.capabilities.kv_access or served
-        ]
+        runs = [e for e, declaration in declared().items() if declaration.runs_on(cls)]
         lines.append(f"| [{name}]({name}.md) | " + " | ".join(marks) + f" | {', '.join(runs)} |")
     return "\n".join(lines) + "\n"
 

@@ -73,6 +73,23 @@ class AuditResult:
         return not self.problems
 
 
+def _repeatable(data: dict[str, Any]) -> dict[str, Any]:
+    """A row without its arms served beside background traffic (``--traffic``): what
+    they read and decoded depends on what else the server was doing, which no
+    re-execution repeats. They stay in the hash chain, and their CSV columns are
+    re-derived from the row like every other."""
+    arms = data.get("arms")
+    if not isinstance(arms, dict):
+        return data
+    kept = {
+        name: arm
+        for name, arm in arms.items()
+        if not (isinstance(arm, dict) and isinstance(arm.get("served"), dict)
+                and "load" in arm["served"])
+    }  # fmt: skip
+    return {**data, "arms": kept}
+
+
 def _strip(data: Any) -> Any:
     if isinstance(data, dict):
         return {k: _strip(v) for k, v in data.items() if k not in UNCHECKED}
@@ -496,7 +513,7 @@ def _audit(
             recorded = row_as_written(by_key[str(unit.key)].data)
             fresh = {**data, "inputs": recorded.get("inputs", {})}
             fresh = without_unrecorded_digests(fresh, recorded)
-            for path in diff_fields(_strip(recorded), _strip(fresh)):
+            for path in diff_fields(_strip(_repeatable(recorded)), _strip(_repeatable(fresh))):
                 result.problems.append(f"row {unit.key}: field {path} differs on re-execution")
             result.rows_reexecuted += 1
     finally:

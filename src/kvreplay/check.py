@@ -24,8 +24,9 @@ from kvreplay.ledger import ITEMS, Record
 from kvreplay.verdict import SCHEMA, Expectation, StopRule, Verdict, judge, parse_expectation
 
 # The experiments a check runs: live vs prefill greedily, or the resample certificate
-# under --expect faithful (whose options, --select and --screen, a check takes too).
-GREEDY, FAITHFUL = "matched", "resample"
+# under --expect faithful (whose options, --select and --screen, a check takes too), or
+# history under --traffic N (the hit under traffic beside the hit alone and the miss).
+GREEDY, FAITHFUL, UNDER_TRAFFIC = "matched", "resample", "history"
 
 DEFAULT_ITEMS = 4
 
@@ -221,6 +222,10 @@ def run_check(
     name = FAITHFUL if expectation.kind == "faithful" else GREEDY
     if samples is not None and name != FAITHFUL:
         raise KvreplayError("--samples applies at --temperature above 0 only.")
+    if options.get("traffic") and name == FAITHFUL:
+        raise KvreplayError("--traffic applies to greedy checks only.")
+    if options.get("traffic"):  # the hit under traffic beside the hit alone and the miss
+        name = UNDER_TRAFFIC
     if name == FAITHFUL:
         if options["select"] is not None or options["screen"] is not None:
             raise KvreplayError("--select and --screen apply to greedy checks only.")
@@ -239,6 +244,8 @@ def run_check(
     planned = len(options["dtypes"]) * options["n"]
     verdict = judge(experiment, rows, expectation, _environment(ledger.manifest), planned)
     echo(verdict.screen())
+    if name == "history":
+        echo(traffic_comparison(experiment, rows))
     write_outputs(verdict, json_path, junit_path)
     pack = repro_pack(repro, verdict, out, rows, experiment, command)
     if pack is not None:
@@ -246,6 +253,22 @@ def run_check(
         echo(f"repro pack: {pack}; reproduce the first divergence with: {command}")
     echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
     return verdict
+
+
+def traffic_comparison(experiment: Experiment, rows: list[Record]) -> str:
+    """How the hit under traffic continued against the hit alone and the miss, over the
+    items whose traffic arm ran, with what the server reported in flight."""
+    ran = [x.row for x in experiment.table.lines(rows) if "traffic" in x.row.arms]  # type: ignore[misc]
+    alone = sum(row.arms["traffic"].suffix_sha256 != row.arms["hit"].suffix_sha256 for row in ran)
+    miss = sum(row.arms["traffic"].suffix_sha256 != row.arms["miss"].suffix_sha256 for row in ran)
+    loads = [row.arms["traffic"].served.load for row in ran]  # type: ignore[union-attr]
+    running = [load["server_running_max"] for load in loads if load]
+    busiest = max((r for r in running if r is not None), default=None)
+    load = f" (the server reported at most {busiest:g} requests running)" if busiest else ""
+    return (
+        f"Under --traffic{load}: the hit's suffix differs from the hit alone on {alone} of "
+        f"{len(ran)} item(s) and from the miss on {miss}; history_hit_miss.csv has each row."
+    )
 
 
 def _item_count(options: dict[str, Any], expectation: Expectation) -> int:

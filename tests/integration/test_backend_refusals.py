@@ -128,3 +128,45 @@ def test_probe_and_run_refuse_a_server_without_dev_mode(tmp_path: Path, tiny_dir
         output = refused(tmp_path, "matched", "--model", tiny_dirs["qwen2"], "--backend",
                          "http", "--url", url)  # fmt: skip
         assert "start it with VLLM_SERVER_DEV_MODE=1" in output
+
+
+@pytest.mark.parametrize("backend", ["hf", "llamacpp", "vllm"])
+def test_traffic_needs_a_server(tmp_path: Path, tiny_dirs, backend: str) -> None:
+    """--traffic on a backend with no server to send it to: one sentence saying why."""
+    output = refused(
+        tmp_path, "history", "--model", tiny_dirs["qwen2"], "--backend", backend, "--traffic", 2
+    )
+    assert len(output.strip().splitlines()) == 1, output
+    assert f"--traffic does not apply to the {backend} backend: it runs loopback clients" in output
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [(-1, "-1 is not in the range"), (17, "--traffic must be from 0 to 16 clients.")],
+)
+def test_a_negative_or_huge_traffic_is_refused(tmp_path: Path, tiny_dirs, value, message) -> None:
+    output = refused(
+        tmp_path, "history", "--model", tiny_dirs["qwen2"], "--backend", "http",
+        "--url", "http://127.0.0.1:9", "--traffic", value,
+    )  # fmt: skip
+    assert len(output.strip().splitlines()) == 1, output
+    assert message in output
+
+
+@pytest.mark.parametrize("command", [("run", "matched"), ("run", "resample")])
+def test_traffic_is_refused_where_no_arm_runs_under_it(tmp_path: Path, tiny_dirs, command) -> None:
+    out = tmp_path / "run"
+    result = invoke(
+        *command, "--model", tiny_dirs["qwen2"], "--backend", "http",
+        "--url", "http://127.0.0.1:9", "--traffic", 2, "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert "--traffic applies to history;" in result.output
+
+
+def test_history_needs_a_server(tmp_path: Path, tiny_dirs) -> None:
+    output = refused(tmp_path, "history", "--model", tiny_dirs["qwen2"])
+    assert (
+        "history needs --traffic, which the hf backend does not take; run it with --backend http."
+        in output
+    )

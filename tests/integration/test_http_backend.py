@@ -170,6 +170,28 @@ def test_matched_rows_hold_a_verified_hit_and_a_miss(http_run: Path) -> None:
     assert "url" not in json.dumps(backend)  # the address is not part of the contract
 
 
+def test_history_records_the_load_vllm_reports_and_what_each_hit_read(server, tmp_path) -> None:
+    """history on vllm serve: the traffic arm ran beside two clients, with the running
+    requests and cache usage vLLM's /metrics reported; the warm prefill is read whole;
+    the evicted hit read at most what was written, the row says how much (this server's
+    pool is larger than the bounded eviction fills, so part or all of P may survive)."""
+    url, model = server
+    out = tmp_path / "history"
+    result = run(url, model, out, "history", "--n", 2, "--traffic", 2)
+    assert result.exit_code == 0, result.output
+    for row in rows(out):
+        arms = {name: arm["served"] for name, arm in row["arms"].items()}
+        load = arms["traffic"]["load"]
+        assert load["clients"] == 2 and load["sent"] >= 1 and load["polls"] >= 1
+        assert load["server_running_max"] is not None and load["kv_cache_usage_max"] is not None
+        for name in ("hit", "traffic", "warm"):
+            assert arms[name]["cached_tokens"][0] == arms[name]["expected_cached_tokens"] > 0
+        evicted = arms["evicted"]
+        assert 0 <= evicted["cached_tokens"][0] <= evicted["expected_cached_tokens"]
+        assert evicted["evicted_tokens"] > 0
+    assert invoke("analyze", out).exit_code == 0
+
+
 def test_analyze_report_and_audit_against_the_server(http_run: Path, server, tmp_path) -> None:
     assert invoke("analyze", http_run).exit_code == 0
     assert invoke("report", http_run).exit_code == 0

@@ -190,3 +190,70 @@ def test_the_core_install_runs_checks_and_audits_the_same_rows(
                    "--json", verdict)  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert json.loads(verdict.read_text())["verdict"] == "holds"
+
+
+@pytest.fixture(scope="module")
+def evicting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second, small llama-server (starts in seconds): slots for the arm and two traffic
+    clients, --metrics, and no host-memory prompt cache (--cache-ram 0), which would
+    otherwise restore an evicted slot's state."""
+    folder = tmp_path_factory.mktemp("llama-server-evicting")
+    with llama_server(folder, "--parallel", "3", "--metrics", "--cache-ram", "0") as url:
+        yield url
+
+
+def test_history_under_traffic_names_what_an_evicted_hit_read(
+    evicting: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_cache: Path
+) -> None:
+    """history end to end: the traffic arm ran beside two clients and the server's own
+    count of busy requests; the unrelated prompts on the arm's slot evicted P, and the row
+    says how many cached tokens the hit still read (none or part, never all); the warm
+    prefill is read whole; the CSV, analysis, report and audit follow from the rows."""
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    out = tmp_path / "history"
+    result = invoke(
+        "run", "history", "--backend", "http", "--url", evicting, "--plan", "short",
+        "--n", "2", "--dtypes", "fp16", "--companions", "0", "--traffic", "2", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    with (out / "history_hit_miss.csv").open(newline="") as handle:
+        lines = list(csv.DictReader(handle))
+    rows = {r["data"]["item_id"]: r["data"] for r in read_rows(out)}
+    assert len(lines) == 2
+    for line in lines:
+        arms = rows[line["row_id"]]["arms"]
+        assert line["hit_read"] == "all" and line["miss_cached_tokens"] == "0"
+        assert line["warm_read"] == "all"
+        evicted = arms["evicted"]["served"]
+        assert line["evicted_read"] in ("none", "part"), line
+        assert int(line["evicted_cached_tokens"]) == evicted["cached_tokens"][0]
+        assert int(line["evicted_cached_tokens"]) < int(line["evicted_expected_cached_tokens"])
+        assert int(line["evicted_tokens"]) >= int(line["evicted_expected_cached_tokens"])
+        load = arms["traffic"]["served"]["load"]
+        assert line["traffic_clients"] == "2" and int(line["traffic_sent"]) == load["sent"] >= 1
+        assert load["completed"] + load["failed"] == load["sent"]
+        assert load["server_running_max"] is not None and load["polls"] >= 1
+        assert line["integrity_pass"] == "true"
+    print("history on llama-server:", [(x["evicted_read"], x["traffic_equal_hit"]) for x in lines])
+    assert invoke("analyze", out).exit_code == 0
+    assert invoke("report", out).exit_code == 0
+    audited = invoke("audit", out, "--url", evicting, "--sample", 1)
+    assert audited.exit_code == 0 and "PASS" in audited.output, audited.output
+
+
+def test_a_check_under_traffic_compares_the_hit_with_the_hit_alone_and_the_miss(
+    evicting: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_cache: Path
+) -> None:
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    result = invoke(
+        "check", "--backend", "http", "--url", evicting, "--plan", "short", "--n", "2",
+        "--dtypes", "fp16", "--companions", "0", "--traffic", "2", "--expect", "max-divergent",
+        "--max-divergent", "2", "--out", tmp_path / "check",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert re.search(
+        r"Under --traffic .*: the hit's suffix differs from the hit alone on \d of "
+        r"2 item\(s\) and from the miss on \d",
+        result.output,
+    ), result.output
+    assert (tmp_path / "check" / "history_hit_miss.csv").is_file()

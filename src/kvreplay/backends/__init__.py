@@ -61,7 +61,10 @@ def make_backend(name: str = "hf", **settings: Any) -> Backend:
     for key in settings:
         if key not in own:
             flag = "--" + key.replace("_", "-")
-            raise KvreplayError(f"{flag} does not apply to the {name} backend.")
+            why = setting_options().get(key, {}).get("elsewhere")
+            raise KvreplayError(
+                f"{flag} does not apply to the {name} backend{f': {why}' if why else ''}."
+            )
     return cls(**settings)
 
 

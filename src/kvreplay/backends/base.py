@@ -51,9 +51,10 @@ SERVED = Capabilities(
 )
 
 
-def option(flag: str, help: str) -> dict[str, str]:
-    """A settings field's metadata: the CLI flag that sets it and its help."""
-    return {"option": flag, "help": help}
+def option(flag: str, help: str, elsewhere: str = "") -> dict[str, str]:
+    """A settings field's metadata: the CLI flag that sets it, its help, and why another
+    backend does not take it (said when it is given to one)."""
+    return {"option": flag, "help": help, **({"elsewhere": elsewhere} if elsewhere else {})}
 
 
 def companions_setting() -> Any:
@@ -108,6 +109,12 @@ class Backend:
     @property
     def kv_access(self) -> bool:
         return self.capabilities.kv_access
+
+    @property
+    def traffic_clients(self) -> int:
+        """Background traffic clients per arm that takes traffic (``--traffic``): a
+        backend with a server to send them to says how many."""
+        return 0
 
     def runs_served(self, has_served_form: bool) -> bool:
         """Whether an experiment runs here as served panels: a serving engine serves the

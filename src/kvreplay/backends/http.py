@@ -20,7 +20,7 @@ asks the server who it is.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,6 +30,7 @@ from kvreplay.backends import load
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import Reply, Request, served_stage
 from kvreplay.backends.server import Client, Probe, ServerAdapter, parse_address
+from kvreplay.backends.traffic import NEW_TOKENS, REQUEST_SECONDS, Traffic, check_clients, evict
 from kvreplay.errors import KvreplayError
 
 if TYPE_CHECKING:
@@ -86,6 +87,17 @@ class HttpBackend(Backend):
         default=600.0, metadata=option("--timeout", "Seconds to wait for one response.")
     )
     companions: int = companions_setting()
+    traffic: int = field(
+        default=0,
+        metadata=option(
+            "--traffic",
+            "Loopback clients sending other prompts to the server while an arm that takes "
+            "traffic runs (history; 0: none).",
+            elsewhere="it runs loopback clients against a server, and this backend has none "
+            "(the in-process vllm engine serves one request list per step, so nothing could "
+            "arrive beside an arm); use --backend http",
+        ),
+    )
     recorded: dict[str, Any] | None = None  # the identity a resumed or audited run recorded
 
     def validate(self) -> None:
@@ -97,6 +109,11 @@ class HttpBackend(Backend):
             raise KvreplayError("--timeout must be from 0 to 86400 seconds.")
         if not 0 <= self.companions <= 64:
             raise KvreplayError("--companions must be from 0 to 64.")
+        check_clients(self.traffic)
+
+    @property
+    def traffic_clients(self) -> int:
+        return self.traffic
 
     @cached_property
     def adapter(self) -> ServerAdapter:
@@ -113,6 +130,7 @@ class HttpBackend(Backend):
             "server": self.probe.server,
             "identity": self.probe.identity,
             "companions": self.companions,
+            **({"traffic": self.traffic} if self.traffic else {}),
             "kv_access": False,
         }
 
@@ -126,6 +144,7 @@ class HttpBackend(Backend):
         return cls(
             server=data["server"],
             companions=data["companions"],
+            traffic=data.get("traffic", 0),
             recorded=data["identity"],
             **connection,
         )
@@ -155,11 +174,12 @@ class HttpBackend(Backend):
         for precision in dtypes:
             self.check_precision(precision)
         slots = self.probe.identity["settings"].get("total_slots")
-        if slots is not None and self.companions >= slots:
+        if slots is not None and self.companions + self.traffic >= slots:
+            traffic = f" and {self.traffic} traffic clients" if self.traffic else ""
             raise KvreplayError(
-                f"The server at {self.url} has {slots} slot(s) for an arm and its "
-                f"{self.companions} companions; start it with --parallel "
-                f"{self.companions + 1} or pass --companions {slots - 1}."
+                f"The server at {self.url} has {slots} slot(s) for an arm, its "
+                f"{self.companions} companions{traffic}; start it with --parallel "
+                f"{self.companions + self.traffic + 1} or pass fewer."
             )
 
     def check_tokenization(
@@ -252,3 +272,29 @@ class HttpServed:
             return [one(0, requests[0])]
         with ThreadPoolExecutor(max_workers=len(requests)) as pool:
             return list(pool.map(one, range(len(requests)), requests))
+
+    def _sender(self, slots: Callable[[int], int]) -> Callable[[list[int], int], None]:
+        """Sends a prompt for a short greedy completion on the slot a client maps to,
+        through its own client with a short timeout: bounded like every request."""
+        from kvreplay.sampler import Sampler
+        from kvreplay.stages import Stage
+
+        adapter = type(self.adapter)(self.adapter.client.with_timeout(REQUEST_SECONDS))
+        stage = Stage("traffic", NEW_TOKENS)
+
+        def send(prompt: list[int], client: int) -> None:
+            request = Request(prompt[: self.context_length - NEW_TOKENS - 1], stage, Sampler())
+            adapter.complete(self.model, request, self.eos_token_ids, slots(client))
+
+        return send
+
+    def traffic(self, clients: int, seed: str, prompts: Sequence[list[int]]) -> Traffic:
+        slots = [self.adapter.traffic_slot(i) for i in range(clients)]
+        send = self._sender(slots.__getitem__)
+        monitor = type(self.adapter)(self.adapter.client.with_timeout(REQUEST_SECONDS))
+        return Traffic(send, monitor.load, clients, seed, prompts, self.vocabulary)
+
+    def evict(self, computed: int, seed: str) -> int:
+        tokens = self.adapter.eviction_tokens(computed)
+        longest = min(self.context_length - NEW_TOKENS - 1, max(tokens // 4, 1))
+        return evict(self._sender(lambda _: 0), tokens, longest, seed, self.vocabulary)

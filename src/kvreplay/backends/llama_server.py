@@ -12,8 +12,10 @@ from typing import Any, ClassVar
 
 from kvreplay.backends.answers import MAX_COUNT
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
-from kvreplay.backends.server import Client, Probe, answer_limit
+from kvreplay.backends.server import Client, Probe, answer_limit, metric_sums
 
+# What llama-server's /metrics (--metrics) says is in flight, by kvreplay's names.
+LLAMA_LOAD = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
 MAX_PATH = 4096  # characters of the model path the server reports (its name is recorded)
 
 
@@ -129,3 +131,25 @@ class LlamaServer:
         )
         tokens = [t.integer() for t in answer["tokens"].list()]
         return tokens, steps, completion, answer["timings"]["cache_n"].integer()
+
+    def load(self) -> dict[str, float]:
+        """From ``/metrics`` where the server was started with ``--metrics``, else the
+        slots busy now (``/slots``)."""
+        status, text = self.client.text("/metrics")
+        if status == 200:
+            return metric_sums(text, LLAMA_LOAD)
+        status, slots = self.client.call("GET", "/slots")
+        if status != 200 or slots.value is None:
+            return {}
+        busy = [slot.get("is_processing") for slot in slots.list()]
+        return {"running": float(sum(b is not None and b.value is True for b in busy))}
+
+    def traffic_slot(self, client: int) -> int:
+        """The slots from the last down: the arm's is 0 and companions' the next ones
+        (the server needs --parallel above the arm, its companions and the traffic)."""
+        slots = self.client.ok("GET", "/props")["total_slots"].integer(1, MAX_COUNT)
+        return slots - 1 - client
+
+    def eviction_tokens(self, computed: int) -> int:
+        """One unrelated prompt as long as P on the arm's slot replaces what it holds."""
+        return computed

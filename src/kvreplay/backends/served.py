@@ -18,6 +18,7 @@ from kvreplay.stages import Stage
 from kvreplay.trajectory import step_digest
 
 if TYPE_CHECKING:  # decode imports torch; a backend's settings must not
+    from kvreplay.backends.traffic import Traffic
     from kvreplay.sampler import Sampler
     from kvreplay.stages import StopDetector
     from kvreplay.trajectory import Segment
@@ -61,6 +62,13 @@ class ServedModel(Protocol):
 
     def serve(self, requests: Sequence[Request]) -> list[Reply]:
         """Serve requests together, so that they may share batches."""
+
+    def traffic(self, clients: int, seed: str, prompts: Sequence[list[int]]) -> Traffic:
+        """Background traffic for the duration of a ``with`` block (a server backend)."""
+
+    def evict(self, computed: int, seed: str) -> int:
+        """Send unrelated prompts that overwrite part of the ``computed`` tokens of P the
+        arm's requests wrote; the tokens sent."""
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,15 @@ class Client:
         value, _ = _parsed(raw)
         return status, Answer(value, self._where(method, path))
 
+    def text(self, path: str, limit: int = MAX_ANSWER) -> tuple[int, str]:
+        """(status, the body as text) of a GET whose answer is not JSON (``/metrics``)."""
+        status, raw = self._exchange("GET", path, None, limit)
+        return status, raw.decode("utf-8", "replace")
+
+    def with_timeout(self, timeout: float) -> Client:
+        """The same server and key, each request bounded by ``timeout`` seconds."""
+        return Client(self.url, timeout, self._secret)
+
     def ok(self, method: str, path: str, body: Any = None, limit: int = MAX_ANSWER) -> Answer:
         """The answer of a request that must succeed with JSON."""
         status, raw = self._exchange(method, path, body, limit)
@@ -216,6 +225,38 @@ class Client:
             f"The server at {self.url} did not answer {method} {path} within "
             f"{self.timeout:g} seconds (--timeout)."
         )
+
+
+PROMETHEUS_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+PROMETHEUS_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A Prometheus text exposition (``/metrics``) as each metric's samples (labels,
+    value); lines that are not a well-formed sample are skipped."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        match = PROMETHEUS_SAMPLE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        labels = dict(PROMETHEUS_LABEL.findall(match.group(2) or ""))
+        samples.setdefault(match.group(1), []).append((labels, value))
+    return samples
+
+
+def metric_sums(text: str, names: dict[str, str]) -> dict[str, float]:
+    """Each wanted metric (Prometheus name -> kvreplay's name) summed over its samples,
+    for the metrics the server reports."""
+    samples = prometheus(text)
+    return {
+        ours: sum(value for _, value in samples[theirs])
+        for theirs, ours in names.items()
+        if theirs in samples
+    }
 
 
 def _parsed(raw: bytes) -> tuple[Any, str | None]:
@@ -310,4 +351,17 @@ class ServerAdapter(Protocol):
         self, model: str, request: Request, eos: Sequence[int], slot: int
     ) -> tuple[list[int], list[list[tuple[int, float]]], Completion, int]:
         """Tokens, each step's top logprobs, why it stopped, cached prompt tokens."""
+        ...
+
+    def load(self) -> dict[str, float]:
+        """What the server reports in flight now (:data:`kvreplay.backends.traffic.Sample`)."""
+        ...
+
+    def traffic_slot(self, client: int) -> int:
+        """The slot a traffic client's requests go to: never the arm's or a companion's."""
+        ...
+
+    def eviction_tokens(self, computed: int) -> int:
+        """Tokens of unrelated prompts, sent on the arm's slot after it wrote P's
+        ``computed`` tokens, that overwrite part of them."""
         ...

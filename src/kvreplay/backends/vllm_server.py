@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from kvreplay.backends.answers import MAX_COUNT, Answer, shown
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
-from kvreplay.backends.server import Client, Probe, answer_limit
+from kvreplay.backends.server import Client, Probe, answer_limit, metric_sums, prometheus
 from kvreplay.errors import KvreplayError
 
 # The server settings that can change a served row's numerics, as vLLM's
@@ -32,6 +32,14 @@ VLLM_SETTINGS = (
 )
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
+
+# What vLLM's /metrics says is in flight, by kvreplay's names (vllm/v1/metrics/loggers.py).
+VLLM_LOAD = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:num_preemptions_total": "preemptions",
+}
 
 # Settings kvreplay computes with: counts that must be positive integers.
 COUNTS = ("block_size", "max_model_len")
@@ -148,6 +156,25 @@ class VllmServer:
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].integer()
         return tokens, steps, completion, cached
 
+    def load(self) -> dict[str, float]:
+        status, text = self.client.text("/metrics")
+        return metric_sums(text, VLLM_LOAD) if status == 200 else {}
+
+    def traffic_slot(self, client: int) -> int:
+        return 0  # vLLM has no slots: the scheduler places every request
+
+    def eviction_tokens(self, computed: int) -> int:
+        """The pool less half of P: the free blocks are used first, then P's least
+        recently used ones (its tail blocks first), so about half of P's blocks go."""
+        status, text = self.client.text("/metrics")
+        pool = _pool_tokens(text) if status == 200 else None
+        if pool is None:
+            raise KvreplayError(
+                f"The server at {self.client.url} does not report its K/V pool's size "
+                "(vllm:cache_config_info in /metrics), so no eviction can be sized."
+            )
+        return max(pool - computed // 2, 1)
+
 
 def _top(step: Answer) -> list[tuple[int, float]]:
     """One step's top logprobs, best first; vLLM names each token ``token_id:N``."""
@@ -160,3 +187,12 @@ def _top(step: Answer) -> list[tuple[int, float]]:
             step.refuse(f"names a token {shown(key)}, not token_id:N")
         top.append((int(number), logprob.number()))
     return sorted(top, key=lambda x: -x[1])
+
+
+def _pool_tokens(text: str) -> int | None:
+    """The K/V pool's size in tokens, from ``vllm:cache_config_info``'s labels."""
+    for labels, _ in prometheus(text).get("vllm:cache_config_info", []):
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if blocks.isdigit() and size.isdigit():
+            return int(blocks) * int(size)
+    return None

@@ -34,7 +34,8 @@ def option(
 class Declaration:
     """One experiment: its name and summary (``kvreplay run NAME --help``), its class
     and, where a backend without K/V access runs it as served panels, its served class
-    and table; its own options; its section where the experiment is one package."""
+    and table; its own options; its section where the experiment is one package; the
+    backend setting it needs where only some backends run it (history: ``traffic``)."""
 
     name: str
     summary: str
@@ -48,6 +49,14 @@ class Declaration:
     temperature: float = 0.0  # its default --temperature (one that samples by nature)
     default_n: str = "all"  # what --n is when not given, as its help says it
     section: Section | None = None  # its part of claims and report (None: listed in analysis)
+    needs: str | None = None  # a backend setting it cannot run without (None: any backend)
+
+    def runs_on(self, backend_cls: Any) -> bool:
+        """Whether a backend of this class runs it: it has the K/V access, the served
+        form or the setting the experiment needs."""
+        if self.needs is not None and self.needs not in backend_cls.settings():
+            return False
+        return backend_cls.capabilities.kv_access or self.served is not None
 
     def option_fields(self) -> dict[str, dict[str, Any]]:
         """Each own option's field name -> flag, help, choices, type and default."""

@@ -23,6 +23,7 @@ BUILTIN: tuple[str, ...] = (
     "kvreplay.experiments.transplant:DECLARATION",
     "kvreplay.experiments.resample:DECLARATION",
     "kvreplay.experiments.localize:DECLARATION",
+    "kvreplay.experiments.history:DECLARATION",
 )
 GROUP = "kvreplay.experiments"
 
@@ -65,6 +66,14 @@ def get_experiment(
     declaration = experiments[name]
     if backend is None:
         return experiment_at(declaration.experiment)
+    if declaration.needs is not None and declaration.needs not in backend.settings():
+        with_it = {b: backend_class(b).settings() for b in registry()}
+        with_it = {b: s[declaration.needs] for b, s in with_it.items() if declaration.needs in s}
+        flag = next(iter(with_it.values()))["option"]
+        raise KvreplayError(
+            f"{name} needs {flag}, which the {backend.name} backend does not take; run it "
+            f"with --backend {' or '.join(with_it)}."
+        )
     served = backend.runs_served(declaration.served is not None)
     if served and declaration.served is None:
         with_kv = [b for b in registry() if backend_class(b).capabilities.kv_access]
@@ -73,9 +82,16 @@ def get_experiment(
             f"not expose; run it with --backend {with_kv[0]} (the {backend.name} backend runs "
             f"{', '.join(sorted(k for k, d in experiments.items() if d.served))})."
         )
+    experiment = experiment_at(declaration.served if served else declaration.experiment)
+    if backend.traffic_clients and not any(
+        getattr(arm, "traffic", False) for arm in experiment.panel.arms
+    ):
+        raise KvreplayError(
+            f"--traffic applies to history; {name} has no arm that runs under traffic."
+        )
     if require_engine:
         backend.check_ready()
-    return experiment_at(declaration.served if served else declaration.experiment)
+    return experiment
 
 
 def recorded_experiment(name: str, manifest: dict[str, Any]) -> Experiment | None:

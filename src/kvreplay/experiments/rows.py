@@ -48,7 +48,11 @@ class ServedReport:
     the items whose requests shared its batches. An arm continued from a state written
     into an engine's blocks (design: block K/V) reports the tokens of P those blocks
     cover as its expected cached tokens, and ``blocks_read``: its first request read
-    exactly the blocks written (the hit guard)."""
+    exactly the blocks written (the hit guard). A hit served after unrelated prompts
+    overwrote part of P (``evicted_tokens`` of them), or beside background traffic,
+    reads what survived, at most what was written: ``read`` names how much. ``load`` is
+    what was in flight while an arm under background traffic ran
+    (:class:`~kvreplay.backends.traffic.Load`)."""
 
     cached_tokens: list[int]
     first_logprobs: list[list[Any]]
@@ -56,14 +60,28 @@ class ServedReport:
     prefix_reproduced: bool | None = None
     companions: list[str] | None = None
     blocks_read: bool | None = None
+    evicted_tokens: int | None = None
+    load: dict[str, Any] | None = None
 
     @property
     def condition_met(self) -> bool | None:
         """The engine served the first request as the arm's cache condition says."""
         if self.expected_cached_tokens is None:
             return None
+        if self.evicted_tokens is not None or self.load is not None:
+            # after an eviction or beside traffic (which can evict too): what survived
+            return 0 <= self.cached_tokens[0] <= self.expected_cached_tokens
         hit = self.cached_tokens[0] == self.expected_cached_tokens
         return hit and self.blocks_read is not False
+
+    @property
+    def read(self) -> str | None:
+        """How much of what the arm's history wrote its first request read: ``all``,
+        ``part`` or ``none`` (a "hit" that read none was a miss); None for a miss."""
+        if not self.expected_cached_tokens:
+            return None
+        cached = self.cached_tokens[0]
+        return "all" if cached >= self.expected_cached_tokens else "part" if cached else "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

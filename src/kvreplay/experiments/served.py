@@ -11,7 +11,13 @@ steps*; only the tail block is recomputed. That is the serving form of live vs p
   the truest live state a serving engine has (only where no opener or stop string sits
   at the boundary);
 - a ``companions`` arm is a hit whose every request shares the batch with other items'
-  requests (the paper's batch-composition control).
+  requests (the paper's batch-composition control);
+- a ``traffic`` arm runs while loopback clients send other prompts to the server
+  (``--traffic N``, :mod:`kvreplay.backends.traffic`); its row records the load;
+- a hit's ``history`` says which requests wrote the P blocks it reads: ``decode``, the
+  generation that decoded through P (the hit above); ``warm``, one earlier one-shot
+  prefill of P; ``evicted``, the decoding generation followed by unrelated prompts that
+  overwrote part of P's blocks (the guard then records what the hit actually read).
 
 Every request of an arm after the first is served as the engine would serve a
 multi-turn conversation: from the blocks the arm itself wrote. A resampled panel serves
@@ -32,6 +38,7 @@ and cached-token counts; a hit must read every full block of the P its rewrite c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -53,22 +60,30 @@ if TYPE_CHECKING:
     from kvreplay.experiments.panel import Panel, Replica
 
 Condition = Literal["hit", "miss", "uninterrupted"]
+History = Literal["decode", "warm", "evicted"]
 
 
 @dataclass(frozen=True)
 class ServedArm:
     """A declared served arm: its cache condition, whether it has a replica served
-    under the same condition (``replica`` or ``none``), and whether its requests share
-    batches with companions."""
+    under the same condition (``replica`` or ``none``), whether its requests share
+    batches with companions, which history wrote a hit's blocks, and whether it runs
+    under background traffic."""
 
     name: str
     condition: Condition
     replica: Replica = "replica"
     companions: bool = False
+    history: History = "decode"
+    traffic: bool = False
 
     @property
     def construction(self) -> str:
         name = "uninterrupted" if self.condition == "uninterrupted" else f"cache-{self.condition}"
+        if self.history != "decode":
+            name = f"{name}-{self.history}"
+        if self.traffic:
+            name = f"{name}-traffic"
         return f"{name}-batched" if self.companions else name
 
 
@@ -136,12 +151,17 @@ def serve_arm(
     plan = config.plan
     if arm.condition == "uninterrupted":
         return _uninterrupted(served, ids, prefix, plan, sampler)
-    reproduced, expected = None, 0
-    if arm.condition == "hit":
+    reproduced, expected, evicted = None, 0, None
+    if arm.condition == "hit" and arm.history == "warm":
+        _warm(served, prefix, config.sampler)
+        expected = config.backend.expected_hit(len(prefix.token_ids) - 1)
+    elif arm.condition == "hit":
         reproduced = generate_prefix(served, ids, plan, config.sampler).token_ids == (
             prefix.token_ids
         )
         expected = config.backend.expected_hit(computed_tokens(prefix))
+        if arm.history == "evicted":
+            evicted = served.evict(computed_tokens(prefix), str(config.sampler.seed))
         if restored:
             served.round_trip()
     segments, report = serve_stages(
@@ -153,7 +173,15 @@ def serve_arm(
         companions=companions if arm.companions else (),
     )
     report.prefix_reproduced, report.expected_cached_tokens = reproduced, expected
+    report.evicted_tokens = evicted
     return segments, report
+
+
+def _warm(served: ServedModel, prefix: Prefix, sampler: Sampler) -> None:
+    """A one-shot prefill of P (a request for one token): what a warm cache holds."""
+    from kvreplay.backends.served import Request
+
+    served.serve([Request(list(prefix.token_ids), Stage("warm", 1), sampler)])
 
 
 def _arm_result(
@@ -204,11 +232,16 @@ def run_served_panel(
     mates = unit.inputs.get("companions", [])
     companion_ids = [encode_prompt(served.tokenizer, m["prompt"], config.chat) for m in mates]
     companions = [m["item_id"] for m in mates]
+    others = [
+        encode_prompt(served.tokenizer, m["prompt"], config.chat)
+        for m in unit.inputs.get("traffic", [])
+    ]
+    clients = config.backend.traffic_clients
     results: dict[str, list[ArmResult]] = {}
     for arm in panel.arms:
         if arm.condition == "uninterrupted" and not straight_through(config.plan, prefix):
             continue
-        if arm.companions and not mates:
+        if (arm.companions and not mates) or (arm.traffic and not clients):
             continue
         for name in [arm.name] + ([replica_name(arm.name)] if arm.replica == "replica" else []):
             restored = name != arm.name and arm.condition == "hit" and served.restores
@@ -217,10 +250,18 @@ def run_served_panel(
             results[name] = []
             for seed in seeds:
                 sampler = replace(config.sampler, seed=seed)
-                with clock.model():
+                with clock.model(), ExitStack() as stack:
+                    background = f"{unit.item.id}:{seed}"  # the traffic's own seed
+                    traffic = (
+                        stack.enter_context(served.traffic(clients, background, others))
+                        if arm.traffic
+                        else None
+                    )
                     run = serve_arm(
                         served, arm, ids, prefix, config, sampler, companion_ids, restored
                     )
+                if traffic is not None:
+                    run[1].load = traffic.load.to_dict()
                 results[name].append(
                     _arm_result(worker, served, unit, arm, run, prefix, companions, construction)
                 )

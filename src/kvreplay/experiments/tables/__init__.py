@@ -26,7 +26,7 @@ def tables() -> tuple[Table, ...]:
     """Every table: the experiments', then the paper release's."""
     pairs = experiment_tables().values()
     return (
-        *(table for pair in pairs for table in pair if table is not None),
+        *dict.fromkeys(table for pair in pairs for table in pair if table is not None),
         HISTORICAL_TABLE,
         STOCK_TABLE,
     )

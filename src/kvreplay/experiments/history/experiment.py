@@ -1,0 +1,95 @@
+"""``history``: do continuations depend on which history wrote the cached blocks they
+read, or on what else the server was doing? (``history_hit_miss.csv``)
+
+Per item and precision, on a server (the http backend), the same hit request for P's
+first suffix stage is served after different histories (see
+:mod:`kvreplay.experiments.served`), each from a reset cache:
+
+- ``hit``: P's blocks written by the generation that decoded through P (with a replica);
+- ``miss``: none (a one-shot prefill of P; with a replica);
+- ``traffic``: the hit while ``--traffic N`` loopback clients send other items' prompts
+  and random-token prompts (:mod:`kvreplay.backends.traffic`), the load recorded;
+- ``warm``: P's blocks written by an earlier one-shot prefill of P;
+- ``evicted``: the hit after unrelated prompts overwrote part of P's blocks; the row says
+  how many cached tokens the hit actually read (all, part or none of them).
+
+Its CSV is declared in :mod:`kvreplay.experiments.history.table`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvreplay.experiments.experiment import Experiment, planned_keys
+from kvreplay.experiments.history.table import HISTORY, HISTORY_TABLE
+from kvreplay.experiments.panel import Panel
+from kvreplay.experiments.scope import Scope, Selection
+from kvreplay.experiments.served import ServedArm, run_served_panel
+from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.items import Item
+from kvreplay.ledger import Record
+
+TRAFFIC_PROMPTS = 8
+"""Other items whose prompts the traffic clients send (beside random-token prompts)."""
+
+
+class History(Experiment):
+    """The hit after different histories; a server's experiment (the http backend)."""
+
+    name = HISTORY
+    served = True
+    panel = Panel(
+        (
+            ServedArm("hit", "hit"),
+            ServedArm("miss", "miss"),
+            ServedArm("traffic", "hit", replica="none", traffic=True),
+            ServedArm("warm", "hit", replica="none", history="warm"),
+            ServedArm("evicted", "hit", replica="none", history="evicted"),
+        )
+    )
+    table = HISTORY_TABLE
+
+    def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
+        return items[:n]
+
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
+        return {"dtypes": list(scope.dtypes), "item_ids": [item.id for item in selection.items]}
+
+    def units(
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
+    ) -> list[Unit]:
+        items = {item.id: item for item in selection.items}
+        derived = self.derived_inputs(self.config(scope, selection), scope.config, items)
+        return [
+            Unit(key, item, dtype, derived[str(key)])
+            for dtype in scope.dtypes
+            for item in selection.items
+            if (key := UnitKey(self.name, item.id, dtype))
+        ]
+
+    def derived_inputs(
+        self, config: dict[str, Any], run: Any, items: dict[str, Item]
+    ) -> dict[str, dict[str, Any]]:
+        """The next items of the selection, in turn, as the prompts traffic sends."""
+        selected = [items[i] for i in config["item_ids"]]
+        k = min(TRAFFIC_PROMPTS, len(selected) - 1)
+        return {
+            str(UnitKey(self.name, item.id, dtype)): {
+                "traffic": [
+                    {"item_id": other.id, "prompt": other.prompt}
+                    for other in (selected[(i + step) % len(selected)] for step in range(1, k + 1))
+                ]
+            }
+            for dtype in config["dtypes"]
+            for i, item in enumerate(selected)
+        }
+
+    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+        return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
+
+    def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
+        row, prefix = run_served_panel(worker, unit, clock, self.panel)
+        if row is None:
+            return {"item_id": unit.item.id, "precision": unit.precision, "status": "unreached",
+                    **prefix}  # fmt: skip
+        return row.to_dict()
