@@ -19,6 +19,8 @@ from kvreplay.jsonio import MAX_DEPTH, JsonError, parse_json
         ("[" + "7" * 65 + "]", "an integer has 65 digits"),
         ("[1.8e308]", "too large for a float"),  # a 3-digit exponent: checked per number
         ("[" + "9" * 309 + ".0]", "too large for a float"),  # as many digits, no exponent
+        (" -2E+0400", "too large for a float"),  # a number alone, its exponent padded
+        ('{"digest": "5e123", "x": [1, \n 9.5e307, 1e310]}', "too large for a float"),
         ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "nested deeper than"),
         ('{"a": ' * (MAX_DEPTH + 1) + "1" + "}" * (MAX_DEPTH + 1), "nested deeper than"),
         (b"\xff[]", "not UTF-8"),
