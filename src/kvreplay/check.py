@@ -29,6 +29,11 @@ from kvreplay.verdict import SCHEMA, Expectation, StopRule, Verdict, judge, pars
 GREEDY, FAITHFUL, UNDER_TRAFFIC = "matched", "resample", "history"
 
 DEFAULT_ITEMS = 4
+# What a check reports of the server's load under traffic (backends.traffic.Load).
+LOAD_FIGURES = (
+    "in_flight_max", "server_running_max", "server_waiting_max", "kv_cache_usage_max",
+    "preemptions",
+)  # fmt: skip
 
 
 def repro_pack(
@@ -243,9 +248,8 @@ def run_check(
     rows = [r for r in records if r.experiment == name]
     planned = len(options["dtypes"]) * options["n"]
     verdict = judge(experiment, rows, expectation, _environment(ledger.manifest), planned)
+    verdict.traffic_load = traffic_load(experiment, rows)
     echo(verdict.screen())
-    if name == "history":
-        echo(traffic_comparison(experiment, rows))
     write_outputs(verdict, json_path, junit_path)
     pack = repro_pack(repro, verdict, out, rows, experiment, command)
     if pack is not None:
@@ -255,20 +259,23 @@ def run_check(
     return verdict
 
 
-def traffic_comparison(experiment: Experiment, rows: list[Record]) -> str:
-    """How the hit under traffic continued against the hit alone and the miss, over the
-    items whose traffic arm ran, with what the server reported in flight."""
-    ran = [x.row for x in experiment.table.lines(rows) if "traffic" in x.row.arms]  # type: ignore[misc]
-    alone = sum(row.arms["traffic"].suffix_sha256 != row.arms["hit"].suffix_sha256 for row in ran)
-    miss = sum(row.arms["traffic"].suffix_sha256 != row.arms["miss"].suffix_sha256 for row in ran)
-    loads = [row.arms["traffic"].served.load for row in ran]  # type: ignore[union-attr]
-    running = [load["server_running_max"] for load in loads if load]
-    busiest = max((r for r in running if r is not None), default=None)
-    load = f" (the server reported at most {busiest:g} requests running)" if busiest else ""
-    return (
-        f"Under --traffic{load}: the hit's suffix differs from the hit alone on {alone} of "
-        f"{len(ran)} item(s) and from the miss on {miss}; history_hit_miss.csv has each row."
-    )
+def traffic_load(experiment: Experiment, rows: list[Record]) -> dict[str, Any] | None:
+    """The most the server reported in flight while an arm ran under traffic, over the
+    rows (each figure's maximum; None: no arm ran under traffic)."""
+    arms = [a.name for a in experiment.panel.arms if getattr(a, "traffic", False)]
+    loads = [
+        load
+        for x in experiment.table.lines(rows)
+        for arm in arms
+        if (result := x.row.arms.get(arm)) is not None  # type: ignore[attr-defined]
+        and (load := result.served.load)
+    ]
+    if not loads:
+        return None
+    return {
+        k: max((v for load in loads if (v := load[k]) is not None), default=None)
+        for k in LOAD_FIGURES
+    }
 
 
 def _item_count(options: dict[str, Any], expectation: Expectation) -> int:

@@ -362,7 +362,7 @@ CHECK_OPTIONS = [
                  help="Seeded samples per item at --temperature > 0 (default 8)."),
     *_greedy_options(),
     click.option("--json", "json_path", type=UserPath(path_type=Path, dir_okay=False),
-                 default=None, help="Write the verdict as JSON (schema kvreplay-check-v2)."),
+                 default=None, help="Write the verdict as JSON (schema kvreplay-check-v3)."),
     click.option("--junit", "junit_path", type=UserPath(path_type=Path, dir_okay=False),
                  default=None, help="Write JUnit XML: one test case per item."),
     click.option("--repro", type=UserPath(path_type=Path, file_okay=False), default=None,

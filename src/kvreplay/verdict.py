@@ -10,8 +10,11 @@ Expectations: ``exact`` (every suffix equal), ``max-divergent`` (at most K items
 part), ``bitwise`` (every compared step bit-equal: what a deterministic mode promises)
 and ``faithful`` (the resample certificate within a margin, temperature > 0).
 ``kvreplay check`` and every ``kvreplay run`` end with a verdict's sentence; JSON
-(schema ``kvreplay-check-v2``; v1 stays readable through :func:`read_json`) and JUnit
-XML carry the rest.
+(schema ``kvreplay-check-v3``; v1 and v2 stay readable through :func:`read_json`) and
+JUnit XML carry the rest. Where a panel has an arm that runs under traffic (``history``
+under ``--traffic N``), that arm is compared too: the hit under traffic against the hit
+alone, at both levels, so a continuation that depends on what else the server was doing
+fails the check like one that depends on the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from xml.etree import ElementTree
 
 from kvreplay.comparison import first_divergence
@@ -30,8 +33,11 @@ from kvreplay.ledger import Record
 from kvreplay.power import items_needed, percent, rate_upper_bound
 from kvreplay.trajectory import numeric_divergence
 
-SCHEMA = "kvreplay-check-v2"
-READABLE = ("kvreplay-check-v1", SCHEMA)
+if TYPE_CHECKING:
+    from kvreplay.experiments.rows import ArmResult
+
+SCHEMA = "kvreplay-check-v3"
+READABLE = ("kvreplay-check-v1", "kvreplay-check-v2", SCHEMA)
 EXPECTATIONS = ("exact", "max-divergent", "bitwise", "faithful")
 DEFAULT_MARGIN = 0.05
 NEAR_TIE = 0.5  # top-1/top-2 margin under which a divergence counts as a near-tie
@@ -146,10 +152,20 @@ class ItemOutcome:
     kv_equal: bool | None = None  # boundary K/V, where the backend has K/V access
     numerics_recorded: bool = False  # both continuations hold every step's digest
     numeric_divergence: int | None = None
+    # The arm under traffic (None: the panel has none, or it did not run) against the
+    # compared pair's left arm (the hit alone) and right arm (the miss).
+    traffic_differs: bool | None = None
+    traffic_differs_from_right: bool | None = None
+    traffic_numerics_differ: bool | None = None
+
+    @property
+    def pair_diverges(self) -> bool:
+        """The compared pair's continuations part (a seed's, for a sampled row)."""
+        return self.suffix_differs or bool(self.seeds_changed)
 
     @property
     def diverges(self) -> bool:
-        return self.suffix_differs or bool(self.seeds_changed)
+        return self.pair_diverges or bool(self.traffic_differs)
 
     @property
     def bits(self) -> Bits:
@@ -157,7 +173,7 @@ class ItemOutcome:
         boundary numerics agree)."""
         if not self.reached:
             return "unknown"
-        if self.logits_equal is False or self.kv_equal is False:
+        if self.logits_equal is False or self.kv_equal is False or self.traffic_numerics_differ:
             return "differ"
         if not self.numerics_recorded:
             return "unknown"
@@ -174,8 +190,24 @@ class ItemOutcome:
         return {**asdict(self), "bits": self.bits}
 
 
+def _under_traffic(traffic: ArmResult | None, left: ArmResult, right: ArmResult) -> dict[str, Any]:
+    """The arm under traffic against the hit alone (``left``) and the miss (``right``)."""
+    if traffic is None:
+        return {}
+    numerics = numeric_divergence(traffic.suffix, left.suffix)
+    return {
+        "traffic_differs": traffic.suffix_sha256 != left.suffix_sha256,
+        "traffic_differs_from_right": traffic.suffix_sha256 != right.suffix_sha256,
+        "traffic_numerics_differ": traffic.logits_fingerprint != left.logits_fingerprint
+        or numerics.parts,
+    }
+
+
 def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome]:
     """Each compared row's outcome, in ledger order."""
+    under_traffic = next(
+        (a.name for a in experiment.panel.arms if getattr(a, "traffic", False)), None
+    )
     found = []
     for record in rows:
         data = record.data
@@ -210,6 +242,7 @@ def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome
                 kv_equal=row.comparison.cache_exact if row.comparison is not None else None,
                 numerics_recorded=all(n.recorded for n in numerics),
                 numeric_divergence=min(parted) if parted else None,
+                **_under_traffic(under_traffic and row.arms.get(under_traffic), left, right),
             )
         )
     return found
@@ -228,6 +261,7 @@ class Verdict:
     certificate: dict[str, Any] | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     planned: int | None = None
+    traffic_load: dict[str, Any] | None = None  # the most the server reported under traffic
 
     @property
     def reached(self) -> list[ItemOutcome]:
@@ -332,14 +366,24 @@ class Verdict:
         parts = []
         for precision in dict.fromkeys(o.precision for o in self.reached):
             these = [o for o in self.reached if o.precision == precision]
-            parts.append(f"{sum(o.diverges for o in these)} of {len(these)} item(s) in {precision}")
-        near = [o for o in self.divergent if o.left_margin is not None and o.left_margin < NEAR_TIE]
+            parts.append(
+                f"{sum(o.pair_diverges for o in these)} of {len(these)} item(s) in {precision}"
+            )
+        pair = [o for o in self.reached if o.pair_diverges]
+        near = [o for o in pair if o.left_margin is not None and o.left_margin < NEAR_TIE]
         tie = (
             f", {len(near)} of those at a near-tie (top-1/top-2 margin under {NEAR_TIE:g})"
-            if self.divergent
+            if pair
             else ""
         )
         clause = f"{left} and {right} continuations differ on {' and '.join(parts)}{tie}"
+        if self.traffic is not None:
+            differ = self.traffic["suffix_differs_from"]
+            clause += (
+                f"; under traffic the {left} continuation differs from the {left} alone on "
+                f"{differ[left]} of {self.traffic['items']} item(s) and from the {right} on "
+                f"{differ[right]}"
+            )
         if not self.divergent and self.expectation.level == "tokens":
             clause += self._power("tokens")
         return clause
@@ -376,6 +420,24 @@ class Verdict:
         clause = f"{'' if leading else 'bitwise too: '}{left} and {right} agree bit for bit "
         clause += f"({what}) on {judged} of {judged} item(s)"
         return clause + (self._power("bits") if self.expectation.level == "bits" else "")
+
+    @property
+    def traffic(self) -> dict[str, Any] | None:
+        """The arm under traffic against the compared pair, over the items where it ran,
+        with the most the server reported in flight (None: no arm ran under traffic)."""
+        ran = [o for o in self.judged if o.traffic_differs is not None]
+        if not ran:
+            return None
+        left, right = self.compared
+        return {
+            "items": len(ran),
+            "suffix_differs_from": {
+                left: sum(bool(o.traffic_differs) for o in ran),
+                right: sum(bool(o.traffic_differs_from_right) for o in ran),
+            },
+            "numerics_differ_from": {left: sum(bool(o.traffic_numerics_differ) for o in ran)},
+            "load": self.traffic_load,
+        }
 
     def _power(self, level: str) -> str:
         bound = self.rate_bound(level)
@@ -461,6 +523,7 @@ class Verdict:
             "items": [o.to_json() for o in self.items],
             "certificate": self.certificate,
             "environment": self.environment,
+            "traffic": self.traffic,
         }
 
     def junit(self) -> str:
@@ -479,6 +542,10 @@ class Verdict:
             ("tokens", "holds" if self.levels()["tokens"]["holds"] else "fails"),
             ("bits", "holds" if self.bits_hold and self.judged else "fails"),
             ("rate_upper_95", f"{self.rate_bound(self.expectation.level) or 0:.6g}"),
+            *(
+                (f"traffic_suffix_differs_from_{arm}", str(count))
+                for arm, count in (self.traffic or {}).get("suffix_differs_from", {}).items()
+            ),
         ):
             ElementTree.SubElement(properties, "property", name=name, value=value)
         for outcome in self.items:
@@ -520,6 +587,13 @@ class Verdict:
             )
             lines.append(f"  {name}: {word} ({level['differ']} of {level['items']} differ{bound})")
         lines += [f"  {name.replace('_', ' ')}: {value}" for name, value in self.counts().items()]
+        if self.traffic is not None and self.traffic["load"]:
+            reported = ", ".join(
+                f"{name.replace('_', ' ')} {value:g}"
+                for name, value in self.traffic["load"].items()
+                if value is not None
+            )
+            lines.append(f"  under traffic the server reported at most: {reported or 'nothing'}")
         for o in [o for o in self.items if not self.passes(o)][:10]:
             lines.append(f"  {o.item_id} ({o.precision}): {_why(o)}")
         return "\n".join(lines)
@@ -543,14 +617,17 @@ def _why(outcome: ItemOutcome) -> str:
         "unknown": "numerics not recorded after the boundary",
         "differ": f"numerics part from step {outcome.numeric_step}",
     }[outcome.bits]
-    if not outcome.diverges:
-        return f"suffixes equal; {numerics}"
+    traffic = "; under traffic the continuation differs from the one alone" * bool(
+        outcome.traffic_differs
+    )
+    if not outcome.pair_diverges:
+        return f"suffixes equal{traffic}; {numerics}"
     margins = (
         f"margins {outcome.left_margin:.3g} / {outcome.right_margin:.3g}"
         if (outcome.left_margin is not None and outcome.right_margin is not None)
         else "margins not recorded"
     )
-    return f"suffixes part at token {outcome.first_divergence} ({margins}); {numerics}"
+    return f"suffixes part at token {outcome.first_divergence} ({margins}){traffic}; {numerics}"
 
 
 def judge(
@@ -662,7 +739,7 @@ def read_json(data: Any) -> VerdictRecord:
         raise KvreplayError(
             f"Not a kvreplay verdict (schema {schema!r}; readable: {', '.join(READABLE)})."
         )
-    if data["schema"] == SCHEMA:
+    if data["schema"] != "kvreplay-check-v1":  # v2 and v3 have both levels
         levels = data["levels"]
     else:
         counts = data["counts"]

@@ -248,12 +248,19 @@ def test_a_check_under_traffic_compares_the_hit_with_the_hit_alone_and_the_miss(
     result = invoke(
         "check", "--backend", "http", "--url", evicting, "--plan", "short", "--n", "2",
         "--dtypes", "fp16", "--companions", "0", "--traffic", "2", "--expect", "max-divergent",
-        "--max-divergent", "2", "--out", tmp_path / "check",
+        "--max-divergent", "2", "--out", tmp_path / "check", "--json", tmp_path / "v.json",
+        "--junit", tmp_path / "v.xml",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert re.search(
-        r"Under --traffic .*: the hit's suffix differs from the hit alone on \d of "
-        r"2 item\(s\) and from the miss on \d",
+        r"under traffic the cache-hit continuation differs from the cache-hit alone on \d of "
+        r"2 item\(s\) and from the cache-miss on \d",
         result.output,
     ), result.output
     assert (tmp_path / "check" / "history_hit_miss.csv").is_file()
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    traffic = verdict["traffic"]
+    assert verdict["schema"] == "kvreplay-check-v3" and traffic["items"] == 2
+    assert set(traffic["suffix_differs_from"]) == {"cache-hit", "cache-miss"}
+    assert traffic["load"]["in_flight_max"] >= 1  # the clients' own count of what they sent
+    assert "traffic_suffix_differs_from_cache-hit" in (tmp_path / "v.xml").read_text()

@@ -123,11 +123,60 @@ def test_verdict_json_of_either_schema_reads_back() -> None:
     environment = {"kvreplay_version": "0.1.0", "model": {}, "backend": {"name": "hf"}}
     items = [outcome("a"), outcome("b", differs=True)]
     data = Verdict(EXACT, ("l", "p"), items, environment=environment).to_json()
-    jsonschema.validate(data, json.loads((DOCS / "check-v2.schema.json").read_text()))
+    jsonschema.validate(data, json.loads((DOCS / "check-v3.schema.json").read_text()))
     record = read_json(data)
     assert record.verdict == "fails" and record.levels["bits"]["holds"] is True
+    assert read_json({**data, "schema": "kvreplay-check-v2"}).levels == record.levels
     v1 = {**data, "schema": "kvreplay-check-v1", "counts": {"reached": 4, "suffixes_differ": 0}}
     old = read_json(v1)
     assert old.levels["tokens"]["holds"] and old.levels["bits"] is None
     with pytest.raises(KvreplayError, match="Not a kvreplay verdict"):
         read_json({"schema": "kvreplay-check-v9"})
+
+
+def test_a_hit_that_changes_under_traffic_fails_the_check_and_is_reported() -> None:
+    """history under --traffic N: the hit and the miss agree everywhere, but the hit under
+    traffic continued differently on one item: the check fails at token level, and the
+    sentence, the JSON (schema v3) and the JUnit say where and what the server reported."""
+    from dataclasses import replace
+
+    alone = outcome("a", cached=96)
+    moved = replace(
+        outcome("b", cached=96),
+        traffic_differs=True,
+        traffic_differs_from_right=True,
+        traffic_numerics_differ=True,
+    )
+    still = replace(
+        outcome("c", cached=96),
+        traffic_differs=False,
+        traffic_differs_from_right=False,
+        traffic_numerics_differ=False,
+    )
+    load = {"in_flight_max": 3, "server_running_max": 4.0, "server_waiting_max": None,
+            "kv_cache_usage_max": 0.5, "preemptions": None}  # fmt: skip
+    environment = {"kvreplay_version": "0.1.0", "model": {}, "backend": {"name": "http"}}
+    verdict = Verdict(
+        EXACT, ("hit", "miss"), [alone, moved, still], environment=environment, traffic_load=load
+    )
+    assert not verdict.holds and verdict.exit_code == 1
+    assert (
+        "hit and miss continuations differ on 0 of 3 item(s) in bf16; under traffic the hit "
+        "continuation differs from the hit alone on 1 of 2 item(s) and from the miss on 1"
+    ) in verdict.sentence()
+    assert "NOT bitwise" in verdict.sentence()
+    data = verdict.to_json()
+    jsonschema.validate(data, json.loads((DOCS / "check-v3.schema.json").read_text()))
+    assert data["traffic"] == {
+        "items": 2,
+        "suffix_differs_from": {"hit": 1, "miss": 1},
+        "numerics_differ_from": {"hit": 1},
+        "load": load,
+    }
+    junit = verdict.junit()
+    assert 'name="traffic_suffix_differs_from_hit" value="1"' in junit
+    assert "under traffic the continuation differs from the one alone" in junit
+    assert "server running max 4" in verdict.screen()
+    quiet = Verdict(EXACT, ("hit", "miss"), [alone, still])
+    assert quiet.holds and quiet.to_json()["traffic"]["suffix_differs_from"]["hit"] == 0
+    assert Verdict(EXACT, ("hit", "miss"), [alone]).to_json()["traffic"] is None
