@@ -512,6 +512,80 @@ def env_command(run_dir: Path, venv: str | None) -> None:
     click.echo(f"rebuilt {venv}; re-execute the run with: {venv}/bin/kvreplay audit {run_dir}")
 
 
+@main.group("items")
+def items_group() -> None:
+    """Make item sets (JSONL for --items)."""
+
+
+@items_group.command("cut-refeed")
+@click.option(
+    "--model",
+    default="smollm2-135m",
+    show_default=True,
+    help="The model whose greedy generations are cut (transformers, in process).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="Precision of the generations.",
+)
+@click.option(
+    "--from",
+    "items_source",
+    default="arith",
+    show_default=True,
+    help="The items whose prompts start the generations (a built-in set or JSONL).",
+)
+@click.option(
+    "--sources",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Generations: the first N items of --from.",
+)
+@click.option(
+    "--cuts",
+    type=int,
+    default=6,
+    show_default=True,
+    help="Seeded cut points per generation; each is one item.",
+)
+@click.option(
+    "--tokens",
+    type=int,
+    default=256,
+    show_default=True,
+    help="The most tokens each generation runs (it ends early at EOS).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the cut points.")
+@click.option(
+    "--out",
+    type=UserPath(path_type=Path),
+    required=True,
+    help="The JSONL file to write (it must not exist).",
+)
+@threads_option
+@plain_errors
+def cut_refeed_command(
+    model: str, dtype: str, items_source: str, out: Path, threads: int, **plan: int
+) -> None:
+    """Long greedy generations cut at seeded random points, written as items whose prompts
+    are the token ids up to each cut (docs/experiments/items-and-plans.md)."""
+    from kvreplay.refeed import RefeedPlan, check_out, refeed_items, write_items
+    from kvreplay.threads import intra_op_threads
+
+    refeed = RefeedPlan(items_source=items_source, **plan)
+    refeed.check()
+    check_out(out)
+    with intra_op_threads(threads):
+        items = refeed_items(model, refeed, dtype)
+    write_items(items, out)
+    sources = len({item.meta["source"] for item in items})
+    click.echo(f"wrote {len(items)} cut-and-refeed items from {sources} generation(s) to {out}")
+
+
 def _add_analysis_commands() -> None:
     from kvreplay.report.commands import analyze, report
 

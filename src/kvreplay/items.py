@@ -18,7 +18,13 @@ from kvreplay.errors import KvreplayError
 from kvreplay.jsonio import JsonError, parse_json
 from kvreplay.paths import check_name, read_regular
 
-Prompt = str | list[dict[str, str]]
+Prompt = str | list[dict[str, str]] | list[int]
+"""Text, chat messages, or token ids taken as they are (no template: a cut-and-refeed
+item's prompt is a generation's ids, template included)."""
+
+
+def is_token_ids(prompt: Prompt | None) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,11 @@ def _parse_prompt(value: Any, path: Path, line: int) -> Prompt:
                 path, line, f"unknown chat role {unknown[0]!r} (use one of {', '.join(ROLES)})"
             )
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise _fail(path, line, "'prompt' must be a non-empty string or a list of chat messages")
+    if isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value):
+        return list(value)
+    raise _fail(
+        path, line, "'prompt' must be a non-empty string, a list of chat messages or of token ids"
+    )
 
 
 # The longest item id: ids become row keys, CSV cells and snapshot names, and analyze
@@ -332,14 +342,17 @@ def chat_messages(tokenizer: Any, prompt: Prompt, chat: bool | None = None) -> l
     turn), or None when it is encoded as plain text: the template is used when the
     tokenizer has one, unless ``chat`` says otherwise."""
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
-    if not use_chat:
+    if not use_chat or is_token_ids(prompt):
         return None
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat: bool | None = None) -> list[int]:
     """Token ids of a prompt; chat messages (or a string, wrapped as a user turn) go through
-    the tokenizer's chat template when it has one, unless ``chat`` is False."""
+    the tokenizer's chat template when it has one, unless ``chat`` is False; token ids are
+    taken as they are."""
+    if is_token_ids(prompt):
+        return [int(t) for t in prompt]  # type: ignore[arg-type]
     messages = chat_messages(tokenizer, prompt, chat)
     if messages is not None:
         encoded = tokenizer.apply_chat_template(

@@ -26,7 +26,7 @@ from kvreplay.errors import KvreplayError
 from kvreplay.experiments import get_experiment
 from kvreplay.experiments.scope import Scope, SourceRun
 from kvreplay.experiments.units import Unit
-from kvreplay.items import Item, encode_prompt, items_digest, load_items
+from kvreplay.items import Item, encode_prompt, is_token_ids, items_digest, load_items
 from kvreplay.jsonio import read_json
 from kvreplay.ledger import (
     ITEMS,
@@ -101,12 +101,14 @@ def _check_prompts(
             f"the model's vocabulary of {vocabulary}; the tokenizer is not this model's."
         )
     for item in items:
-        outside = [t for t in item.prefix_token_ids or () if t >= vocabulary]
-        if outside:
-            raise KvreplayError(
-                f"Item {item.id} has token id {outside[0]} in prefix_token_ids, outside the "
-                f"model's vocabulary of {vocabulary}."
-            )
+        given = item.prompt if is_token_ids(item.prompt) else None
+        for where, ids in (("prefix_token_ids", item.prefix_token_ids), ("prompt", given)):
+            outside = [t for t in ids or () if t >= vocabulary]  # type: ignore[operator]
+            if outside:
+                raise KvreplayError(
+                    f"Item {item.id} has token id {outside[0]} in {where}, outside the "
+                    f"model's vocabulary of {vocabulary}."
+                )
         length = (
             len(item.prefix_token_ids)
             if item.prefix_token_ids is not None

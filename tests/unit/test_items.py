@@ -86,6 +86,9 @@ GOOD = {"id": "ok", "prompt": "p", "answer": "1"}
         ({"id": "x", "prompt": 5, "answer": "1"}, "'prompt' must be"),
         ({"id": "x", "prompt": "", "answer": "1"}, "'prompt' must be"),
         ({"id": "x", "prompt": [{"role": "user"}], "answer": "1"}, "'prompt' must be"),
+        ({"id": "x", "prompt": [1, -2], "answer": "1"}, "'prompt' must be"),
+        ({"id": "x", "prompt": [1, 2.5], "answer": "1"}, "'prompt' must be"),
+        ({"id": "x", "prompt": [1, True], "answer": "1"}, "'prompt' must be"),
         ({"id": "x", "prompt": "p", "answer": "1", "meta": []}, "'meta' must be"),
         (
             {"id": "x", "answer": "1", "prefix_token_ids": [], "prompt_token_count": 1},
@@ -124,6 +127,16 @@ def test_encode_prompt_uses_the_chat_template_when_there_is_one() -> None:
     assert tokenizer.decode(encode_prompt(tokenizer, "hi", chat=False)) == "hi"
     with pytest.raises(KvreplayError, match="chat template"):
         encode_prompt(tokenizer, [{"role": "user", "content": "hi"}], chat=False)
+
+
+def test_token_id_prompts_are_fed_as_they_are(tmp_path: Path) -> None:
+    """A cut-and-refeed prompt: its ids already hold the template, so none is added."""
+    tokenizer = tiny.byte_tokenizer()
+    ids = encode_prompt(tokenizer, "hi") + [104, 105]
+    assert encode_prompt(tokenizer, ids) == ids == encode_prompt(tokenizer, ids, chat=False)
+    path = _write(tmp_path, {"id": "c", "prompt": ids, "answer": 1})
+    (item,) = load_jsonl(path)
+    assert item.prompt == ids and item.to_dict()["prompt"] == ids
 
 
 # ``arith``'s digest before ``arith-easy`` was added; runs on ``arith`` depend on it.

@@ -186,10 +186,12 @@ class HttpBackend(Backend):
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """kvreplay's token ids must be the server's: every prompt is tokenized by both."""
-        from kvreplay.items import chat_messages, encode_prompt
+        from kvreplay.items import chat_messages, encode_prompt, is_token_ids
 
         self.check_ready()
         for prompt in prompts:
+            if is_token_ids(prompt):
+                continue  # ids go to the engine as they are: nothing to tokenize
             ours = encode_prompt(tokenizer, prompt, chat)
             messages = chat_messages(tokenizer, prompt, chat)
             theirs = self.adapter.tokenize(

@@ -105,11 +105,13 @@ class LlamaCppBackend(Backend):
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """The token ids kvreplay feeds must be those llama.cpp makes of the same text."""
-        from kvreplay.items import chat_messages, encode_prompt
+        from kvreplay.items import chat_messages, encode_prompt, is_token_ids
         from kvreplay.sources import gguf_file
 
         runtime = self._runtime(gguf_file(spec), threads=1, kv="fp16", vocab_only=True)
         for prompt in prompts:
+            if is_token_ids(prompt):
+                continue  # ids go to the engine as they are: nothing to tokenize
             messages = chat_messages(tokenizer, prompt, chat)
             text = (
                 prompt
