@@ -132,7 +132,7 @@ def main(out: Path) -> None:
         check("vllm VLLM_BATCH_INVARIANT=1", "bf16", VLLM, out, "--backend", "vllm", env=invariant)
     )
     folder = subprocess.run(
-        [str(VLLM_PYTHON), "-c", "from kvreplay.sources import resolve_source; "
+        [str(VLLM_PYTHON), "-c", "from kvreplay.model.sources import resolve_source; "
          "print(resolve_source('smollm2-135m')[0])"],
         capture_output=True, text=True, check=True, env=ENV,
     ).stdout.strip()  # fmt: skip
@@ -145,7 +145,8 @@ def main(out: Path) -> None:
             results.append(check("http (vllm serve)", precision, HF, out, "--backend", "http",
                                  "--url", url))  # fmt: skip
     gguf = subprocess.run(
-        [str(REPO / ".venv" / "bin" / "python"), "-c", "from kvreplay.embedded import EMBEDDED; "
+        [str(REPO / ".venv" / "bin" / "python"), "-c",
+         "from kvreplay.model.embedded import EMBEDDED; "
          "print(EMBEDDED['smollm2-135m'].part_paths()[0])"],
         capture_output=True, text=True, check=True, env=ENV,
     ).stdout.strip()  # fmt: skip

@@ -58,8 +58,8 @@ def time_decode(dtype: str, new_tokens: int, repeat: int) -> dict[str, float | i
     import torch
 
     import kvreplay
-    from kvreplay.stages import Stage, StagePlan
-    from kvreplay.trajectory import Prefix
+    from kvreplay.core.stages import Stage, StagePlan
+    from kvreplay.core.trajectory import Prefix
 
     lm = kvreplay.load_model(MODEL, dtype)
     item = kvreplay.arith_items()[0]

@@ -20,7 +20,7 @@ serve_until_up() { until curl -s -m 2 "$1/health" > /dev/null; do sleep 3; done;
 
 if [ -z "${SKIP_LLAMA:-}" ]; then
   PORT=${PORT_LLAMA:-18310}
-  GGUF=$("$PY" -c "from kvreplay.embedded import EMBEDDED; print(EMBEDDED['smollm2-135m'].part_paths()[0])")
+  GGUF=$("$PY" -c "from kvreplay.model.embedded import EMBEDDED; print(EMBEDDED['smollm2-135m'].part_paths()[0])")
   build/llamacpp/cmake/bin/llama-server -m "$GGUF" --host 127.0.0.1 --port "$PORT" --threads 1 \
     --parallel $((TRAFFIC + 1)) --metrics --cache-ram 0 > /tmp/llama-server-history.log 2>&1 &
   pid=$!
@@ -36,7 +36,7 @@ fi
 
 if [ -z "${SKIP_VLLM:-}" ]; then
   PORT=${PORT_VLLM:-18410}
-  MODEL=$("$PY" -c "from kvreplay.sources import resolve_source; print(resolve_source('smollm2-135m')[0])")
+  MODEL=$("$PY" -c "from kvreplay.model.sources import resolve_source; print(resolve_source('smollm2-135m')[0])")
   VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --host 127.0.0.1 --port "$PORT" --dtype bfloat16 --enable-prompt-tokens-details \
     --block-size 32 --num-gpu-blocks-override 256 --max-model-len 2048 \

@@ -8,7 +8,7 @@ set -euo pipefail
 N=${N:-6}
 PORT=${PORT:-18500}
 export OMP_NUM_THREADS=1
-MODEL=$(.venv-vllm/bin/python -c "from kvreplay.sources import resolve_source; print(resolve_source('smollm2-135m')[0])")
+MODEL=$(.venv-vllm/bin/python -c "from kvreplay.model.sources import resolve_source; print(resolve_source('smollm2-135m')[0])")
 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
   --model "$MODEL" --host 127.0.0.1 --port "$PORT" --dtype bfloat16 --block-size 32 \
   --enable-prefix-caching --max-num-seqs 8 --max-model-len 8192 --max-num-batched-tokens 8192 \

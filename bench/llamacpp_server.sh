@@ -11,7 +11,7 @@ set -euo pipefail
 ROOT=${1:-results/llamacpp-server-n24}
 export OMP_NUM_THREADS=1
 SERVER=build/llamacpp/cmake/bin/llama-server
-GGUF=$(python -c "from kvreplay.embedded import EMBEDDED; print(EMBEDDED['smollm2-135m'].part_paths()[0])")
+GGUF=$(python -c "from kvreplay.model.embedded import EMBEDDED; print(EMBEDDED['smollm2-135m'].part_paths()[0])")
 PORT=${PORT:-18300}
 SLOTS=$(mktemp -d)
 for dtype in fp16 fp32; do

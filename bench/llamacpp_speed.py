@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from kvreplay.backends import make_backend
-from kvreplay.items import arith_items, encode_prompt
+from kvreplay.core.items import arith_items, encode_prompt
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvreplay.items import arith_easy_items, encode_prompt
-from kvreplay.models import load_tokenizer
+from kvreplay.core.items import arith_easy_items, encode_prompt
+from kvreplay.model.models import load_tokenizer
 
 HEADER_TOKENS = 8
 

@@ -35,11 +35,11 @@ def main() -> None:
 
     from kvreplay.backends import make_backend
     from kvreplay.backends.served import Request
-    from kvreplay.config import RunConfig
-    from kvreplay.items import encode_prompt, load_items
-    from kvreplay.models import describe_source
-    from kvreplay.sampler import Sampler
-    from kvreplay.stages import Stage, StagePlan
+    from kvreplay.core.items import encode_prompt, load_items
+    from kvreplay.core.sampler import Sampler
+    from kvreplay.core.stages import Stage, StagePlan
+    from kvreplay.model.models import describe_source
+    from kvreplay.run.config import RunConfig
 
     stage = Stage("decode", args.tokens)
     plan = StagePlan("bench", (Stage("prompt", 1), stage))
@@ -61,10 +61,10 @@ def main() -> None:
             served.reset_cache()
             return len(served.serve([Request(ids, stage, Sampler())])[0].segment.token_ids)
     else:
-        from kvreplay.construct import build
-        from kvreplay.decode import continue_from
-        from kvreplay.models import load_model
-        from kvreplay.trajectory import Prefix
+        from kvreplay.core.trajectory import Prefix
+        from kvreplay.model.construct import build
+        from kvreplay.model.decode import continue_from
+        from kvreplay.model.models import load_model
 
         lm = load_model(args.model, args.dtype)
         start_s = time.perf_counter() - began

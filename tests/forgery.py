@@ -10,9 +10,9 @@ from pathlib import Path
 from click.testing import Result
 from helpers import invoke
 
-from kvreplay.canonical import sha256_json
+from kvreplay.core.canonical import sha256_json
 from kvreplay.experiments.tables import recorded_table
-from kvreplay.ledger import GENESIS, Record
+from kvreplay.run.ledger import GENESIS, Record
 
 CSV = "matched_live_prefill.csv"
 

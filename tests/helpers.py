@@ -34,9 +34,9 @@ from kvreplay import (
     live,
 )
 from kvreplay.cli import main
+from kvreplay.core.stages import Stage
 from kvreplay.experiments.tables import table_for
 from kvreplay.experiments.tables.matrix import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
-from kvreplay.stages import Stage
 
 ARCHS = ("qwen2", "llama", "gemma3")
 DTYPES = ("bf16", "fp32")

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from kvreplay.items import encode_prompt
-from kvreplay.models import load_model
+from kvreplay.core.items import encode_prompt
+from kvreplay.model.models import load_model
 
 
 @dataclass

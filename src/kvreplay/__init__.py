@@ -13,16 +13,16 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "kvreplay.canonical": ("sha256_tokens",),
-    "kvreplay.comparison": ("Comparison", "first_divergence"),
-    "kvreplay.construct": ("build", "live"),
-    "kvreplay.decode": ("continue_from",),
-    "kvreplay.errors": ("KvreplayError",),
-    "kvreplay.items": ("Item", "arith_items", "encode_prompt", "load_items"),
-    "kvreplay.models": ("LoadedModel", "load_model"),
-    "kvreplay.sampler": ("Sampler",),
-    "kvreplay.stages": ("Stage", "StagePlan", "get_plan"),
-    "kvreplay.state": (
+    "kvreplay.core.canonical": ("sha256_tokens",),
+    "kvreplay.core.comparison": ("Comparison", "first_divergence"),
+    "kvreplay.model.construct": ("build", "live"),
+    "kvreplay.model.decode": ("continue_from",),
+    "kvreplay.core.errors": ("KvreplayError",),
+    "kvreplay.core.items": ("Item", "arith_items", "encode_prompt", "load_items"),
+    "kvreplay.model.models": ("LoadedModel", "load_model"),
+    "kvreplay.core.sampler": ("Sampler",),
+    "kvreplay.core.stages": ("Stage", "StagePlan", "get_plan"),
+    "kvreplay.model.state": (
         "BoundaryState",
         "clone",
         "compare",
@@ -32,7 +32,7 @@ _EXPORTS = {
         "save_state",
         "transplant",
     ),
-    "kvreplay.trajectory": ("Prefix", "Trajectory"),
+    "kvreplay.core.trajectory": ("Prefix", "Trajectory"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
+from kvreplay.core.errors import KvreplayError, exit_plainly, plain_errors
+from kvreplay.core.paths import UserPath
 from kvreplay.engines import MAX_WORKERS
-from kvreplay.errors import KvreplayError, exit_plainly, plain_errors
-from kvreplay.paths import UserPath
 
 
 class PlainGroup(click.Group):
@@ -42,13 +42,13 @@ def _parsed(parse: Callable[[Any], Any]) -> Callable[[click.Context, click.Param
 def _dtypes(value: str) -> tuple[str, ...]:
     """Precisions some backend runs; the run's backend refuses those it does not."""
     from kvreplay.backends import precisions
-    from kvreplay.precision import parse_dtypes
+    from kvreplay.model.precision import parse_dtypes
 
     return parse_dtypes((v.strip() for v in value.split(",") if v.strip()), precisions())
 
 
 def _device(value: str) -> str:
-    from kvreplay.precision import parse_device
+    from kvreplay.model.precision import parse_device
 
     return parse_device(value)
 
@@ -58,8 +58,8 @@ WORKERS = click.IntRange(1, MAX_WORKERS)
 
 def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     """``--threads``: torch intra-op threads per worker process (default one; see
-    :mod:`kvreplay.threads`)."""
-    from kvreplay.threads import DEFAULT_THREADS, MAX_THREADS
+    :mod:`kvreplay.run.threads`)."""
+    from kvreplay.run.threads import DEFAULT_THREADS, MAX_THREADS
 
     return click.option(
         "--threads", type=click.IntRange(1, MAX_THREADS), default=DEFAULT_THREADS,
@@ -212,8 +212,8 @@ def build_request(experiment: str, out: Path, kwargs: dict[str, Any]) -> Any:
     """The run request of ``kvreplay run EXPERIMENT``: the shared options, and every
     option of the experiment's own as its ``extra``."""
     from kvreplay.backends import make_backend, setting_options
-    from kvreplay.runner import RunRequest
-    from kvreplay.sampler import Sampler
+    from kvreplay.core.sampler import Sampler
+    from kvreplay.run.runner import RunRequest
 
     options = dict(kwargs)
     take = options.pop
@@ -276,7 +276,7 @@ def _run_command(declaration: Any) -> None:
     experiment = declaration.name
 
     def command(out: Path, **kwargs: Any) -> None:
-        from kvreplay.runner import run
+        from kvreplay.run.runner import run
 
         run(build_request(experiment, out, kwargs))
         click.echo(f"Ledger: {out}")
@@ -328,8 +328,8 @@ def command_line(ctx: click.Context) -> list[str]:
 def _greedy_options() -> list[Callable[..., Any]]:
     """``--select`` and ``--screen``: the own options of the experiment a greedy check
     runs."""
-    from kvreplay.check import GREEDY
     from kvreplay.experiments.registry import declared
+    from kvreplay.verify.check import GREEDY
 
     return [own_option(k, m) for k, m in declared()[GREEDY].option_fields().items()]
 
@@ -375,7 +375,7 @@ def _check_command() -> None:
         """Is replay faithful on this stack? Live vs prefill (a prefix-cache hit vs a miss
         on a served backend) on a few items, with replicas. Exit 0 when the expectation
         holds, 1 when it does not, 2 on error."""
-        from kvreplay.check import run_check
+        from kvreplay.verify.check import run_check
 
         command = command_line(click.get_current_context())
         sys.exit(run_check(options, build_request, click.echo, command).exit_code)
@@ -436,8 +436,8 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) -> None:
     """Verify a run: every row against itself and the folder, and re-execute its rows (or
     a --sample of them) to verify every token, fingerprint and hash."""
-    from kvreplay.audit import audit, format_audit
     from kvreplay.backends import setting_options
+    from kvreplay.verify.audit import audit, format_audit
 
     connection = {key: options.pop(key) for key in setting_options(connection_only=True)}
     result = audit(
@@ -501,8 +501,8 @@ def backends_command() -> None:
 @plain_errors
 def env_command(run_dir: Path, venv: str | None) -> None:
     """Print the environment a run was made in as a requirements file, or rebuild it."""
-    from kvreplay.ledger import RunLedger
-    from kvreplay.lock import rebuild, run_environment
+    from kvreplay.run.ledger import RunLedger
+    from kvreplay.run.lock import rebuild, run_environment
 
     manifest = RunLedger.open_existing(run_dir).manifest
     if venv is None:
@@ -573,8 +573,8 @@ def cut_refeed_command(
 ) -> None:
     """Long greedy generations cut at seeded random points, written as items whose prompts
     are the token ids up to each cut (docs/experiments/items-and-plans.md)."""
-    from kvreplay.refeed import RefeedPlan, check_out, refeed_items, write_items
-    from kvreplay.threads import intra_op_threads
+    from kvreplay.model.refeed import RefeedPlan, check_out, refeed_items, write_items
+    from kvreplay.run.threads import intra_op_threads
 
     refeed = RefeedPlan(items_source=items_source, **plan)
     refeed.check()

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvreplay.check import run_check
-from kvreplay.verdict import Verdict
+from kvreplay.verify.check import run_check
+from kvreplay.verify.verdict import Verdict
 
 
 def check(*args: str, out: Path | str | None = None, quiet: bool = True) -> Verdict:
     """Run ``kvreplay check ARGS`` here and return its verdict (a refusal raises
-    :class:`~kvreplay.errors.KvreplayError` or click's usage error)."""
+    :class:`~kvreplay.core.errors.KvreplayError` or click's usage error)."""
     from kvreplay.cli import build_request, command_line, main
 
     command = main.get_command(None, "check")  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ from helpers import invoke
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvreplay.identity import file_digests
+from kvreplay.model.identity import file_digests
 
 Row = dict[str, Any]
 Tensors = dict[str, torch.Tensor]

@@ -16,9 +16,9 @@ from helpers import invoke
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvreplay.canonical import sha256_json
-from kvreplay.identity import file_digests
-from kvreplay.items import BUILTIN_ITEMS, items_digest
+from kvreplay.core.canonical import sha256_json
+from kvreplay.core.items import BUILTIN_ITEMS, items_digest
+from kvreplay.model.identity import file_digests
 
 
 def assert_caught(folder: Path, *needles: str, exit_code: int = 1) -> None:
@@ -89,15 +89,15 @@ def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
     run: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvreplay.audit
-    import kvreplay.models
+    import kvreplay.model.models
+    import kvreplay.verify.audit
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the audit read the model of a forged contract")
 
     # a backend describes its model through models.describe_source (Backend.describe_model)
-    monkeypatch.setattr(kvreplay.models, "describe_source", refuse)
-    monkeypatch.setattr(kvreplay.audit, "make_engine", refuse)
+    monkeypatch.setattr(kvreplay.model.models, "describe_source", refuse)
+    monkeypatch.setattr(kvreplay.verify.audit, "make_engine", refuse)
     data = manifest(run)
     data["contract"]["run"]["model"] = "/elsewhere"
     write_manifest(run, data)
@@ -170,7 +170,7 @@ def test_a_replaced_builtin_item_is_named(builtin_run: Path, tmp_path: Path) -> 
     items = [json.loads(line) for line in (folder / "items.jsonl").read_text().splitlines()]
     items[0]["prompt"], items[0]["answer"] = "What is 1+1?", "2"
     (folder / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
-    from kvreplay.items import load_jsonl
+    from kvreplay.core.items import load_jsonl
 
     data = manifest(folder)
     data["contract"]["items"]["digest"] = items_digest(load_jsonl(folder / "items.jsonl"))

@@ -20,7 +20,7 @@ from helpers import invoke
 from kvreplay import backends
 from kvreplay.analysis.claims import build_claims
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
-from kvreplay.ledger import Record, RunRows, TamperedLedger
+from kvreplay.run.ledger import Record, RunRows, TamperedLedger
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 240  # 120 items at two precisions: 5x the committed run it is made from

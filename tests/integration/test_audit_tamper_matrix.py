@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from forgery import audit, manifest, problems, read_rows, rechain, write_manifest
 
-from kvreplay.canonical import sha256_json
+from kvreplay.core.canonical import sha256_json
 
 CSV = "matched_live_prefill.csv"
 

@@ -48,7 +48,7 @@ QUESTIONS = (
 @pytest.fixture(scope="module")
 def smollm2_folder(smollm2_cache: Path) -> Path:
     """The converted SmolLM2 folder (converted once per machine)."""
-    from kvreplay.sources import resolve_source
+    from kvreplay.model.sources import resolve_source
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
@@ -128,8 +128,8 @@ def test_the_default_check_names_both_levels_and_bitwise_names_where_numerics_pa
 
 
 def test_parity_with_vllms_cold_and_hot_method(smollm2_folder: Path, tmp_path: Path) -> None:
-    from kvreplay.items import encode_prompt
-    from kvreplay.models import load_tokenizer
+    from kvreplay.core.items import encode_prompt
+    from kvreplay.model.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(smollm2_folder))
     prompts = [SHARED + "Question: " + q + " Answer:" for q in QUESTIONS]

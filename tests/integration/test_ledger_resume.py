@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from helpers import DTYPES, invoke
 
-from kvreplay.ledger import parse_rows, sha256_json
+from kvreplay.run.ledger import parse_rows, sha256_json
 
 N = 6
 TOTAL = 2 * N

@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 
 from kvreplay.backends.llamacpp import LlamaCppBackend
 from kvreplay.backends.llamacpp_runtime import LlamaState, Runtime
-from kvreplay.identity import file_digests
-from kvreplay.sources import gguf_file
-from kvreplay.state import bit_equal
+from kvreplay.model.identity import file_digests
+from kvreplay.model.sources import gguf_file
+from kvreplay.model.state import bit_equal
 
 pytestmark = pytest.mark.slow
 

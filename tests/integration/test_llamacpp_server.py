@@ -19,7 +19,7 @@ import pytest
 from forgery import assert_named, audit, read_rows, rechain
 from helpers import core, free_port, invoke, same_suffixes, wait_until_up
 
-from kvreplay.embedded import EMBEDDED
+from kvreplay.model.embedded import EMBEDDED
 
 pytestmark = pytest.mark.slow
 SERVER = (

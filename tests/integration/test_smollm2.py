@@ -26,7 +26,7 @@ from kvreplay import (
     make_replica,
     transplant,
 )
-from kvreplay.state import ReplicaCheck
+from kvreplay.model.state import ReplicaCheck
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from kvreplay.canonical import sha256_tokens
 from kvreplay.cli import main
+from kvreplay.core.canonical import sha256_tokens
 
 PREFIX = [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]
 

@@ -13,8 +13,8 @@ from click.testing import CliRunner, Result
 from helpers import find_divergence
 
 from kvreplay.cli import main
+from kvreplay.core.stages import Stage, StagePlan
 from kvreplay.experiments.transplant.table import TRANSPLANT_TABLE
-from kvreplay.stages import Stage, StagePlan
 
 PAPER_COLUMNS = [c.name for c in TRANSPLANT_TABLE.columns if c.use == "required"]
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"

@@ -110,9 +110,9 @@ def test_analyze_and_report(served_run: Path) -> None:
 def test_audit_reexecutes_and_catches_a_forged_row(served_run: Path, tmp_path: Path) -> None:
     result = invoke("audit", served_run)
     assert result.exit_code == 0, result.output
-    from kvreplay.canonical import sha256_json
+    from kvreplay.core.canonical import sha256_json
     from kvreplay.experiments.tables.matrix import SERVED_MATCHED_TABLE
-    from kvreplay.ledger import GENESIS, Record
+    from kvreplay.run.ledger import GENESIS, Record
 
     forged = tmp_path / "forged"
     forged.mkdir()

@@ -16,10 +16,10 @@ from helpers import (
 )
 
 from kvreplay import KvreplayError, build, clone, compare, continue_from, encode_prompt, live
-from kvreplay.canonical import sha256_tokens
-from kvreplay.construct import parse_construction
-from kvreplay.stages import Stage, StagePlan, opener_ids
-from kvreplay.state import BoundaryState
+from kvreplay.core.canonical import sha256_tokens
+from kvreplay.core.stages import Stage, StagePlan, opener_ids
+from kvreplay.model.construct import parse_construction
+from kvreplay.model.state import BoundaryState
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

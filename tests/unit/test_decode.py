@@ -9,8 +9,8 @@ import torch
 from helpers import ARCHS, PLAN, SHORT, reach
 
 from kvreplay import KvreplayError, Sampler, Trajectory, clone, continue_from, encode_prompt, live
-from kvreplay.decode import top2_margin
-from kvreplay.stages import Stage, StagePlan, eos_ids, opener_ids
+from kvreplay.core.stages import Stage, StagePlan, eos_ids, opener_ids
+from kvreplay.model.decode import top2_margin
 
 
 @pytest.mark.parametrize("arch", ARCHS)

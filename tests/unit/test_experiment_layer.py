@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from kvreplay.cli import main
 from kvreplay.experiments.rows import ReplicaGate
 from kvreplay.experiments.units import UnitKey
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 
 def _record(key: str, experiment: str, data: dict) -> Record:
@@ -100,9 +100,9 @@ def test_a_row_recorded_with_the_retired_comparison_field_reads_as_it_is_written
     import json
     from pathlib import Path
 
-    from kvreplay.comparison import RETIRED, Comparison
+    from kvreplay.core.comparison import RETIRED, Comparison
     from kvreplay.experiments.rows import PanelRow, row_as_written
-    from kvreplay.ledger import diff_fields
+    from kvreplay.run.ledger import diff_fields
 
     rows = Path(__file__).parents[2] / "results" / "smollm2-n24" / "rows.jsonl"
     records = [json.loads(line) for line in rows.read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""The core install's model folder reader (kvreplay.folder) against transformers: the same
+"""The core install's model folder reader (kvreplay.model.folder) against transformers: the same
 token ids with and without the chat template, the same decoded text, special ids, vocabulary,
 decoder config and EOS ids, on the tiny models and the embedded SmolLM2. What the http
 backend computes from them (prompt ids, opener ids, EOS ids, the model identity's special
@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from kvreplay import folder as plain
-from kvreplay.errors import KvreplayError
-from kvreplay.identity import special_token_ids
-from kvreplay.items import arith_items, encode_prompt
-from kvreplay.models import generation_config, text_config
-from kvreplay.stages import Stage, eos_ids, opener_ids
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import arith_items, encode_prompt
+from kvreplay.core.stages import Stage, eos_ids, opener_ids
+from kvreplay.model import folder as plain
+from kvreplay.model.identity import special_token_ids
+from kvreplay.model.models import generation_config, text_config
 
 TEXTS = [
     "What is 2+3?",
@@ -84,7 +84,7 @@ def test_the_folder_tokenizer_is_transformers_on_the_tiny_models(tiny_dirs, arch
 
 @pytest.mark.slow
 def test_the_folder_tokenizer_is_transformers_on_smollm2(smollm2_cache, monkeypatch) -> None:
-    from kvreplay.embedded import EMBEDDED, convert_embedded
+    from kvreplay.model.embedded import EMBEDDED, convert_embedded
 
     monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
     assert_same_tokenizer(convert_embedded(EMBEDDED["smollm2-135m"]), "smollm2-135m")

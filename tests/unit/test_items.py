@@ -10,7 +10,7 @@ import pytest
 import tiny
 
 from kvreplay import KvreplayError, arith_items, encode_prompt, load_items
-from kvreplay.items import INSTRUCTION, Item, items_digest, load_jsonl
+from kvreplay.core.items import INSTRUCTION, Item, items_digest, load_jsonl
 
 # Each template's answer from the numbers in its text, in order of appearance.
 SOLVERS = {
@@ -151,7 +151,7 @@ def test_arith_digest_is_unchanged() -> None:
 
 
 def test_arith_easy_is_deterministic_with_stable_unique_ids() -> None:
-    from kvreplay.items import arith_easy_items
+    from kvreplay.core.items import arith_easy_items
 
     items = arith_easy_items()
     assert len(items) >= 240
@@ -166,7 +166,7 @@ def test_arith_easy_is_deterministic_with_stable_unique_ids() -> None:
 
 
 def test_arith_easy_answers_are_correct() -> None:
-    from kvreplay.items import arith_easy_items
+    from kvreplay.core.items import arith_easy_items
 
     for item in arith_easy_items():
         solve = EASY_SOLVERS[item.meta["template"]]

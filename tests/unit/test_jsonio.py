@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvreplay.jsonio import MAX_DEPTH, JsonError, parse_json
+from kvreplay.core.jsonio import MAX_DEPTH, JsonError, parse_json
 
 
 @pytest.mark.parametrize(

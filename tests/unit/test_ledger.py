@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.errors import KvreplayError
-from kvreplay.ledger import (
+from kvreplay.core.errors import KvreplayError
+from kvreplay.run.ledger import (
     GENESIS,
     RUN_FORMAT,
     Record,
@@ -328,7 +328,7 @@ def test_write_text_atomic(tmp_path: Path) -> None:
 def test_spliced_row_hash_is_the_canonical_body_hash() -> None:
     """expected_hash encodes the data once for both digests; it must equal the hash of
     the body's canonical JSON whatever the other fields hold."""
-    from kvreplay.canonical import sha256_json
+    from kvreplay.core.canonical import sha256_json
 
     for contract in ("c" * 64, 'a"data":null', ""):
         record = Record(

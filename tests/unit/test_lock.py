@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.lock import (
+from kvreplay.run.lock import (
     installed,
     library_differences,
     lock_differences,
@@ -51,7 +51,7 @@ def test_lock_differences_name_unpinned_missing_and_other_versions() -> None:
 
 
 def test_a_lock_line_that_is_not_a_pin_is_refused() -> None:
-    from kvreplay.errors import KvreplayError
+    from kvreplay.core.errors import KvreplayError
 
     with pytest.raises(KvreplayError, match="line 2 is not an exact pin"):
         parse_lock("a==1\nb>=2\n", "lock")

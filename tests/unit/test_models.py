@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvreplay import KvreplayError, load_model
-from kvreplay.embedded import CONVERSION_STAMP, EMBEDDED, EmbeddedModel, cache_root
-from kvreplay.models import describe_source
-from kvreplay.precision import parse_dtype
+from kvreplay.model.embedded import CONVERSION_STAMP, EMBEDDED, EmbeddedModel, cache_root
+from kvreplay.model.models import describe_source
+from kvreplay.model.precision import parse_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,7 @@ import pytest
 import tiny
 
 from kvreplay import KvreplayError, Trajectory
-from kvreplay.decode import Segment
-from kvreplay.scoring import (
+from kvreplay.core.scoring import (
     extract_boxed,
     extract_choice,
     extract_integer,
@@ -16,6 +15,7 @@ from kvreplay.scoring import (
     pair_labels,
     score,
 )
+from kvreplay.model.decode import Segment
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from kvreplay.backends import backend_from_contract, make_backend, registry, setting_options
-from kvreplay.decode import Segment, Trajectory
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.trajectory import Prefix
 from kvreplay.experiments.requests import computed_tokens
 from kvreplay.experiments.rows import ArmResult, ReplicaGate, ServedReport
 from kvreplay.experiments.tables.matrix import first_token_logprob_diff
-from kvreplay.trajectory import Prefix
+from kvreplay.model.decode import Segment, Trajectory
 
 
 def arm(cached: int, expected: int | None, first: list[list] | None = None) -> ArmResult:

@@ -6,7 +6,7 @@ import pytest
 import tiny
 
 from kvreplay import KvreplayError, StagePlan, get_plan
-from kvreplay.stages import BUILTIN_PLANS, Stage, StopDetector
+from kvreplay.core.stages import BUILTIN_PLANS, Stage, StopDetector
 
 
 @pytest.fixture(scope="module")

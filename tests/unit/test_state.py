@@ -40,7 +40,7 @@ from kvreplay import (
     sha256_tokens,
     transplant,
 )
-from kvreplay.state import BoundaryState, read_state_metadata, storage_disjoint
+from kvreplay.model.state import BoundaryState, read_state_metadata, storage_disjoint
 
 # --- replicas -------------------------------------------------------------------------
 

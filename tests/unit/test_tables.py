@@ -13,7 +13,7 @@ from kvreplay.experiments.columns import Column, Field
 from kvreplay.experiments.table import SCHEMA_VERSION, Table, read_ledger, recorded_version
 from kvreplay.experiments.tables import recorded_table, table_for
 from kvreplay.experiments.tables.matrix import MATCHED_TABLE, SERVED_MATCHED_TABLE
-from kvreplay.ledger import GENESIS, Record
+from kvreplay.run.ledger import GENESIS, Record
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 RUNS = sorted(p for p in RESULTS.iterdir() if (p / "manifest.json").is_file())

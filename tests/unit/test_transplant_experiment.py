@@ -7,13 +7,13 @@ import pytest
 from helpers import PLAN, PROMPTS, bit_equal, find_divergence, reach, state_equal
 
 from kvreplay import KvreplayError, build, continue_from
-from kvreplay.comparison import first_divergence
+from kvreplay.core.comparison import first_divergence
+from kvreplay.core.sampler import Sampler
 from kvreplay.experiments.executor import holds_donor
 from kvreplay.experiments.localize.experiment import Prober, bisect, follow, sweep
 from kvreplay.experiments.localize.table import layer_label
 from kvreplay.experiments.selection import spread
-from kvreplay.sampler import Sampler
-from kvreplay.state import clone, transplant
+from kvreplay.model.state import clone, transplant
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from kvreplay.errors import KvreplayError
-from kvreplay.power import items_needed, percent, rate_upper_bound
-from kvreplay.trajectory import Segment, Trajectory, numeric_divergence
-from kvreplay.verdict import Expectation, ItemOutcome, Verdict, parse_expectation, read_json
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.power import items_needed, percent, rate_upper_bound
+from kvreplay.core.trajectory import Segment, Trajectory, numeric_divergence
+from kvreplay.verify.verdict import Expectation, ItemOutcome, Verdict, parse_expectation, read_json
 
 EXACT = Expectation("exact")
 BITWISE = Expectation("bitwise")

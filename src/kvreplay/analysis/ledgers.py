@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvreplay.experiments.table import Ledger, LedgerError, read_ledger
 from kvreplay.experiments.tables import table_for
-from kvreplay.ledger import RunRows
+from kvreplay.run.ledger import RunRows
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def _run_records(folder: Path) -> RunRows:
     """A kvreplay run's CSVs are derived from its rows.jsonl, the source of truth: one
     cut at a row boundary (or edited) would otherwise be analysed as a smaller (or
     different) run."""
-    from kvreplay.derived import check_csvs
-    from kvreplay.ledger import RunLedger
+    from kvreplay.run.derived import check_csvs
+    from kvreplay.run.ledger import RunLedger
 
     ledger = RunLedger.open_existing(folder)
     records, problems = RunRows.checked(ledger.rows_path, ledger.contract_hash)

@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from kvreplay.backends.base import Backend, Capabilities
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 
 BUILTIN: dict[str, str] = {
     "hf": "kvreplay.backends.hf:HfBackend",

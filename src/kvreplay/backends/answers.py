@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, NoReturn
 
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 
 MAX_TEXT = 256  # characters of a name, version or setting a server reports (recorded)
 MAX_COUNT = 2**31  # a count a server reports (context length, block size, slots)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvreplay.errors import KvreplayError
-from kvreplay.extras import INSTALL, missing, require
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.extras import INSTALL, missing, require
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
@@ -89,7 +89,7 @@ class Backend:
     # Settings that say where the backend is, not what it computes: left out of the
     # contract, and given again to resume or audit a run (e.g. a server's address).
     connection: ClassVar[tuple[str, ...]] = ()
-    # The extra that installs the modules this backend imports (kvreplay.extras); the
+    # The extra that installs the modules this backend imports (kvreplay.core.extras); the
     # core install has none of them. None: the core install runs the backend.
     extra: ClassVar[str | None] = None
     requires: ClassVar[tuple[str, ...]] = ()
@@ -196,7 +196,7 @@ class Backend:
     ) -> dict[str, Any]:
         """The contract's ``model_info``: the identity of the files this backend runs and
         the architecture, without loading weights (``models.describe_source``)."""
-        from kvreplay.models import describe_source
+        from kvreplay.model.models import describe_source
 
         return describe_source(spec, trust_remote_code, scheme, tokenizer)
 
@@ -211,8 +211,8 @@ class Backend:
 
     def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
         """The model a K/V-access experiment advances boundary states through, for one
-        precision: a :class:`~kvreplay.models.LoadedModel` or one with its interface;
-        ``config`` is the run's :class:`~kvreplay.config.RunConfig`."""
+        precision: a :class:`~kvreplay.model.models.LoadedModel` or one with its interface;
+        ``config`` is the run's :class:`~kvreplay.run.config.RunConfig`."""
         raise KvreplayError(f"The {self.name} backend loads no model with K/V access.")
 
     def expected_hit(self, computed: int) -> int:
@@ -221,5 +221,5 @@ class Backend:
 
     def open_served(self, config: Any, precision: str) -> ServedModel:
         """A served model for one precision (backends without K/V access); ``config`` is
-        the run's :class:`~kvreplay.config.RunConfig` (not imported: it holds a backend)."""
+        the run's :class:`~kvreplay.run.config.RunConfig` (not imported: it holds a backend)."""
         raise KvreplayError(f"The {self.name} backend serves no model over requests.")

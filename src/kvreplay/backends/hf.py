@@ -3,7 +3,7 @@ it. Its contract names no backend, so runs made before backends existed keep the
 contract and hash.
 
 It is a backend like the others: transformers' loading checks and its model loading live
-here (through :mod:`kvreplay.models`), not in the protocol's defaults, so no other backend
+here (through :mod:`kvreplay.model.models`), not in the protocol's defaults, so no other backend
 imports transformers to be checked.
 """
 
@@ -29,7 +29,7 @@ class HfBackend(Backend):
     def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
         """transformers must build the model from its config on the meta device with this
         attention implementation, and its weights must fit the config."""
-        from kvreplay.models import check_loadable
+        from kvreplay.model.models import check_loadable
 
         check_loadable(spec, attn_implementation, trust_remote_code)
 
@@ -37,15 +37,15 @@ class HfBackend(Backend):
         self, spec: str, trust_remote_code: bool, tokens: int
     ) -> tuple[list[str], list[int]]:
         """transformers' cache for the config; a sliding layer counts every token it saw."""
-        from kvreplay.models import model_config
-        from kvreplay.state import config_layer_kinds
+        from kvreplay.model.models import model_config
+        from kvreplay.model.state import config_layer_kinds
 
         kinds = config_layer_kinds(model_config(spec, trust_remote_code))
         return kinds, [tokens] * len(kinds)
 
     def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
         """transformers' model for one precision, on the run's device and attention."""
-        from kvreplay.models import load_model
+        from kvreplay.model.models import load_model
 
         return load_model(
             config.model,

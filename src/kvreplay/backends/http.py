@@ -31,10 +31,10 @@ from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import Reply, Request, served_stage
 from kvreplay.backends.server import Client, Probe, ServerAdapter, parse_address
 from kvreplay.backends.traffic import NEW_TOKENS, REQUEST_SECONDS, Traffic, check_clients, evict
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
-    from kvreplay.config import RunConfig
+    from kvreplay.run.config import RunConfig
 
 ADAPTERS: dict[str, str] = {
     "vllm": "kvreplay.backends.vllm_server:VllmServer",
@@ -186,7 +186,7 @@ class HttpBackend(Backend):
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """kvreplay's token ids must be the server's: every prompt is tokenized by both."""
-        from kvreplay.items import chat_messages, encode_prompt, is_token_ids
+        from kvreplay.core.items import chat_messages, encode_prompt, is_token_ids
 
         self.check_ready()
         for prompt in prompts:
@@ -212,9 +212,14 @@ class HttpBackend(Backend):
             )
 
     def open_served(self, config: RunConfig, precision: str) -> HttpServed:
-        from kvreplay.models import generation_config, load_tokenizer, text_config, vocabulary_size
-        from kvreplay.sources import resolve_source
-        from kvreplay.stages import eos_ids
+        from kvreplay.core.stages import eos_ids
+        from kvreplay.model.models import (
+            generation_config,
+            load_tokenizer,
+            text_config,
+            vocabulary_size,
+        )
+        from kvreplay.model.sources import resolve_source
 
         fresh = connect(self.url, self.server, self.timeout, self.api_key_env).probe()
         if fresh.identity != (self.recorded or self.probe.identity):
@@ -258,7 +263,7 @@ class HttpServed:
 
     def serve(self, requests: Sequence[Request]) -> list[Reply]:
         """Requests together: sent concurrently, so the server may batch them (it decides)."""
-        from kvreplay.stages import StopDetector
+        from kvreplay.core.stages import StopDetector
 
         def one(slot: int, request: Request) -> Reply:
             tokens, steps, completion, cached = self.adapter.complete(
@@ -278,8 +283,8 @@ class HttpServed:
     def _sender(self, slots: Callable[[int], int]) -> Callable[[list[int], int], None]:
         """Sends a prompt for a short greedy completion on the slot a client maps to,
         through its own client with a short timeout: bounded like every request."""
-        from kvreplay.sampler import Sampler
-        from kvreplay.stages import Stage
+        from kvreplay.core.sampler import Sampler
+        from kvreplay.core.stages import Stage
 
         adapter = type(self.adapter)(self.adapter.client.with_timeout(REQUEST_SECONDS))
         stage = Stage("traffic", NEW_TOKENS)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import Backend, Capabilities, option
 from kvreplay.backends.llamacpp_binding import KV_TYPES, binding
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -78,7 +78,7 @@ class LlamaCppBackend(Backend):
         self, spec: str, trust_remote_code: bool, scheme: int, tokenizer: Any = None
     ) -> dict[str, Any]:
         """The GGUF file llama.cpp runs is the model's identity, not a conversion of it."""
-        from kvreplay.models import describe_source, load_tokenizer
+        from kvreplay.model.models import describe_source, load_tokenizer
 
         tokenizer = tokenizer or load_tokenizer(spec, trust_remote_code)
         identity = gguf_identity(spec, tokenizer)
@@ -93,7 +93,7 @@ class LlamaCppBackend(Backend):
     def check_model(
         self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
     ) -> None:
-        from kvreplay.sources import gguf_file
+        from kvreplay.model.sources import gguf_file
 
         if device != "cpu":
             raise KvreplayError("The llamacpp backend runs on --device cpu (its CPU build).")
@@ -105,8 +105,8 @@ class LlamaCppBackend(Backend):
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """The token ids kvreplay feeds must be those llama.cpp makes of the same text."""
-        from kvreplay.items import chat_messages, encode_prompt, is_token_ids
-        from kvreplay.sources import gguf_file
+        from kvreplay.core.items import chat_messages, encode_prompt, is_token_ids
+        from kvreplay.model.sources import gguf_file
 
         runtime = self._runtime(gguf_file(spec), threads=1, kv="fp16", vocab_only=True)
         for prompt in prompts:
@@ -131,8 +131,8 @@ class LlamaCppBackend(Backend):
         import torch
 
         from kvreplay.backends.llamacpp_runtime import LlamaModel
-        from kvreplay.models import describe_source, load_tokenizer
-        from kvreplay.sources import gguf_file
+        from kvreplay.model.models import describe_source, load_tokenizer
+        from kvreplay.model.sources import gguf_file
 
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         identity = gguf_identity(config.model, tokenizer)
@@ -145,9 +145,9 @@ class LlamaCppBackend(Backend):
 
 
 def gguf_identity(spec: str, tokenizer: Any) -> Any:
-    """The :class:`~kvreplay.identity.ModelIdentity` of the GGUF file as shipped."""
-    from kvreplay.identity import hash_model_files, model_identity
-    from kvreplay.sources import gguf_file
+    """The :class:`~kvreplay.model.identity.ModelIdentity` of the GGUF file as shipped."""
+    from kvreplay.model.identity import hash_model_files, model_identity
+    from kvreplay.model.sources import gguf_file
 
     path = gguf_file(spec)
     return model_identity(hash_model_files(path.parent, path.name).result(), path.name, tokenizer)

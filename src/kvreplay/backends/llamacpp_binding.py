@@ -9,8 +9,8 @@ import importlib.util
 import logging
 from typing import Any
 
-from kvreplay.errors import KvreplayError
-from kvreplay.extras import INSTALL
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.extras import INSTALL
 
 LLAMACPP_SETUP = (
     "The llamacpp backend needs llama.cpp, which is not built in this environment; install "

@@ -25,8 +25,8 @@ import numpy
 import torch
 
 from kvreplay.backends.llamacpp_binding import KV_TYPES, binding
-from kvreplay.errors import KvreplayError
-from kvreplay.state import BoundaryState, Component
+from kvreplay.core.errors import KvreplayError
+from kvreplay.model.state import BoundaryState, Component
 
 # How rows of each type read: plain types as their dtype; q8_0 as blocks of 32 int8
 # values with an fp16 scale (34 bytes), dequantized to fp32.
@@ -298,7 +298,7 @@ class LlamaState(BoundaryState):
 @dataclass
 class LlamaModel:
     """A GGUF model in llama.cpp at one KV-cache type: what experiments advance states
-    through (the interface of :class:`~kvreplay.models.LoadedModel`)."""
+    through (the interface of :class:`~kvreplay.model.models.LoadedModel`)."""
 
     model: Runtime
     tokenizer: Any

@@ -13,15 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvreplay.errors import KvreplayError
-from kvreplay.stages import Stage
-from kvreplay.trajectory import step_digest
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.stages import Stage
+from kvreplay.core.trajectory import step_digest
 
 if TYPE_CHECKING:  # decode imports torch; a backend's settings must not
     from kvreplay.backends.traffic import Traffic
-    from kvreplay.sampler import Sampler
-    from kvreplay.stages import StopDetector
-    from kvreplay.trajectory import Segment
+    from kvreplay.core.sampler import Sampler
+    from kvreplay.core.stages import StopDetector
+    from kvreplay.core.trajectory import Segment
 
 TOP_LOGPROBS = 2
 
@@ -142,12 +142,12 @@ def served_stage(
     vocabulary: int,
 ) -> Reply:
     """A served stage as the hf backend would record it: cut where the plan's stop rule
-    (:class:`~kvreplay.stages.StopDetector`) first fires, the reason named, and each
+    (:class:`~kvreplay.core.stages.StopDetector`) first fires, the reason named, and each
     step's top-1/top-2 logprob difference as its margin. The answer is checked against
     its request first (:func:`check_answer`), and a stage the stop rule did not end must
     have run to its cap, as the server must say: a server that stops short without a
     stop string or EOS token in its tokens, or claims a stop it did not make, is refused."""
-    from kvreplay.trajectory import Segment
+    from kvreplay.core.trajectory import Segment
 
     check_answer(request, tokens, steps, cached_tokens, server, vocabulary)
     reason = "cap"

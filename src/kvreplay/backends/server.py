@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from urllib.parse import urlsplit
 
 from kvreplay.backends.answers import Answer
-from kvreplay.errors import KvreplayError, first_line
-from kvreplay.jsonio import JsonError, parse_json
+from kvreplay.core.errors import KvreplayError, first_line
+from kvreplay.core.jsonio import JsonError, parse_json
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import Completion, Request
@@ -260,7 +260,7 @@ def metric_sums(text: str, names: dict[str, str]) -> dict[str, float]:
 
 
 def _parsed(raw: bytes) -> tuple[Any, str | None]:
-    """A body as strict JSON (see :mod:`kvreplay.jsonio`), or None and why it is not;
+    """A body as strict JSON (see :mod:`kvreplay.core.jsonio`), or None and why it is not;
     an empty body is None (vLLM's reset answers with none)."""
     if not raw:
         return None, None

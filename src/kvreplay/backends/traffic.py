@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 
 MAX_CLIENTS = 16
 """Concurrent traffic clients at most: each is a thread and a server slot."""

@@ -4,7 +4,7 @@ A request is one stage of a plan: its context's token ids in, the stage's tokens
 with the top-2 logprobs of every step (their difference is the top-1/top-2 logit margin,
 as the hf backend records it) and the number of context tokens the engine served from its
 prefix cache. Stops follow the plan exactly as the hf backend does: the engine stops at a
-stop string or EOS, and :class:`~kvreplay.stages.StopDetector` names the reason.
+stop string or EOS, and :class:`~kvreplay.core.stages.StopDetector` names the reason.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one ``uni``
 worker), so a kvreplay worker process or Ray actor holds its own engine and scripts need
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import SERVED, Backend, companions_setting, option
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Reply, Request, served_stage
-from kvreplay.errors import KvreplayError, first_line
-from kvreplay.extras import INSTALL
-from kvreplay.stages import StopDetector
+from kvreplay.core.errors import KvreplayError, first_line
+from kvreplay.core.extras import INSTALL
+from kvreplay.core.stages import StopDetector
 
 if TYPE_CHECKING:
     from kvreplay.backends.vllm_blocks import VllmModel
-    from kvreplay.config import RunConfig
+    from kvreplay.run.config import RunConfig
 
 # The longest context an engine is started with: the KV pool is sized for it.
 MAX_MODEL_LEN = 8192
@@ -244,15 +244,15 @@ class VllmServed:
 def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> VllmServed:
     """Start the engine for one precision over the run's model folder, after checking the
     folder is the one the run recorded (the same digest as the hf backend's)."""
-    from kvreplay.decode import eos_ids
-    from kvreplay.models import (
+    from kvreplay.model.decode import eos_ids
+    from kvreplay.model.models import (
         generation_config,
         load_tokenizer,
         source_identity,
         text_config,
         vocabulary_size,
     )
-    from kvreplay.sources import resolve_source
+    from kvreplay.model.sources import resolve_source
 
     check_servable(config.model, config.trust_remote_code)
     check_device(config.device)
@@ -335,8 +335,8 @@ def check_engine_config(
     block size the platform's attention backend has no kernel for. vLLM's CPU attention
     (CPU_ATTN) lists the head sizes it serves and starts on any other, but then fails at
     the first request ("Unsupported CPU attention configuration: head_dim=16")."""
-    from kvreplay.models import text_config
-    from kvreplay.sources import resolve_source
+    from kvreplay.model.models import text_config
+    from kvreplay.model.sources import resolve_source
 
     folder, _ = resolve_source(spec, trust_remote_code)
     context = int(getattr(text_config(spec, trust_remote_code), "max_position_embeddings", 0) or 0)
@@ -404,8 +404,8 @@ def check_device(device: str) -> None:
 def check_servable(spec: str, trust_remote_code: bool) -> None:
     """Refuse, before the manifest, a model vLLM cannot serve: a GGUF file, or an
     architecture its registry does not list (unless remote code was asked for)."""
-    from kvreplay.models import text_config
-    from kvreplay.sources import resolve_source
+    from kvreplay.model.models import text_config
+    from kvreplay.model.sources import resolve_source
 
     _, gguf_file = resolve_source(spec, trust_remote_code)
     if gguf_file is not None:

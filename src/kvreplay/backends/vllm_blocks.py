@@ -37,8 +37,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from kvreplay.errors import KvreplayError
-from kvreplay.state import BoundaryState, Component, bit_equal
+from kvreplay.core.errors import KvreplayError
+from kvreplay.model.state import BoundaryState, Component, bit_equal
 
 FORCED = "kvreplay_forced"  # the SamplingParams.extra_args key of a forced request's tokens
 KERNEL = "vec"  # the CPU attention kernel whose block layout kvreplay reads
@@ -316,7 +316,7 @@ class BlockState(BoundaryState):
 class VllmModel:
     """A model in an in-process vLLM engine whose boundary states are the engine's
     cached blocks: what the K/V experiments take as their model on the vllm backend
-    (the interface of :class:`~kvreplay.models.LoadedModel` they use, and ``engine``)."""
+    (the interface of :class:`~kvreplay.model.models.LoadedModel` they use, and ``engine``)."""
 
     engine: BlockEngine
     tokenizer: Any

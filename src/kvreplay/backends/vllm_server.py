@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from kvreplay.backends.answers import MAX_COUNT, Answer, shown
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
 from kvreplay.backends.server import Client, Probe, answer_limit, metric_sums, prometheus
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 
 # The server settings that can change a served row's numerics, as vLLM's
 # /server_info?config_format=json reports them (section, key).

@@ -7,10 +7,10 @@ import math
 import socket
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
-    from kvreplay.config import RunConfig
+    from kvreplay.run.config import RunConfig
 
 
 def make_engine(

@@ -1,7 +1,7 @@
 """Boundary states that are a serving engine's cached blocks (design: block K/V; the
 vllm backend's model holds such an ``engine``): how the panels build, generate and
 continue them. Such a state advances only by the engine's own requests, so these take
-the place of :mod:`kvreplay.construct`'s chunks and :mod:`kvreplay.decode`'s token loop,
+the place of :mod:`kvreplay.model.construct`'s chunks and :mod:`kvreplay.model.decode`'s token loop,
 which every other model keeps:
 
 - ``live``: the prefix stages generated from a reset cache, one request per stage, as a
@@ -22,17 +22,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.comparison import first_divergence
-from kvreplay.errors import KvreplayError
+from kvreplay.core.comparison import first_divergence
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.sampler import Sampler
+from kvreplay.core.stages import StagePlan
+from kvreplay.core.trajectory import Prefix, Segment, Trajectory
 from kvreplay.experiments.requests import computed_tokens, generate_prefix, serve_stages
 from kvreplay.experiments.rows import ServedReport
-from kvreplay.sampler import Sampler
-from kvreplay.stages import StagePlan
-from kvreplay.trajectory import Prefix, Segment, Trajectory
 
 if TYPE_CHECKING:
     from kvreplay.backends.vllm_blocks import BlockEngine, BlockState
-    from kvreplay.state import BoundaryState
+    from kvreplay.model.state import BoundaryState
 
 # The in-process constructions and decode loop are imported where they run (torch): the
 # panels that call these are declared without torch (kvreplay.experiments.panel).
@@ -65,10 +65,10 @@ def _replay(engine: BlockEngine, prefix: Prefix) -> None:
 
 
 def build_state(lm: Any, prefix: Prefix, construction: str) -> BoundaryState:
-    """A rebuilt boundary state over ``prefix`` (:func:`kvreplay.construct.build`)."""
+    """A rebuilt boundary state over ``prefix`` (:func:`kvreplay.model.construct.build`)."""
     engine = engine_of(lm)
     if engine is None:
-        from kvreplay.construct import build
+        from kvreplay.model.construct import build
 
         return build(lm, prefix, construction)
     if construction not in ENGINE_CONSTRUCTIONS:
@@ -91,8 +91,8 @@ def build_state(lm: Any, prefix: Prefix, construction: str) -> BoundaryState:
 def live_state(
     lm: Any, prompt_ids: list[int], plan: StagePlan, sampler: Sampler
 ) -> tuple[BoundaryState, Prefix]:
-    """The state a generation reaches P with, and P (:func:`kvreplay.construct.live`)."""
-    from kvreplay.construct import check_fits, live
+    """The state a generation reaches P with, and P (:func:`kvreplay.model.construct.live`)."""
+    from kvreplay.model.construct import check_fits, live
 
     engine = engine_of(lm)
     if engine is None:
@@ -111,7 +111,7 @@ def continue_state(
     consumed: it then runs through every suffix token fed, as a continued state does."""
     engine = engine_of(lm)
     if engine is None:
-        from kvreplay.decode import continue_from
+        from kvreplay.model.decode import continue_from
 
         return continue_from(lm, state, plan, sampler), None
     block_state: BlockState = state  # type: ignore[assignment] - an engine's model's state

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar, cast
 
-from kvreplay.comparison import Comparison
+from kvreplay.core.comparison import Comparison
 from kvreplay.experiments.rows import PanelRow
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 T = TypeVar("T")
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvreplay.canonical import sha256_tokens
+from kvreplay.core.canonical import sha256_tokens
+from kvreplay.core.sampler import Sampler
+from kvreplay.core.scoring import score
 from kvreplay.experiments.blocks import build_state, continue_state, engine_of, live_state
 from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.prefixes import prefix_from_inputs, prefix_record, prompt_ids
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
-from kvreplay.models import LoadedModel
-from kvreplay.sampler import Sampler
-from kvreplay.scoring import score
-from kvreplay.state import (
+from kvreplay.model.models import LoadedModel
+from kvreplay.model.state import (
     BoundaryState,
     clone,
     compare,
@@ -52,7 +52,7 @@ def snapshot(
     """Save a boundary state when the run asked for snapshots; return its file entry."""
     if not worker.config.save_snapshots:
         return None
-    from kvreplay.identity import file_digests
+    from kvreplay.model.identity import file_digests
 
     # Readable, and unique: ids that differ only in unsafe characters (x/y, x_y) differ
     # in the digest of the row key.

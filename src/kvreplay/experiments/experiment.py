@@ -9,14 +9,14 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import Item
 from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.table import Table
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.items import Item
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 
 class Experiment(ABC):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.core.items import Item
 from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_panel, run_matrix
@@ -17,8 +18,7 @@ from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.tables.matrix import FIXED_PREFIX, FIXED_PREFIX_TABLE, MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.items import Item
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 
 def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | None:

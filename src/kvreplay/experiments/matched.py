@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from kvreplay.core.items import Item
 from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix import matrix_panel, run_matrix
@@ -16,8 +17,7 @@ from kvreplay.experiments.screen import WINDOW, MatchedOptions, ranked, screen_r
 from kvreplay.experiments.served import ServedArm, run_served_panel
 from kvreplay.experiments.tables.matrix import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.items import Item
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 
 class Matched(Experiment):

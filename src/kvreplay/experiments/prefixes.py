@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.canonical import sha256_tokens
-from kvreplay.errors import KvreplayError
+from kvreplay.core.canonical import sha256_tokens
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import Item, encode_prompt
+from kvreplay.core.trajectory import Prefix, Trajectory
 from kvreplay.experiments.blocks import live_state
 from kvreplay.experiments.rows import PREFIX_FIELDS
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.items import Item, encode_prompt
-from kvreplay.ledger import Record
-from kvreplay.trajectory import Prefix, Trajectory
+from kvreplay.run.ledger import Record
 
 if TYPE_CHECKING:
-    from kvreplay.models import LoadedModel
+    from kvreplay.model.models import LoadedModel
 
 
 def prefix_inputs(record: Record) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from kvreplay.backends import Backend, backend_class, backend_from_contract, load, registry
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment
 

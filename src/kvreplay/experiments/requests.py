@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvreplay.core.sampler import Sampler
+from kvreplay.core.stages import Stage, StagePlan, opener_ids
+from kvreplay.core.trajectory import Prefix, Segment, Trajectory, generated_prefix
 from kvreplay.experiments.rows import ServedReport
-from kvreplay.sampler import Sampler
-from kvreplay.stages import Stage, StagePlan, opener_ids
-from kvreplay.trajectory import Prefix, Segment, Trajectory, generated_prefix
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel

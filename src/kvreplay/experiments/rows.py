@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.comparison import Comparison, as_written, first_divergence
-from kvreplay.scoring import pair_labels
-from kvreplay.trajectory import Trajectory
+from kvreplay.core.comparison import Comparison, as_written, first_divergence
+from kvreplay.core.scoring import pair_labels
+from kvreplay.core.trajectory import Trajectory
 
 # What a row records of its prefix (design: prefix P), beside its arms.
 PREFIX_FIELDS = (
@@ -394,7 +394,7 @@ class PanelRow:
 def without_unrecorded_digests(fresh: Any, recorded: Any) -> Any:
     """A re-executed row as its recording could hold it: step digests dropped from every
     segment whose recording has none (a row written before kvreplay recorded them). Such
-    a row's bits level is unknown, never equal (:mod:`kvreplay.verdict`), so dropping
+    a row's bits level is unknown, never equal (:mod:`kvreplay.verify.verdict`), so dropping
     them cannot turn a forgery into a pass."""
     if isinstance(fresh, dict) and isinstance(recorded, dict):
         kept = {
@@ -412,7 +412,7 @@ def without_unrecorded_digests(fresh: Any, recorded: Any) -> Any:
 
 def row_as_written(data: dict[str, Any]) -> dict[str, Any]:
     """A recorded row as kvreplay writes it now, which a re-execution is compared with:
-    its comparison without the retired null field (:func:`~kvreplay.comparison.as_written`)."""
+    its comparison without the retired null field (:func:`~kvreplay.core.comparison.as_written`)."""
     if isinstance(data.get("comparison"), dict):
         return {**data, "comparison": as_written(data["comparison"])}
     return data

@@ -18,14 +18,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.stages import StagePlan
+from kvreplay.core.trajectory import Trajectory
 from kvreplay.experiments.declaration import option
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.scope import Scope, own_options
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.ledger import Record
-from kvreplay.stages import StagePlan
-from kvreplay.trajectory import Trajectory
+from kvreplay.run.ledger import Record
 
 WINDOW = 32  # decoded suffix steps a screen reads: the flip predictor's window
 SELECTIONS = ("first", "fragile")
@@ -109,8 +109,8 @@ def screen_row(worker: Workbench, unit: Unit, clock: Clock, served: bool) -> dic
                 )
         suffix = Trajectory(segments)
     else:
-        from kvreplay.construct import live  # in process only: loads torch
-        from kvreplay.decode import continue_from
+        from kvreplay.model.construct import live  # in process only: loads torch
+        from kvreplay.model.decode import continue_from
 
         lm = worker.model(unit.precision)
         with clock.model():

@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreplay.environment import contract_scheme
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import Item, encode_prompt, items_digest
 from kvreplay.experiments.declaration import option
 from kvreplay.experiments.scope import Scope, Selection, own_options
-from kvreplay.items import Item, encode_prompt, items_digest
-from kvreplay.ledger import Record, RunLedger
-from kvreplay.models import load_tokenizer
+from kvreplay.model.models import load_tokenizer
+from kvreplay.run.environment import contract_scheme
+from kvreplay.run.ledger import Record, RunLedger
 
 PANELS = ("stratified", "blind")
 BASIS = {

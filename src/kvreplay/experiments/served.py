@@ -42,18 +42,18 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvreplay.canonical import sha256_tokens
-from kvreplay.config import RunConfig
+from kvreplay.core.canonical import sha256_tokens
+from kvreplay.core.items import encode_prompt
+from kvreplay.core.sampler import Sampler
+from kvreplay.core.scoring import score
+from kvreplay.core.stages import Stage, StagePlan
+from kvreplay.core.trajectory import Prefix, Segment, Trajectory
 from kvreplay.experiments.panel import Panel, Replica
 from kvreplay.experiments.prefixes import prefix_record, prompt_ids
 from kvreplay.experiments.requests import computed_tokens, generate_prefix, serve_stages
 from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
 from kvreplay.experiments.units import Clock, Unit, Workbench
-from kvreplay.items import encode_prompt
-from kvreplay.sampler import Sampler
-from kvreplay.scoring import score
-from kvreplay.stages import Stage, StagePlan
-from kvreplay.trajectory import Prefix, Segment, Trajectory
+from kvreplay.run.config import RunConfig
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel

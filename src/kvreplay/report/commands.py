@@ -12,8 +12,8 @@ from typing import Any
 import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
-from kvreplay.errors import KvreplayError, plain_errors
-from kvreplay.paths import UserPath
+from kvreplay.core.errors import KvreplayError, plain_errors
+from kvreplay.core.paths import UserPath
 
 
 def output_option(name: str, help: str, **kind: bool) -> Callable[[Any], Any]:

@@ -12,14 +12,14 @@ from typing import Any
 from kvreplay.analysis.ledgers import LedgerDir
 from kvreplay.analysis.sections.registry import SECTIONS
 from kvreplay.backends import backend_class
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.jsonio import parse_json
 from kvreplay.experiments.section import Page
 from kvreplay.experiments.table import LedgerError
-from kvreplay.jsonio import parse_json
-from kvreplay.ledger import Record, rows_of
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Paragraph, Table
 from kvreplay.render.figures import Figures
+from kvreplay.run.ledger import Record, rows_of
 
 # The experiments whose rows compare a rebuilt state with the live one, item by item.
 JUDGED = ("matched", "fixed-prefix", "bridge", "resample")
@@ -130,7 +130,7 @@ def _verdicts(run_dir: Path, records: Iterable[Record] | None) -> list[Block]:
     if not records:
         return []
     from kvreplay.experiments.registry import recorded_experiment
-    from kvreplay.verdict import verdict_sentence
+    from kvreplay.verify.verdict import verdict_sentence
 
     manifest = parse_json((run_dir / "manifest.json").read_bytes())
     found = []

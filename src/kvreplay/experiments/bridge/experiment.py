@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.core.items import Item
 from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel
@@ -17,8 +18,7 @@ from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import prompt_lengths, spread_selection
 from kvreplay.experiments.tables.matrix import MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.items import Item
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 # Items a bridge runs when --n is not given: each row advances every layer twice.
 DEFAULT_N = 12

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.comparison import Comparison
+from kvreplay.core.comparison import Comparison
 from kvreplay.experiments.columns import Column, Kind, Line, reached_lines, written
 from kvreplay.experiments.table import Ledger, Table, check_equal_flag
 

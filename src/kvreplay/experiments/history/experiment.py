@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.core.items import Item
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.history.table import HISTORY, HISTORY_TABLE
 from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.served import ServedArm, run_served_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.items import Item
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 TRAFFIC_PROMPTS = 8
 """Other items whose prompts the traffic clients send (beside random-token prompts)."""

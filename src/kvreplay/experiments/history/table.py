@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvreplay.comparison import first_divergence
+from kvreplay.core.comparison import first_divergence
 from kvreplay.experiments.columns import Column, Kind, Line, reached_lines, written
 from kvreplay.experiments.rows import ArmResult, replica_name
 from kvreplay.experiments.table import Table, check_equal_flag

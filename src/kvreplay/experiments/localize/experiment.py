@@ -31,6 +31,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvreplay.core.sampler import Sampler
+from kvreplay.core.stages import StagePlan
+from kvreplay.core.trajectory import Trajectory
 from kvreplay.experiments.blocks import engine_of, follow_in_engine
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.localize.section import draw, recovery
@@ -46,14 +49,11 @@ from kvreplay.experiments.prefixes import prefix_inputs
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import PanelOptions, select_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.ledger import Record
-from kvreplay.sampler import Sampler
-from kvreplay.stages import StagePlan
-from kvreplay.trajectory import Trajectory
+from kvreplay.run.ledger import Record
 
 if TYPE_CHECKING:
-    from kvreplay.models import LoadedModel
-    from kvreplay.state import BoundaryState, Component
+    from kvreplay.model.models import LoadedModel
+    from kvreplay.model.state import BoundaryState, Component
 
 # The probes below run in process only (they import torch when they run): the
 # experiment itself is read without torch, for its table, report and verdicts.
@@ -66,10 +66,10 @@ def follow(
     suffix's token stream) of the first token it picks differently, or None if none.
 
     The first stage's opener is already in the prefix; later openers are teacher-forced,
-    as :func:`kvreplay.decode.run_stages` does. Stops depend only on the tokens, so a
+    as :func:`kvreplay.model.decode.run_stages` does. Stops depend only on the tokens, so a
     state that matches every token would have stopped exactly where the reference did.
     """
-    from kvreplay.decode import feed_each
+    from kvreplay.model.decode import feed_each
 
     generator = sampler.generator()
     index = 0
@@ -156,7 +156,7 @@ def _decide(
 ) -> int | None:
     """Transplant ``layers`` of ``component`` and follow the donor's suffix (in full, in
     an engine that holds the states)."""
-    from kvreplay.state import transplant
+    from kvreplay.model.state import transplant
 
     state = transplant(donor, recipient, layers, component)
     with clock.model():

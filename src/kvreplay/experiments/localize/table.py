@@ -13,7 +13,7 @@ import numpy as np
 from kvreplay.experiments.columns import Column, Kind
 from kvreplay.experiments.rows import ArmResult, PanelRow
 from kvreplay.experiments.table import Ledger, Table, check_same
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 LOCALIZE = "localize"
 COMPARED = ("left", "prefill")

@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import Item
+from kvreplay.core.sampler import Sampler
 from kvreplay.experiments.declaration import option
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Samples
@@ -27,9 +29,7 @@ from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection, own_options
 from kvreplay.experiments.served import ServedArm, run_served_panel
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.items import Item
-from kvreplay.ledger import Record
-from kvreplay.sampler import Sampler
+from kvreplay.run.ledger import Record
 
 # The most seeded samples per arm and row: the manifest lists every seed, and each is a
 # decode of the whole suffix.

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.canonical import canonical
+from kvreplay.core.canonical import canonical
 from kvreplay.experiments.columns import Column, Kind, Line, kv, optional, reached_lines, written
 from kvreplay.experiments.rows import ArmResult, PairLabels
 from kvreplay.experiments.table import Ledger, Table, check_same

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.backends import backend_from_contract
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments.table import Table, read_header
 from kvreplay.experiments.tables.paper import HISTORICAL_TABLE, STOCK_TABLE
 

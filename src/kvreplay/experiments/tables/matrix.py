@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from kvreplay.comparison import Comparison, first_divergence
+from kvreplay.core.comparison import Comparison, first_divergence
 from kvreplay.experiments.columns import (
     Column,
     Kind,
@@ -26,7 +26,7 @@ from kvreplay.experiments.columns import (
 from kvreplay.experiments.rows import ArmResult, PanelRow, replica_name
 from kvreplay.experiments.table import Check, Ledger, LedgerError, Table, check_equal_flag
 from kvreplay.experiments.units import UnitKey
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 MATCHED = "matched"
 FIXED_PREFIX = "fixed-prefix"

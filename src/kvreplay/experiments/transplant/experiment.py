@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvreplay.errors import KvreplayError
+from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Arm, Panel, Transplanted
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
@@ -36,7 +36,7 @@ from kvreplay.experiments.selection import PanelOptions, select_panel
 from kvreplay.experiments.table import RUN_NAME
 from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 DEFAULT_NAME = {"stratified": "primary", "blind": "later"}
 PANEL = Panel(

@@ -13,7 +13,7 @@ from kvreplay.experiments.columns import Column, Kind, Line, prefix_row_hashes, 
 from kvreplay.experiments.rows import PairLabels, PanelRow
 from kvreplay.experiments.table import Check, Ledger, Table, check_equal_flag
 from kvreplay.experiments.units import UnitKey
-from kvreplay.ledger import Record
+from kvreplay.run.ledger import Record
 
 TRANSPLANT = "transplant"
 COMPARED = ("left", "prefill")

@@ -1,0 +1,119 @@
+"""Strict JSON: the one reader for every JSON file and line kvreplay reads.
+
+Standard JSON only. NaN and Infinity (spelled out, or a number such as ``1e400`` too
+large for a float), lone surrogates (not UTF-8: they could never be written back),
+integers too long to be an id or a count, and nesting deeper than any item, plan or
+ledger needs are refused with a reason, so that whatever kvreplay accepts it can also
+write back, hash and re-read exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.paths import read_regular
+
+MAX_DEPTH = 64
+MAX_INT_DIGITS = 64
+
+
+class JsonError(ValueError):
+    """Input that is not strict JSON; the message is the reason, for a caller's sentence."""
+
+
+def _constant(name: str) -> Any:
+    raise JsonError(f"{name} is not a JSON number")
+
+
+# A lone surrogate can only come from an escape in the text (UTF-8 cannot encode one).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+# Every byte as "0" for a digit, " " for anything else: a run of more digits than an
+# integer may have is then a substring search, at C speed. Text without one (nearly
+# all) leaves json its own integer parsing instead of a Python call per integer.
+DIGIT_RUNS = bytes(48 if 48 <= byte <= 57 else 32 for byte in range(256))
+LONG_DIGITS = b"0" * (MAX_INT_DIGITS + 1)
+CONTAINERS = frozenset((dict, list))
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise JsonError(f"an integer has {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonError("a number is too large for a float (it would be written as Infinity)")
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """Nesting, iteratively (no recursion limit to hit): only containers are walked."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node
+        if CONTAINERS.isdisjoint(map(type, children)):  # a list of numbers, at C speed
+            continue
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
+def _check_strings(value: Any) -> None:
+    """Every string, keys too, must be valid Unicode (a lone surrogate is not)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise JsonError("a string holds a lone surrogate (not valid Unicode)") from None
+        elif isinstance(node, dict):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            stack += node
+
+
+def parse_json(text: str | bytes) -> Any:
+    """Parse strict JSON; raise :class:`JsonError` with the reason. Bytes must be UTF-8,
+    with or without a BOM (json.loads would also take UTF-16 and UTF-32)."""
+    try:
+        text = text.decode("utf-8-sig") if isinstance(text, bytes) else text
+        encoded = text.encode("utf-8")  # a string given may hold a lone surrogate itself
+        integers = _integer if LONG_DIGITS in encoded.translate(DIGIT_RUNS) else int
+        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=integers)
+    except JsonError:
+        raise
+    except RecursionError:
+        raise JsonError(f"values are nested deeper than {MAX_DEPTH} levels") from None
+    except UnicodeDecodeError:
+        raise JsonError("the bytes are not UTF-8") from None
+    except UnicodeEncodeError:
+        raise JsonError("a string holds a lone surrogate (not valid Unicode)") from None
+    except json.JSONDecodeError as exc:
+        raise JsonError(f"malformed JSON ({exc.msg})") from None
+    except ValueError as exc:
+        raise JsonError(f"malformed JSON ({exc})") from None
+    if isinstance(value, dict | list):
+        _check_depth(value)
+    if SURROGATE_ESCAPE.search(text):
+        _check_strings(value)
+    return value
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A whole JSON file; bad input names ``what`` (e.g. "the stage plan file p.json")."""
+    try:
+        return parse_json(read_regular(path))
+    except OSError as exc:
+        raise KvreplayError(f"Cannot read {what} ({exc.strerror or exc}).") from exc
+    except JsonError as exc:
+        raise KvreplayError(f"Cannot read {what}: {exc}.") from exc

@@ -1,0 +1,131 @@
+"""Cut-and-refeed items: long greedy generations cut at seeded random points and fed back
+as token-id prompts (the shape of SGLang's cache-consistency test; our own generator).
+
+One generation gives a check many boundaries that share its prefix: on a server, every
+cut after the first finds the blocks the earlier cuts wrote in the prefix cache, and each
+item's continuation starts mid-generation rather than right after a prompt. The items are
+written as JSONL (each prompt the token ids up to its cut, template included, so they are
+fed as they are); a run freezes them into its items.jsonl, so an audit re-executes the same
+ids on any backend. The generation itself runs on transformers, greedily, at ``--dtype``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import Item, encode_prompt, load_items
+
+# Bounds: a workload for a check, not a corpus.
+MAX_SOURCES = 64
+MAX_CUTS = 64
+MAX_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class RefeedPlan:
+    """Which generations and cuts: ``sources`` items of ``items_source`` (their first),
+    each continued greedily for up to ``tokens`` tokens, cut at ``cuts`` distinct seeded
+    points inside its generation."""
+
+    sources: int = 4
+    cuts: int = 6
+    tokens: int = 256
+    seed: int = 0
+    items_source: str = "arith"
+
+    def check(self) -> None:
+        for name, value, most in (
+            ("--sources", self.sources, MAX_SOURCES),
+            ("--cuts", self.cuts, MAX_CUTS),
+            ("--tokens", self.tokens, MAX_TOKENS),
+        ):
+            if not 1 <= value <= most:
+                raise KvreplayError(f"{name} must be from 1 to {most}, not {value}.")
+        if self.tokens <= self.cuts:
+            raise KvreplayError(
+                f"--tokens ({self.tokens}) must exceed --cuts ({self.cuts}): each cut is a "
+                "distinct point inside a generation."
+            )
+
+
+def cut_points(rng: random.Random, prompt_len: int, total: int, cuts: int) -> list[int]:
+    """Distinct cut points, ascending, each leaving at least one generated token before
+    it and one after it (so every item starts mid-generation)."""
+    inside = range(prompt_len + 1, total)
+    return sorted(rng.sample(inside, min(cuts, len(inside))))
+
+
+def greedy_generation(lm: Any, prompt_ids: list[int], tokens: int) -> list[int]:
+    """The model's greedy continuation of ``prompt_ids``: up to ``tokens`` ids, ending
+    early at an end-of-sequence token."""
+    import torch
+
+    from kvreplay.core.stages import eos_ids
+
+    eos = sorted(eos_ids(lm.tokenizer, lm.model.generation_config))
+    with torch.inference_mode():
+        out = lm.model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+def refeed_items(model: str, plan: RefeedPlan, dtype: str = "fp32") -> list[Item]:
+    """The cut-and-refeed items of ``plan`` on ``model`` (see the module docstring)."""
+    from kvreplay.model.models import load_model
+
+    plan.check()
+    sources = load_items(plan.items_source)[: plan.sources]
+    if any(item.prompt is None for item in sources):
+        raise KvreplayError(f"Items {plan.items_source!r} hold an item without a prompt.")
+    lm = load_model(model, dtype)
+    rng = random.Random(plan.seed)
+    items = []
+    for source in sources:
+        assert source.prompt is not None
+        prompt = encode_prompt(lm.tokenizer, source.prompt)
+        whole = prompt + greedy_generation(lm, prompt, plan.tokens)
+        for cut in cut_points(rng, len(prompt), len(whole), plan.cuts):
+            meta = {
+                "set": "cut-refeed", "source": source.id, "cut": cut,
+                "generated": len(whole) - len(prompt), "prompt_tokens": len(prompt),
+                "seed": plan.seed, "model": model, "dtype": dtype,
+            }  # fmt: skip
+            items.append(Item(f"{source.id}-cut{cut}", whole[:cut], source.answer, meta))
+    if not items:
+        raise KvreplayError(
+            f"No generation of {model!r} ran past its first token, so there is nowhere to cut; "
+            "give more --tokens or other --from items."
+        )
+    return items
+
+
+def check_out(out: Path) -> None:
+    """``out`` must be a new file in an existing folder (checked before any generation)."""
+    if out.exists():
+        raise KvreplayError(f"{out} already exists; choose another --out.")
+    if not out.parent.is_dir():
+        raise KvreplayError(f"The folder of {out} does not exist.")
+
+
+def write_items(items: list[Item], out: Path) -> None:
+    """The items as JSONL at ``out`` (written whole, then renamed into place)."""
+    from kvreplay.run.ledger import write_text_atomic
+
+    check_out(out)
+    write_text_atomic(
+        out, "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items)
+    )

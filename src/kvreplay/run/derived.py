@@ -1,0 +1,79 @@
+"""The CSVs a run derives from its ``rows.jsonl`` (the source of truth), and the check that
+they still do: ``kvreplay audit`` runs it, and so does ``kvreplay analyze`` on a run
+folder, so that a CSV cut or edited by hand is never analysed as the run's."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from kvreplay.experiments.tables import recorded_table
+from kvreplay.run.ledger import Record, RunLedger, rows_of
+
+
+def _same_bytes(path: Path, lines: Iterator[str]) -> bool:
+    """Whether a file holds exactly these lines, compared by digest so that neither the
+    file nor the derived text is held whole."""
+    derived = hashlib.sha256()
+    for line in lines:
+        derived.update(line.encode("utf-8"))
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").digest() == derived.digest()
+
+
+def check_csvs(
+    ledger: RunLedger, records: Iterable[Record], present_only: bool = False
+) -> list[str]:
+    """Each experiment's CSV must equal the one derived from rows.jsonl, byte for byte;
+    ``present_only`` skips experiments whose CSV is not written yet (a run in progress).
+    ``records`` may be a run's rows read afresh (:class:`~kvreplay.run.ledger.RunRows`): a
+    CSV that matches is checked a line at a time, one that does not is then compared
+    field by field."""
+    problems = []
+    for name, entry in ledger.manifest.get("experiments", {}).items():
+        table = recorded_table(name, ledger.manifest)
+        if table is None:
+            problems.append(f"experiment {name}: unknown to this kvreplay version")
+            continue
+        config = entry["config"]
+        path = ledger.run_dir / table.csv_name(config)
+        if present_only and not path.exists():
+            continue
+        rows = rows_of(records, name)
+        try:
+            if path.is_file() and _same_bytes(path, table.csv_lines(rows, config)):
+                continue
+            expected = table.csv(rows, config)
+        except (KeyError, TypeError, IndexError, ValueError) as exc:  # hand-edited row data
+            problems.append(f"{path.name}: cannot be derived from rows.jsonl ({exc!r})")
+            continue
+        if not path.exists():
+            problems.append(f"{path.name}: missing although {name} has rows")
+            continue
+        try:  # bytes, not read_text: that would read CRLF line endings as the run's LF
+            actual = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            problems.append(f"{path.name}: not UTF-8 text")
+            continue
+        if actual == expected:
+            continue
+        want = list(csv.DictReader(io.StringIO(expected)))
+        have = list(csv.DictReader(io.StringIO(actual)))
+        if len(want) != len(have):
+            problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
+        for a, b in zip(want, have, strict=False):
+            for column in table.header(config):
+                if a.get(column) != b.get(column):
+                    problems.append(
+                        f"{path.name} row {a.get('row_id')} ({a.get('precision', '')})"
+                        f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
+                    )
+        if not problems or not problems[-1].startswith(path.name):
+            problems.append(
+                f"{path.name}: differs byte for byte from the CSV derived from rows.jsonl "
+                "(its line endings, quoting or columns)"
+            )
+    return problems

@@ -1,0 +1,363 @@
+"""The driver of ``kvreplay run``: validate everything, write the manifest, select items,
+hand units to an engine phase by phase, append rows, then derive the paper CSV.
+
+Everything that can be refused is refused before any model work; a crash after that
+loses no completed row (each is fsynced) and a rerun resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from kvreplay import __version__
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import Item, encode_prompt, is_token_ids, items_digest, load_items
+from kvreplay.core.jsonio import read_json
+from kvreplay.core.paths import check_name, read_regular
+from kvreplay.core.scoring import get_extractor
+from kvreplay.core.stages import StagePlan, get_plan, opener_ids
+from kvreplay.engines import EngineSession, check_engine, make_engine
+from kvreplay.experiments import get_experiment
+from kvreplay.experiments.scope import Scope, SourceRun
+from kvreplay.experiments.units import Unit
+from kvreplay.model.models import load_tokenizer, text_config, vocabulary_size
+from kvreplay.model.precision import parse_device, parse_dtypes
+from kvreplay.model.sources import canonical_spec
+from kvreplay.run.config import RunConfig, RunSettings
+from kvreplay.run.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
+from kvreplay.run.ledger import (
+    ITEMS,
+    MANIFEST,
+    SNAPSHOTS_SAVED,
+    STOPPED,
+    Record,
+    RunLedger,
+    parse_rows,
+    write_text_atomic,
+)
+from kvreplay.run.lock import installed
+from kvreplay.run.summary import format_summary, summarize
+from kvreplay.run.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+from kvreplay.verify.verdict import verdict_sentence
+
+
+@dataclass(frozen=True)
+class RunRequest(RunSettings):
+    """What the user asked for; every field is validated before model work starts."""
+
+    experiment: str
+    out: Path
+    model: str = "smollm2-135m"
+    items: str = "arith"
+    n: int | None = None
+    dtypes: tuple[str, ...] = ("bf16", "fp32")
+    plan: str = "instruct"
+    save_snapshots: bool = False
+    prefix_from: Path | None = None
+    engine: str = "local"
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    ray_address: str | None = None
+    threads: int = DEFAULT_THREADS  # torch intra-op threads per worker process
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+    extra: dict[str, Any] = field(default_factory=dict)  # the experiment's own options
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", canonical_spec(self.model))
+
+
+def _plan(request: RunRequest) -> StagePlan:
+    path = Path(request.plan)
+    if path.suffix == ".json":
+        data = read_json(path, f"the stage plan file {path}")
+        try:
+            return StagePlan.from_dict(data)
+        except KvreplayError as exc:
+            raise KvreplayError(f"The stage plan file {path} is not a valid plan: {exc}") from exc
+    return get_plan(request.plan)
+
+
+def _check_prompts(
+    request: RunRequest, plan: StagePlan, items: list[Item], info: dict[str, Any], tokenizer: Any
+) -> None:
+    """Prompts over the context window, token ids outside the vocabulary (a trace's, or
+    any the tokenizer can produce) and empty openers are refused before model work."""
+    budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
+    config = text_config(request.model, request.trust_remote_code)
+    vocabulary = vocabulary_size(config, tokenizer)
+    largest = max(max(tokenizer.get_vocab().values()), *tokenizer.all_special_ids)
+    if largest >= vocabulary:
+        raise KvreplayError(
+            f"The tokenizer of model {request.model!r} has token ids up to {largest}, outside "
+            f"the model's vocabulary of {vocabulary}; the tokenizer is not this model's."
+        )
+    for item in items:
+        given = item.prompt if is_token_ids(item.prompt) else None
+        for where, ids in (("prefix_token_ids", item.prefix_token_ids), ("prompt", given)):
+            outside = [t for t in ids or () if t >= vocabulary]  # type: ignore[operator]
+            if outside:
+                raise KvreplayError(
+                    f"Item {item.id} has token id {outside[0]} in {where}, outside the "
+                    f"model's vocabulary of {vocabulary}."
+                )
+        length = (
+            len(item.prefix_token_ids)
+            if item.prefix_token_ids is not None
+            else len(encode_prompt(tokenizer, item.prompt, request.chat)) + budget
+        )
+        window = request.backend.context_window(info["context_length"])
+        if window and length > window:
+            raise KvreplayError(
+                f"Item {item.id} needs {length} tokens, over the model's context window of "
+                f"{window}."
+            )
+
+
+def _source_run(path: Path | None) -> SourceRun | None:
+    """Rows of another run, read without touching it (it may still be running)."""
+    if path is None:
+        return None
+    source = RunLedger.open_existing(path)
+    records, problems = parse_rows(source.rows_path, source.contract_hash)
+    if problems:
+        raise KvreplayError(f"The run {path} has a damaged ledger ({problems[0]}).")
+    return SourceRun(path, {r.key: r for r in records}, source.contract_hash)
+
+
+def _recorded_scheme(out: Path) -> int:
+    """A resumed run keeps the contract scheme it started with; a new one gets today's."""
+    if not (out / MANIFEST).exists():
+        return CONTRACT_SCHEME
+    return contract_scheme(RunLedger.open_existing(out).manifest["contract"])
+
+
+def _check_resume(request: RunRequest) -> None:
+    """A run with rows resumes only on the thread count it recorded (named in the refusal),
+    and saving snapshots as it started: its manifest says whether rows hold snapshots."""
+    if not (request.out / MANIFEST).exists():
+        return
+    existing = RunLedger.open_existing(request.out)
+    if not existing.has_rows():
+        return
+    check_recorded(existing.manifest["contract"], request.threads, request.out, "resume")
+    saved = existing.manifest.get("snapshots") == SNAPSHOTS_SAVED
+    if saved != request.save_snapshots:
+        flag = "with" if saved else "without"
+        raise KvreplayError(
+            f"{request.out} was started {flag} --save-snapshots; resume it {flag} the flag."
+        )
+
+
+def build_contract(
+    config: RunConfig, info: dict[str, Any], items_source: str, items: list[Item], scheme: int
+) -> dict[str, Any]:
+    """The manifest's contract: everything that can change a result. ``kvreplay audit``
+    rebuilds it on its own machine and compares it with the recorded one."""
+    return {
+        **({"scheme": scheme} if scheme > 1 else {}),
+        "run": config.contract(),
+        "model_info": info,
+        "environment": environment(config.device, scheme) | config.backend.environment(),
+        "items": {"source": items_source, "digest": items_digest(items), "count": len(items)},
+    }
+
+
+def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
+    """Validate the request and open (or resume) the run directory."""
+    check_name(request.out, "--out")
+    parse_dtypes(request.dtypes, request.backend.precisions)
+    parse_device(request.device)
+    placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
+    check_engine(*placement, request.device)
+    if request.workers > 1 and not request.backend.parallel_workers:
+        raise KvreplayError(
+            f"The {request.backend.name} backend's workers would share one server and reset "
+            "each other's prefix cache; run it with --workers 1."
+        )
+    plan = _plan(request)
+    get_extractor(request.extractor)
+    experiment = get_experiment(request.experiment, request.backend)
+    request.backend.check_installed()  # before anything imports the backend's libraries
+    items = load_items(request.items)
+    experiment.check_prompts(items, experiment.count(request.n, items))
+    scheme = _recorded_scheme(request.out)
+    _check_resume(request)
+    request.backend.check_loadable(
+        request.model, request.attn_implementation, request.trust_remote_code
+    )
+    tokenizer = load_tokenizer(request.model, request.trust_remote_code)
+    info = request.backend.describe_model(
+        request.model, request.trust_remote_code, scheme, tokenizer
+    )
+    request.backend.check_model(
+        request.model, request.trust_remote_code, request.device, tuple(request.dtypes)
+    )
+    prompts = [i.prompt for i in items[: experiment.count(request.n, items)] if i.prompt]
+    request.backend.check_tokenization(request.model, tokenizer, prompts, request.chat)
+    _check_prompts(request, plan, items, info, tokenizer)
+    config = RunConfig(
+        model=request.model,
+        model_digest=info["model_digest"],
+        plan=plan,
+        run_dir=str(request.out),
+        save_snapshots=request.save_snapshots,
+        **request.settings(),
+    )
+    contract = build_contract(config, info, request.items, items, scheme)
+    header = {
+        "platform": platform.platform(),
+        "environment": {
+            "python": platform.python_version(),
+            "distributions": installed(),
+        },
+        "kvreplay_version": __version__,
+        "git_commit": git_commit(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": request.command,
+        "snapshots": SNAPSHOTS_SAVED if request.save_snapshots else "fingerprints only",
+    }
+    source = _source_run(request.prefix_from)
+    scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
+    experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
+    ledger = RunLedger(request.out)
+    ledger.start(contract, header)
+    try:
+        _freeze_items(ledger, items)
+    except BaseException:
+        ledger.close()
+        raise
+    return ledger, scope
+
+
+def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
+    """Write items.jsonl for a new run; a resumed run's must be what its contract says."""
+    path = ledger.run_dir / ITEMS
+    text = "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items)
+    if ledger.fresh or not path.exists():
+        write_text_atomic(path, text)
+    elif _frozen_bytes(path) != text.encode("utf-8"):
+        raise KvreplayError(
+            f"{path} differs from the items this run's contract records; run kvreplay audit."
+        )
+
+
+class Stop(Protocol):
+    """A rule that ends a run early (a check whose verdict is decided): asked with the
+    experiment's rows before the first unit and after each row. The manifest records it
+    with the last row, so that an audit can tell a deliberate stop from lost rows; the
+    run stays resumable."""
+
+    def __call__(self, rows: list[Record]) -> bool: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def _frozen_bytes(path: Path) -> bytes:
+    try:
+        return read_regular(path)
+    except OSError as exc:
+        raise KvreplayError(
+            f"{path} cannot be read as the run's frozen items ({exc.strerror}); run kvreplay audit."
+        ) from exc
+
+
+def run(
+    request: RunRequest,
+    quiet: bool = False,
+    session: EngineSession | None = None,
+    stop: Stop | None = None,
+) -> dict[str, Any]:
+    """Run (or resume) one experiment into ``request.out``; return its summary.
+
+    The run holds the folder's lock (see :mod:`kvreplay.run.runlock`) from before its first
+    write until it returns, so a second run on the same folder is refused. It runs on
+    ``request.threads`` torch threads per worker process, which its contract records.
+    A ``session`` (closed by the caller) keeps its workers and their models for the next
+    run; ``stop`` may end it before every unit ran.
+    """
+    with intra_op_threads(request.threads):
+        ledger, scope = prepare(request)
+        try:
+            return _run_prepared(request, ledger, scope, quiet, session, stop)
+        finally:
+            ledger.close()
+
+
+def _run_prepared(
+    request: RunRequest,
+    ledger: RunLedger,
+    scope: Scope,
+    quiet: bool,
+    session: EngineSession | None,
+    stop: Stop | None,
+) -> dict[str, Any]:
+    experiment = get_experiment(request.experiment, request.backend)
+    selection = experiment.select(scope, {**scope.source_rows(), **ledger.by_key()})
+    recorded = ledger.manifest.get("experiments", {}).get(experiment.name, {}).get("config")
+    own = experiment.config(scope, selection)
+    ledger.register_experiment(experiment.name, experiment.table.stamp(own, recorded))
+    config = ledger.manifest["experiments"][experiment.name]["config"]
+    placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
+    run = scope.config
+    engine = session.engine(run, *placement) if session else make_engine(run, *placement)
+    try:
+        ledger.note_experiment(experiment.name, "engine", engine.describe())
+        done = (lambda: stop(ledger.rows(experiment.name))) if stop else (lambda: False)
+        stopped = False
+        for phase in range(experiment.phases):
+            units = experiment.units(phase, scope, selection, ledger.by_key())
+            todo = [u for u in units if not ledger.is_done(str(u.key))]
+            stopped = done() or not _run_phase(ledger, engine, todo, quiet, done)
+            if stopped:
+                break
+        last = ledger.rows(experiment.name)[-1].key if stopped else None
+        ledger.note_experiment(
+            experiment.name,
+            STOPPED,
+            {"rule": stop.to_json(), "after": last} if stop and last else None,
+        )
+    finally:
+        if session is None:
+            engine.close()
+    rows = ledger.rows(experiment.name)
+    csv_text = experiment.table.csv(rows, config)
+    write_text_atomic(request.out / experiment.table.csv_name(config), csv_text)
+    experiment.figures(request.out, rows)
+    summary = summarize(experiment, rows)
+    if not quiet:
+        print(format_summary(experiment, summary))
+        print(verdict_sentence(experiment, rows, config.get("margin")))
+    return summary
+
+
+def _run_phase(
+    ledger: RunLedger, engine: Any, units: list[Unit], quiet: bool, done: Callable[[], bool]
+) -> bool:
+    """Run a phase's units, appending each row; False when ``done`` stopped it early."""
+    if not units:
+        return True
+    bar = tqdm(
+        total=len(units), unit="row", disable=quiet, file=sys.stderr, desc=units[0].experiment
+    )
+    rows = engine.run(units)
+    try:
+        for unit, data, timing, worker in rows:
+            inputs = {k: v for k, v in unit.inputs.items() if k != "reuse"}
+            record = {**data, "inputs": inputs}
+            ledger.append(str(unit.key), unit.experiment, record, worker, timing)
+            bar.update(1)
+            if done():
+                return False
+    finally:
+        rows.close()
+        bar.close()
+    return True
