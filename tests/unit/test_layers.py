@@ -20,6 +20,7 @@ LAYERS = (
     "kvreplay.experiments",  # each experiment's run, table and section
     "kvreplay.render",  # the blocks and figures a page is made of
     "kvreplay.measure",  # statistics: intervals, rates, the certificate
+    "kvreplay.core",  # the domain (errors, items, plans, trajectories): imports none above
 )
 
 
