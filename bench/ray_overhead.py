@@ -27,7 +27,7 @@ from kvreplay.core.items import load_items
 from kvreplay.core.stages import get_plan
 from kvreplay.engines.local import LocalEngine
 from kvreplay.engines.ray import RayEngine
-from kvreplay.experiments.matched import Matched
+from kvreplay.experiments.matched.experiment import Matched
 from kvreplay.experiments.scope import Scope
 from kvreplay.experiments.units import Unit
 from kvreplay.model.models import describe_source

@@ -35,8 +35,8 @@ from kvreplay import (
 )
 from kvreplay.cli import main
 from kvreplay.core.stages import Stage
+from kvreplay.experiments.matrix.table import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
 from kvreplay.experiments.tables import table_for
-from kvreplay.experiments.tables.matrix import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
 
 ARCHS = ("qwen2", "llama", "gemma3")
 DTYPES = ("bf16", "fp32")

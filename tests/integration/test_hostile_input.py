@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.experiments.tables.matrix import LAYER_DRIFT, MATCHED_TABLE
+from kvreplay.experiments.matrix.table import LAYER_DRIFT, MATCHED_TABLE
 from kvreplay.model.models import load_model
 from kvreplay.render.document import Paragraph, Table, to_markdown
 from kvreplay.run.ledger import csv_cell, render_csv

@@ -9,9 +9,9 @@ import pytest
 from kvreplay.backends import backend_from_contract, make_backend, registry, setting_options
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.trajectory import Prefix
+from kvreplay.experiments.matrix.table import first_token_logprob_diff
 from kvreplay.experiments.requests import computed_tokens
 from kvreplay.experiments.rows import ArmResult, ReplicaGate, ServedReport
-from kvreplay.experiments.tables.matrix import first_token_logprob_diff
 from kvreplay.model.decode import Segment, Trajectory
 
 

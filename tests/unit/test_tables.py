@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvreplay.experiments.columns import Column, Field
+from kvreplay.experiments.matrix.table import MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.experiments.table import SCHEMA_VERSION, Table, read_ledger, recorded_version
 from kvreplay.experiments.tables import recorded_table, table_for
-from kvreplay.experiments.tables.matrix import MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.run.ledger import GENESIS, Record
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"

@@ -22,7 +22,7 @@ from kvreplay.analysis.flip import (
     roc_points,
     score_panel,
 )
-from kvreplay.analysis.sections.matrix import MATRIX, MATRIX_DESIGNS
+from kvreplay.experiments.matrix.section import MATRIX, MATRIX_DESIGNS
 from kvreplay.experiments.section import Page, Reading, Section
 from kvreplay.experiments.table import Ledger
 from kvreplay.measure.rates import Json

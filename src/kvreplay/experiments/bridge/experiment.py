@@ -13,10 +13,10 @@ from typing import Any
 from kvreplay.core.items import Item
 from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
 from kvreplay.experiments.experiment import Experiment, planned_keys
+from kvreplay.experiments.matrix.table import MATCHED
 from kvreplay.experiments.panel import Arm, Panel
 from kvreplay.experiments.scope import Scope, Selection
 from kvreplay.experiments.selection import prompt_lengths, spread_selection
-from kvreplay.experiments.tables.matrix import MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.run.ledger import Record
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.matrix import matrix_panel, run_matrix
+from kvreplay.experiments.matrix.panel import matrix_panel, run_matrix
+from kvreplay.experiments.matrix.table import FIXED_PREFIX, FIXED_PREFIX_TABLE, MATCHED
 from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.tables.matrix import FIXED_PREFIX, FIXED_PREFIX_TABLE, MATCHED
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.run.ledger import Record
 
@@ -80,12 +79,3 @@ class FixedPrefix(Experiment):
             return prefix_row(worker, unit, clock)
         base = {"item_id": unit.item.id, "precision": unit.precision}
         return {**base, "kind": "matrix", **run_matrix(worker, unit, clock, self.panel)}
-
-
-DECLARATION = Declaration(
-    name=FIXED_PREFIX,
-    summary="Prefixes fixed across precisions: replay vs prefill in each.",
-    experiment=f"{__name__}:FixedPrefix",
-    table=FIXED_PREFIX_TABLE,
-    source="Take prefixes from this run (default: this run's bf16 live rows).",
-)

@@ -1,6 +1,6 @@
 """``matched``: per item and precision, the retained live state vs a one-shot prefill of
 the same prefix, each with a replica (``matched_live_prefill.csv``; its table, with the
-served one, is :mod:`kvreplay.experiments.tables.matrix`)."""
+served one, is :mod:`kvreplay.experiments.matrix.table`)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,20 @@ from dataclasses import replace
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.matrix import matrix_panel, run_matrix
+from kvreplay.experiments.matched.screen import WINDOW, MatchedOptions, ranked, screen_row
+from kvreplay.experiments.matrix.panel import matrix_panel, run_matrix
+from kvreplay.experiments.matrix.table import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.screen import WINDOW, MatchedOptions, ranked, screen_row
 from kvreplay.experiments.served import ServedArm, run_served_panel
-from kvreplay.experiments.tables.matrix import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.run.ledger import Record
 
 
 class Matched(Experiment):
     """Per item and precision, live vs prefill. With ``--select fragile`` a first phase
-    screens candidates (:mod:`kvreplay.experiments.screen`) and the rows run for the most
+    screens candidates (:mod:`kvreplay.experiments.matched.screen`) and the rows run for the most
     fragile, riskiest first."""
 
     name = MATCHED
@@ -141,14 +140,3 @@ def companions(items: list[Item], index: int, k: int) -> list[dict[str, Any]]:
     """The ``k`` items after ``index``, wrapping around, as plain data for the unit."""
     mates = [items[(index + step) % len(items)] for step in range(1, k + 1)]
     return [{"item_id": item.id, "prompt": item.prompt} for item in mates]
-
-
-DECLARATION = Declaration(
-    name=MATCHED,
-    summary="Per item and precision, the retained live state vs a one-shot prefill.",
-    experiment=f"{__name__}:Matched",
-    table=MATCHED_TABLE,
-    served=f"{__name__}:ServedMatched",
-    served_table=SERVED_MATCHED_TABLE,
-    options="kvreplay.experiments.screen:MatchedOptions",
-)

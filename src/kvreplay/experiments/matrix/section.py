@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvreplay.experiments.rows import replica_name
-from kvreplay.experiments.section import Page, Reading, Row, Section
-from kvreplay.experiments.table import Ledger, Table
-from kvreplay.experiments.tables.matrix import (
+from kvreplay.experiments.matrix.table import (
     FIXED_PREFIX_TABLE,
     LAYER_DRIFT,
     MATCHED_TABLE,
     SERVED_MATCHED_TABLE,
 )
+from kvreplay.experiments.rows import replica_name
+from kvreplay.experiments.section import Page, Reading, Row, Section
+from kvreplay.experiments.table import Ledger, Table
 from kvreplay.measure.rates import (
     Json,
     count,

@@ -1,7 +1,7 @@
 """The four-arm matrix shared by ``matched`` and ``fixed-prefix``: a left arm (the
 retained ``live`` state, or the ``replay`` rebuild the paper calls "incremental") against
 a one-shot ``prefill``, each with a storage-disjoint replica, all four continued. Its CSV
-is declared in :mod:`kvreplay.experiments.tables.matrix`.
+is declared in :mod:`kvreplay.experiments.matrix.table`.
 """
 
 from __future__ import annotations
