@@ -141,24 +141,25 @@ def test_a_hit_that_changes_under_traffic_fails_the_check_and_is_reported() -> N
     from dataclasses import replace
 
     alone = outcome("a", cached=96)
+    busy = {"in_flight_max": 3, "server_running_max": 4.0, "server_waiting_max": None,
+            "kv_cache_usage_max": 0.25, "preemptions": None}  # fmt: skip
     moved = replace(
         outcome("b", cached=96),
         traffic_differs=True,
         traffic_differs_from_right=True,
         traffic_numerics_differ=True,
+        traffic_load=busy,
     )
     still = replace(
         outcome("c", cached=96),
         traffic_differs=False,
         traffic_differs_from_right=False,
         traffic_numerics_differ=False,
+        traffic_load={**busy, "in_flight_max": 2, "kv_cache_usage_max": 0.5},
     )
-    load = {"in_flight_max": 3, "server_running_max": 4.0, "server_waiting_max": None,
-            "kv_cache_usage_max": 0.5, "preemptions": None}  # fmt: skip
+    load = {**busy, "kv_cache_usage_max": 0.5}  # each figure's most over the items
     environment = {"kvreplay_version": "0.1.0", "model": {}, "backend": {"name": "http"}}
-    verdict = Verdict(
-        EXACT, ("hit", "miss"), [alone, moved, still], environment=environment, traffic_load=load
-    )
+    verdict = Verdict(EXACT, ("hit", "miss"), [alone, moved, still], environment=environment)
     assert not verdict.holds and verdict.exit_code == 1
     assert (
         "hit and miss continuations differ on 0 of 3 item(s) in bf16; under traffic the hit "

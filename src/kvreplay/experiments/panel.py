@@ -86,6 +86,11 @@ class Panel(Generic[A]):
         return self.arms[0].name, self.arms[1].name
 
     @property
+    def under_traffic(self) -> list[str]:
+        """The arms that run while loopback clients load the server (served arms only)."""
+        return [arm.name for arm in self.arms if getattr(arm, "traffic", False)]
+
+    @property
     def arm_names(self) -> list[str]:
         """Every continued arm, in the order they run: each arm and its replica, then
         the transplants."""

@@ -83,9 +83,7 @@ def get_experiment(
             f"{', '.join(sorted(k for k, d in experiments.items() if d.served))})."
         )
     experiment = experiment_at(declaration.served if served else declaration.experiment)
-    if backend.traffic_clients and not any(
-        getattr(arm, "traffic", False) for arm in experiment.panel.arms
-    ):
+    if backend.traffic_clients and not experiment.panel.under_traffic:
         raise KvreplayError(
             f"--traffic applies to history; {name} has no arm that runs under traffic."
         )

@@ -29,11 +29,6 @@ from kvreplay.verify.verdict import SCHEMA, Expectation, StopRule, Verdict, judg
 GREEDY, FAITHFUL, UNDER_TRAFFIC = "matched", "resample", "history"
 
 DEFAULT_ITEMS = 4
-# What a check reports of the server's load under traffic (backends.traffic.Load).
-LOAD_FIGURES = (
-    "in_flight_max", "server_running_max", "server_waiting_max", "kv_cache_usage_max",
-    "preemptions",
-)  # fmt: skip
 
 
 def repro_pack(
@@ -248,7 +243,6 @@ def run_check(
     rows = [r for r in records if r.experiment == name]
     planned = len(options["dtypes"]) * options["n"]
     verdict = judge(experiment, rows, expectation, _environment(ledger.manifest), planned)
-    verdict.traffic_load = traffic_load(experiment, rows)
     echo(verdict.screen())
     write_outputs(verdict, json_path, junit_path)
     pack = repro_pack(repro, verdict, out, rows, experiment, command)
@@ -257,25 +251,6 @@ def run_check(
         echo(f"repro pack: {pack}; reproduce the first divergence with: {command}")
     echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
     return verdict
-
-
-def traffic_load(experiment: Experiment, rows: list[Record]) -> dict[str, Any] | None:
-    """The most the server reported in flight while an arm ran under traffic, over the
-    rows (each figure's maximum; None: no arm ran under traffic)."""
-    arms = [a.name for a in experiment.panel.arms if getattr(a, "traffic", False)]
-    loads = [
-        load
-        for x in experiment.table.lines(rows)
-        for arm in arms
-        if (result := x.row.arms.get(arm)) is not None  # type: ignore[attr-defined]
-        and (load := result.served.load)
-    ]
-    if not loads:
-        return None
-    return {
-        k: max((v for load in loads if (v := load[k]) is not None), default=None)
-        for k in LOAD_FIGURES
-    }
 
 
 def _item_count(options: dict[str, Any], expectation: Expectation) -> int:

@@ -42,6 +42,11 @@ EXPECTATIONS = ("exact", "max-divergent", "bitwise", "faithful")
 DEFAULT_MARGIN = 0.05
 NEAR_TIE = 0.5  # top-1/top-2 margin under which a divergence counts as a near-tie
 HOLDS, FAILS = 0, 1  # exit codes; a refusal is 2
+# What a verdict reports of the server's load under traffic (backends.traffic.Load).
+LOAD_FIGURES = (
+    "in_flight_max", "server_running_max", "server_waiting_max", "kv_cache_usage_max",
+    "preemptions",
+)  # fmt: skip
 
 Bits = Literal["equal", "differ", "unknown"]
 
@@ -157,6 +162,7 @@ class ItemOutcome:
     traffic_differs: bool | None = None
     traffic_differs_from_right: bool | None = None
     traffic_numerics_differ: bool | None = None
+    traffic_load: dict[str, Any] | None = None  # what the server reported meanwhile
 
     @property
     def pair_diverges(self) -> bool:
@@ -200,14 +206,24 @@ def _under_traffic(traffic: ArmResult | None, left: ArmResult, right: ArmResult)
         "traffic_differs_from_right": traffic.suffix_sha256 != right.suffix_sha256,
         "traffic_numerics_differ": traffic.logits_fingerprint != left.logits_fingerprint
         or numerics.parts,
+        "traffic_load": traffic.served.load if traffic.served is not None else None,
+    }
+
+
+def _most_load(loads: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The most the server reported in flight over the items' traffic arms: each of
+    :data:`LOAD_FIGURES`' maximum (None: no row recorded a load)."""
+    if not loads:
+        return None
+    return {
+        k: max((v for load in loads if (v := load.get(k)) is not None), default=None)
+        for k in LOAD_FIGURES
     }
 
 
 def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome]:
     """Each compared row's outcome, in ledger order."""
-    under_traffic = next(
-        (a.name for a in experiment.panel.arms if getattr(a, "traffic", False)), None
-    )
+    under_traffic = next(iter(experiment.panel.under_traffic), None)
     found = []
     for record in rows:
         data = record.data
@@ -242,7 +258,9 @@ def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome
                 kv_equal=row.comparison.cache_exact if row.comparison is not None else None,
                 numerics_recorded=all(n.recorded for n in numerics),
                 numeric_divergence=min(parted) if parted else None,
-                **_under_traffic(under_traffic and row.arms.get(under_traffic), left, right),
+                **_under_traffic(
+                    row.arms.get(under_traffic) if under_traffic else None, left, right
+                ),
             )
         )
     return found
@@ -261,7 +279,6 @@ class Verdict:
     certificate: dict[str, Any] | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     planned: int | None = None
-    traffic_load: dict[str, Any] | None = None  # the most the server reported under traffic
 
     @property
     def reached(self) -> list[ItemOutcome]:
@@ -436,7 +453,7 @@ class Verdict:
                 right: sum(bool(o.traffic_differs_from_right) for o in ran),
             },
             "numerics_differ_from": {left: sum(bool(o.traffic_numerics_differ) for o in ran)},
-            "load": self.traffic_load,
+            "load": _most_load([o.traffic_load for o in ran if o.traffic_load]),
         }
 
     def _power(self, level: str) -> str:
