@@ -11,7 +11,7 @@ import gc
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,8 @@ from helpers import invoke
 from kvreplay import backends
 from kvreplay.analysis.claims import build_claims
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
-from kvreplay.run.ledger import Record, RunRows, TamperedLedger
+from kvreplay.run.ledger import Record, RowAt, RunRows, TamperedLedger
+from kvreplay.verify.audit import RowChecks
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 240  # 120 items at two precisions: 5x the committed run it is made from
@@ -85,6 +86,35 @@ def test_analyze_holds_one_row_at_a_time(
     streamed = json.loads((tmp_path / "claims.json").read_text())
     assert streamed == json.loads(json.dumps(held))
     assert held["extra"]["flip_predictor"]  # the predictor read every row's margins
+
+
+def test_structural_audit_holds_one_row_at_a_time(
+    big_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The audit checks each row as the chain check reads it and keeps only what a later
+    check needs; the CSV check and the plan read rows afresh. At no point are more than
+    a few rows alive, so its memory does not grow with the ledger."""
+    seen: list[int] = []
+    visit, read = RowChecks.visit, RunRows.read
+
+    def watched_visit(self: RowChecks, record: Record) -> None:
+        visit(self, record)
+        if len(seen) < 1000 and record.seq % 50 == 49:
+            seen.append(_live_records())
+
+    def watched_read(self: RunRows, rows: Iterable[RowAt]) -> Iterator[Record]:
+        for index, record in enumerate(read(self, rows)):
+            if index % 50 == 49:
+                seen.append(_live_records())
+            yield record
+
+    monkeypatch.setattr(RowChecks, "visit", watched_visit)
+    monkeypatch.setattr(RunRows, "read", watched_read)
+    result = invoke("audit", big_run, "--sample", "0")
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.stdout
+    assert len(seen) == 3 * (ROWS // 50), seen  # the chain pass and the CSV's two passes
+    assert max(seen) <= 4, seen
 
 
 def test_rows_changed_after_the_check_are_refused(big_run: Path, tmp_path: Path) -> None:

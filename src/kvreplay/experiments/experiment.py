@@ -6,6 +6,7 @@ reads it too); the runner names none of them."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ class Experiment(ABC):
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]: ...
 
     @abstractmethod
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         """Every row key the experiment holds once complete, from its recorded config."""
 
     def read_row(self, data: dict[str, Any]) -> PanelRow:
@@ -86,7 +87,7 @@ class Experiment(ABC):
         another row are checked by the audit itself (their ``source``)."""
         return {}
 
-    def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
+    def figures(self, run_dir: Path, rows: Iterable[Record]) -> list[Path]:
         """Figures drawn from the rows after each run; most experiments draw none."""
         return []
 
@@ -95,7 +96,7 @@ def planned_keys(
     experiment: str,
     item_ids: list[str],
     precisions: list[str],
-    rows: dict[str, Any],
+    rows: Mapping[str, Record],
     prefixed: bool = False,
 ) -> list[str]:
     """Row keys of a complete experiment; with ``prefixed``, one prefix row per item

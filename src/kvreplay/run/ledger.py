@@ -9,6 +9,7 @@ hash, so a deleted, reordered or edited row breaks the chain where it happened.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -16,10 +17,10 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
@@ -172,6 +173,13 @@ def read_rows(path: Path, contract_hash: str, problems: list[str]) -> Iterator[R
     """rows.jsonl a line at a time, each row checked against its hash and chain as it is
     read; what is wrong is appended to ``problems`` (see :func:`parse_rows`). A reader
     that keeps only what it needs of each row holds one row at a time."""
+    return (record for _, record in read_rows_at(path, contract_hash, problems))
+
+
+def read_rows_at(
+    path: Path, contract_hash: str, problems: list[str]
+) -> Iterator[tuple[int, Record]]:
+    """:func:`read_rows`, each row with the byte offset of its line (to read it again)."""
     if not path.exists():
         return
     try:
@@ -180,8 +188,10 @@ def read_rows(path: Path, contract_hash: str, problems: list[str]) -> Iterator[R
         problems.append(f"{path.name} cannot be read ({exc.strerror or exc})")
         return
     prev = GENESIS
+    offset = 0
     with handle:
         for number, line in enumerate(handle, start=1):
+            at, offset = offset, offset + len(line)
             if not line.endswith(b"\n"):
                 return  # the piece after the last newline is torn
             try:
@@ -208,7 +218,7 @@ def read_rows(path: Path, contract_hash: str, problems: list[str]) -> Iterator[R
             if record.seq != number - 1:
                 problems.append(f"{where}: field seq is {record.seq}, expected {number - 1}")
             prev = record.hash
-            yield record
+            yield at, record
 
 
 def _stamp(path: Path) -> tuple[int, int, int]:
@@ -216,43 +226,111 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
+class RowAt(NamedTuple):
+    """Where a row that parsed lies in rows.jsonl, what a reader filters it by, and its
+    :attr:`Record.row_sha256` (computed once, by the chain check)."""
+
+    offset: int
+    key: str
+    experiment: str
+    row_sha256: str
+
+
 @dataclass(frozen=True)
 class RunRows:
-    """A run's rows (``experiment``'s only, where named), read afresh from rows.jsonl
-    each time they are iterated: an analysis of any size holds one row at a time. The
-    hash chain is checked once (:meth:`checked`); a later pass parses the rows only, and
-    raises if the file changed since (its inode, size or modification time)."""
+    """A run's rows (``experiment``'s only, where named; none of the keys in
+    ``without``), read afresh from rows.jsonl each time they are iterated: an analysis
+    or audit of any size holds one row at a time. The hash chain is checked once
+    (:meth:`checked`), which also notes where each row that parses lies; a later pass
+    reads those lines only, and raises if the file changed since (its inode, size or
+    modification time)."""
 
     path: Path
     stamp: tuple[int, int, int]
+    index: tuple[RowAt, ...]
     experiment: str | None = None
+    without: frozenset[str] = frozenset()
 
     @classmethod
-    def checked(cls, path: Path, contract_hash: str) -> tuple[RunRows, list[str]]:
-        """The rows, and what is wrong with them (as :func:`parse_rows` says)."""
+    def checked(
+        cls, path: Path, contract_hash: str, visit: Callable[[Record], None] | None = None
+    ) -> tuple[RunRows, list[str]]:
+        """The rows, and what is wrong with them (as :func:`parse_rows` says); ``visit``
+        sees each row as it is checked, so that a reader that needs every row once (an
+        audit) reads the file once for both."""
         stamp = _stamp(path)
         problems: list[str] = []
-        for _ in read_rows(path, contract_hash, problems):
-            pass
+        index = []
+        for offset, record in read_rows_at(path, contract_hash, problems):
+            index.append(RowAt(offset, record.key, record.experiment, record.row_sha256))
+            if visit is not None:
+                visit(record)
         if _stamp(path) != stamp:
             raise TamperedLedger(f"{path} changed while it was read.")
-        return cls(path, stamp), problems
+        return cls(path, stamp, tuple(index)), problems
 
     def of(self, experiment: str) -> RunRows:
-        return RunRows(self.path, self.stamp, experiment)
+        return dataclasses.replace(self, experiment=experiment)
 
-    def __iter__(self) -> Iterator[Record]:
+    def excluding(self, keys: Iterable[str]) -> RunRows:
+        return dataclasses.replace(self, without=self.without | frozenset(keys))
+
+    def keys(self) -> list[str]:
+        """The keys of the rows this reads, in ledger order."""
+        return [at.key for at in self._chosen()]
+
+    def by_key(self) -> RowsByKey:
+        """These rows by key, each read when asked for (the last, where a key repeats)."""
+        return RowsByKey(self, {at.key: at for at in self._chosen()})
+
+    def _chosen(self) -> Iterator[RowAt]:
+        return (
+            at
+            for at in self.index
+            if self.experiment in (None, at.experiment) and at.key not in self.without
+        )
+
+    def read(self, rows: Iterable[RowAt]) -> Iterator[Record]:
+        """These rows, in this order. Their lines passed the strict reader and the chain
+        check in this very file (its stamp says so), so they are parsed by json alone,
+        and their row hashes are not computed again."""
         if _stamp(self.path) != self.stamp:
             raise TamperedLedger(f"{self.path} changed after its rows were checked.")
         with open_regular(self.path) as handle:
-            for line in handle:
-                if not line.endswith(b"\n"):
-                    break  # the torn piece after the last newline
-                record = Record(**parse_json(line))
-                if self.experiment in (None, record.experiment):
-                    yield record
+            for at in rows:
+                handle.seek(at.offset)
+                record = Record(**json.loads(handle.readline()))
+                record.__dict__["row_sha256"] = at.row_sha256  # the cached property
+                yield record
         if _stamp(self.path) != self.stamp:
             raise TamperedLedger(f"{self.path} changed while it was read.")
+
+    def __iter__(self) -> Iterator[Record]:
+        return self.read(list(self._chosen()))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._chosen())
+
+
+class RowsByKey(Mapping[str, Record]):
+    """A run's rows by key, read from rows.jsonl when asked for: a plan or a link
+    check looks up a few rows of a ledger of any size without holding it."""
+
+    def __init__(self, rows: RunRows, index: dict[str, RowAt]):
+        self._rows, self._index = rows, index
+
+    def __getitem__(self, key: str) -> Record:
+        (record,) = self._rows.read([self._index[key]])
+        return record
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
 
 
 def rows_of(records: Iterable[Record], experiment: str) -> Iterable[Record]:

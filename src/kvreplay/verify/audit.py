@@ -6,12 +6,14 @@ derived CSV and every snapshot. Read-only: an audit never changes the run.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 import random
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +22,7 @@ from kvreplay.backends import precisions
 from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
+from kvreplay.core.paths import open_regular
 from kvreplay.engines import make_engine
 from kvreplay.experiments import recorded_experiment
 from kvreplay.experiments.prefixes import trajectory_inputs
@@ -45,8 +48,8 @@ from kvreplay.run.ledger import (
     STOPPED,
     Record,
     RunLedger,
+    RunRows,
     diff_fields,
-    parse_rows,
 )
 from kvreplay.run.lock import check_libraries, valid_pin
 from kvreplay.run.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
@@ -133,26 +136,28 @@ def _neutral_lengths(lengths: list[int], tokens: int, layers: int) -> list[int]:
     return lengths if fits else [tokens] * layers
 
 
-def check_snapshots(
-    run_dir: Path, records: list[Record], layout: Callable[[int], Layout | None], layers: int
-) -> list[str]:
-    """Every snapshot a row names: inside the run's snapshots/ folder, its bytes' sha256,
-    the fingerprints of the tensors it holds (computed, not read from its metadata)
-    against the row's, and everything else it holds against the row and the run:
-    exactly the tensors and metadata a snapshot has for a model of ``layers`` layers,
-    the arm's construction, the row and arm it was saved for, the prefix's token ids,
-    and its cache layout: ``layout(tokens)`` where the backend can say it from the
+class SnapshotCheck:
+    """Every snapshot a row names, a row at a time: inside the run's snapshots/ folder,
+    its bytes' sha256, the fingerprints of the tensors it holds (computed, not read from
+    its metadata) against the row's, and everything else it holds against the row and
+    the run: exactly the tensors and metadata a snapshot has for a model of ``layers``
+    layers, the arm's construction, the row and arm it was saved for, the prefix's token
+    ids, and its cache layout: ``layout(tokens)`` where the backend can say it from the
     model's config, else one layout for every snapshot of a precision, no layer past
     the prefix and the longest over all of it."""
-    problems = []
-    folder = (run_dir / "snapshots").resolve()
-    seen: dict[Any, str] = {}  # each precision's layer kinds (JSON), where no layout is known
-    for record in records:
+
+    def __init__(self, run_dir: Path, layout: Callable[[int], Layout | None], layers: int):
+        self.run_dir, self.layout, self.layers = run_dir, layout, layers
+        self.folder = (run_dir / "snapshots").resolve()
+        self.seen: dict[Any, str] = {}  # each precision's layer kinds (JSON), where no layout
+
+    def __call__(self, record: Record) -> list[str]:
+        problems = []
         for arm_name, arm, entry in _snapshots(record.data):
             name = entry.get("file")
             where = f"row {record.key} snapshot {name}"
-            path = run_dir / str(name)
-            if not isinstance(name, str) or path.resolve().parent != folder:
+            path = self.run_dir / str(name)
+            if not isinstance(name, str) or path.resolve().parent != self.folder:
                 problems.append(f"{where}: field file does not name a file in snapshots/")
                 continue
             if not path.is_file():
@@ -176,18 +181,18 @@ def check_snapshots(
                     problems.append(f"{where}: field {key} of its metadata differs from the row's")
             prefix = record.data.get("prefix_token_ids")
             tokens = len(prefix) if isinstance(prefix, list) else 0
-            known = layout(tokens)
+            known = self.layout(tokens)
             if known is None:
                 precision = record.data.get("precision")
-                kinds = seen.setdefault(precision, held.metadata.get("layer_kinds", ""))
-                known = (kinds, _neutral_lengths(meta.layer_lengths, tokens, layers))
+                kinds = self.seen.setdefault(precision, held.metadata.get("layer_kinds", ""))
+                known = (kinds, _neutral_lengths(meta.layer_lengths, tokens, self.layers))
             else:
                 known = (json.dumps(known[0]), known[1])
             problems += [
                 f"{where}: {p}"
                 for p in _snapshot_problems(record, arm_name, arm, meta, held, known)
             ]
-    return problems
+        return problems
 
 
 def _snapshot_problems(
@@ -268,20 +273,15 @@ def read_record(
         return None, f"does not read as a {record.experiment} row ({type(exc).__name__}: {exc})"
 
 
-def check_rows(
-    records: list[Record], typed: dict[str, PanelRow | None], scorer: Scorer | None
-) -> list[str]:
-    """What every row says of itself (:mod:`kvreplay.run.consistency`), on every row: the
-    sample only limits which rows are re-executed. A row whose re-derivation fails (a
-    hand-edited field of the wrong kind) is named, not raised."""
-    problems = []
-    for record in records:
-        try:
-            found = row_problems(record.data, typed.get(record.key), scorer)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            found = [f"cannot be re-derived from its own fields ({type(exc).__name__})"]
-        problems += [f"row {record.key}: {p}" for p in found]
-    return problems
+def consistency_problems(record: Record, row: PanelRow | None, scorer: Scorer | None) -> list[str]:
+    """What a row says of itself (:mod:`kvreplay.run.consistency`), checked on every row:
+    the sample only limits which rows are re-executed. A row whose re-derivation fails
+    (a hand-edited field of the wrong kind) is named, not raised."""
+    try:
+        found = row_problems(record.data, row, scorer)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        found = [f"cannot be re-derived from its own fields ({type(exc).__name__})"]
+    return [f"row {record.key}: {p}" for p in found]
 
 
 def check_contract(
@@ -321,11 +321,12 @@ def check_contract(
     return problems, noted
 
 
-def check_plan(ledger: RunLedger, records: list[Record], item_order: list[str]) -> list[str]:
+def check_plan(ledger: RunLedger, rows: RunRows, item_order: list[str]) -> list[str]:
     """Every experiment's config against its hash and items.jsonl, and its rows against
-    the rows that config plans: a missing row is named, so is one nobody planned."""
+    the rows that config plans: a missing row is named, so is one nobody planned. The
+    plan reads the few rows it depends on (prefix rows, screens) when it asks for them."""
     problems = []
-    rows = {r.key: r for r in records}
+    by_key = rows.by_key()
     experiments = ledger.manifest["experiments"]
     for name, entry in experiments.items():
         experiment = recorded_experiment(name, ledger.manifest)
@@ -339,14 +340,14 @@ def check_plan(ledger: RunLedger, records: list[Record], item_order: list[str]) 
         if "selection" not in config and ids != item_order[: len(ids or [])]:
             problems.append(f"{where}.config.item_ids is not the first items of items.jsonl")
         try:
-            planned = experiment.planned(config, rows)
+            planned = experiment.planned(config, by_key)
         except (KeyError, TypeError, AttributeError) as exc:  # a hand-edited config
             problems.append(f"{where}.config is malformed ({type(exc).__name__})")
             continue
         wanted = set(planned)
         stop = entry.get(STOPPED)
         if stop is not None:
-            why = stop_problem(experiment, stop, planned, rows)
+            why = stop_problem(experiment, stop, planned, by_key)
             if why:
                 problems.append(f"{where}.{STOPPED}: {why}")
             else:
@@ -354,23 +355,23 @@ def check_plan(ledger: RunLedger, records: list[Record], item_order: list[str]) 
         problems += [
             f"row {key}: missing from rows.jsonl (planned by experiments.{name}.config)"
             for key in planned
-            if key not in rows
+            if key not in by_key
         ]
         problems += [
-            f"row {r.key}: not planned by experiments.{name}.config"
-            for r in records
-            if r.experiment == name and r.key not in wanted
+            f"row {at.key}: not planned by experiments.{name}.config"
+            for at in rows.index
+            if at.experiment == name and at.key not in wanted
         ]
     problems += [
-        f"row {r.key}: field experiment names {r.experiment!r}, which manifest.json does not list"
-        for r in records
-        if r.experiment not in experiments
+        f"row {at.key}: field experiment names {at.experiment!r}, which manifest.json does not list"
+        for at in rows.index
+        if at.experiment not in experiments
     ]
     return problems
 
 
 def stop_problem(
-    experiment: Any, stop: Any, planned: list[str], rows: dict[str, Record]
+    experiment: Any, stop: Any, planned: list[str], rows: Mapping[str, Record]
 ) -> str | None:
     """What is wrong with a recorded early stop, or None: it must name a planned row,
     every row before it must be there and none after it, and its rule must decide at
@@ -445,69 +446,56 @@ def _audit(
     # Everything that needs no model first: hashes, chain, plan, inputs, derived files.
     if ledger.manifest["contract_sha256"] != ledger.contract_hash:
         result.problems.append("manifest.json: field contract_sha256 does not match the contract")
-    raw = ledger.rows_path.read_bytes() if ledger.rows_path.is_file() else b""
-    if raw and not raw.endswith(b"\n"):
+    if _torn(ledger.rows_path):
         result.problems.append("rows.jsonl: the last line is torn (an interrupted append)")
-    records, chain = parse_rows(ledger.rows_path, ledger.contract_hash)
-    result.rows_total = len(records)
-    result.problems += chain
-    counts = Counter(r.key for r in records)
-    result.problems += [f"row {k}: appears more than once" for k in sorted(counts) if counts[k] > 1]
-    result.problems += check_header(ledger, records)
-    result.problems += check_plan(ledger, records, [i.id for i in item_list or []])
-    experiments = {
-        n: recorded_experiment(n, ledger.manifest) for n in {r.experiment for r in records}
-    }
-    typed: dict[str, PanelRow | None] = {}
-    for record in records:
-        row, why = read_record(record, experiments[record.experiment])
-        if why is None:
-            typed[record.key] = row
-        else:
-            result.problems.append(f"row {record.key}: {why}")
-    records = [r for r in records if r.key in typed]
     items = {i.id: i for i in item_list or []}
-    input_problems, depends, foreign = check_inputs(ledger, config, records, items)
-    result.problems += input_problems
-    result.foreign_inputs = foreign
-    result.problems += check_csvs(ledger, records)
-    result.problems += check_files(ledger, records)
-    if result.problems and any(p.startswith(HASH_PROBLEMS) for p in result.problems):
+    derived, problems = derived_inputs(ledger, config, items)
+    result.problems += problems
+    # What the rows say of themselves, against the model's tokenizer and cache layout,
+    # where the contract and items still say what was run.
+    deep = not _forged(result.problems)
+    checks = RowChecks(ledger, derived, config if deep else None, item_list)
+    rows, chain = RunRows.checked(ledger.rows_path, ledger.contract_hash, checks.visit)
+    result.rows_total = len(rows.index)
+    result.problems += chain + checks.problems
+    counts = Counter(at.key for at in rows.index)
+    result.problems += [f"row {k}: appears more than once" for k in sorted(counts) if counts[k] > 1]
+    result.problems += check_header(ledger, checks.holding)
+    result.problems += check_plan(ledger, rows, [i.id for i in item_list or []])
+    rows = rows.excluding(checks.unread)
+    copy_problems, depends, result.foreign_inputs = check_copies(checks.copies, rows, items)
+    result.problems += copy_problems
+    result.problems += check_csvs(ledger, rows)
+    result.problems += check_files(ledger, rows, checks.snapshots)
+    if _forged(result.problems):
         return result  # a forged contract, items or chain names no model worth loading
-    # What the rows say of themselves, against the model's tokenizer and cache layout.
-    layout = functools.cache(
-        lambda tokens: config.backend.state_layout(config.model, config.trust_remote_code, tokens)
-    )
-    layers = ledger.manifest["contract"].get("model_info", {}).get("num_layers")
-    result.problems += check_snapshots(run_dir, records, layout, layers)
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    answers = {i.id: i.answer for i in item_list} if item_list is not None else None
-    result.problems += check_rows(records, typed, Scorer(tokenizer, config.extractor, answers))
+    tokenizer = checks.tokenizer or load_tokenizer(config.model, config.trust_remote_code)
     problems, result.environment_diff = check_contract(ledger, config, item_list, tokenizer)
     result.problems += problems
     if result.environment_diff and announce is not None:
         announce(environment_note(result.environment_diff))
     if item_list is None:
         return result
-    chosen = records
-    if sample is not None and sample < len(records):
-        chosen = random.Random(seed).sample(records, sample)
-    chosen = with_dependencies(chosen, records, depends)
+    keys = rows.keys()
+    chosen = keys
+    if sample is not None and sample < len(keys):
+        chosen = random.Random(seed).sample(keys, sample)
+    by_key = rows.by_key()
     units = []
-    for record in chosen:
+    for key in with_dependencies(chosen, keys, depends):
+        record = by_key[key]
         data = record.data
         item: Item | None = items.get(data["item_id"])
         if item is None:
-            result.problems.append(f"row {record.key}: field item_id names no item")
+            result.problems.append(f"row {key}: field item_id names no item")
             continue
-        key = UnitKey.of(record)
-        if str(key) != record.key:
-            result.problems.append(f"row {record.key}: field item_id or precision is not its key's")
+        unit_key = UnitKey.of(record)
+        if str(unit_key) != key:
+            result.problems.append(f"row {key}: field item_id or precision is not its key's")
             continue
         inputs = {k: v for k, v in data.get("inputs", {}).items() if k != "reuse"}
-        units.append(Unit(key, item, data["precision"], inputs))
+        units.append(Unit(unit_key, item, data["precision"], inputs))
     runner = make_engine(config, *placement)
-    by_key = {r.key: r for r in chosen}
     try:
         for unit, data, _, _ in runner.run(units):
             recorded = row_as_written(by_key[str(unit.key)].data)
@@ -519,6 +507,115 @@ def _audit(
     finally:
         runner.close()
     return result
+
+
+def _torn(path: Path) -> bool:
+    """Whether rows.jsonl ends inside a line (an interrupted append), read from its end."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    with open_regular(path) as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) != b"\n"
+
+
+# Problems after which loading the model would be pointless or unsafe: the contract, the
+# items or the chain no longer say what was run.
+HASH_PROBLEMS = ("manifest.json: field contract_sha256", "items.jsonl", "rows.jsonl", "line ")
+
+
+def _forged(problems: list[str]) -> bool:
+    return any(p.startswith(HASH_PROBLEMS) for p in problems)
+
+
+class RowChecks:
+    """What an audit checks of each row from the folder alone, as the chain check reads
+    it (:meth:`visit`): that it reads as its experiment's row, what it says of itself,
+    its inputs against what the run's config derives, and its snapshots. Of each row it
+    keeps only what a later check needs (the snapshots it names, the rows its inputs
+    copy from), so an audit of any size holds one row at a time. Without ``config`` (a
+    forged contract or items) nothing is checked against the model."""
+
+    def __init__(
+        self,
+        ledger: RunLedger,
+        derived: dict[str, dict[str, Any]],
+        config: RunConfig | None,
+        item_list: list[Item] | None,
+    ):
+        self.manifest, self.derived = ledger.manifest, derived
+        self.problems: list[str] = []
+        self.unread: set[str] = set()  # rows that do not read as their experiment's
+        self.snapshots: set[str] = set()  # the snapshot files the rows name
+        self.holding: str | None = None  # the first row that holds a snapshot
+        self.copies: list[Copies] = []
+        self.experiments: dict[str, Experiment | None] = {}
+        self.tokenizer: Any = None
+        self.scorer: Scorer | None = None
+        self.snapshot_check: SnapshotCheck | None = None
+        if config is not None:
+            layout = functools.cache(
+                lambda tokens: config.backend.state_layout(
+                    config.model, config.trust_remote_code, tokens
+                )
+            )
+            layers = ledger.manifest["contract"].get("model_info", {}).get("num_layers")
+            self.snapshot_check = SnapshotCheck(ledger.run_dir, layout, layers)
+            self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+            answers = {i.id: i.answer for i in item_list} if item_list is not None else None
+            self.scorer = Scorer(self.tokenizer, config.extractor, answers)
+
+    def visit(self, record: Record) -> None:
+        snapshots = _snapshots(record.data)
+        if snapshots and self.holding is None:
+            self.holding = record.key
+        if record.experiment not in self.experiments:
+            self.experiments[record.experiment] = recorded_experiment(
+                record.experiment, self.manifest
+            )
+        row, why = read_record(record, self.experiments[record.experiment])
+        if why is not None:
+            self.problems.append(f"row {record.key}: {why}")
+            self.unread.add(record.key)
+            return
+        self.snapshots.update(str(entry.get("file")) for _, _, entry in snapshots)
+        self.problems += self.input_problems(record)
+        if self.snapshot_check is not None:
+            self.problems += self.snapshot_check(record)
+            self.problems += consistency_problems(record, row, self.scorer)
+
+    def input_problems(self, record: Record) -> list[str]:
+        """What a row's recorded inputs may hold, checked before they are re-executed.
+
+        Re-execution takes no result from the row it re-executes: a ``reuse`` entry (a
+        recorded suffix standing in for a computed one) is never recorded by a run, so
+        it is named. Inputs an experiment derives from its config and items must be what
+        it derives. What they copy from elsewhere is kept to check once every row is
+        read (:func:`check_copies`)."""
+        inputs = record.data.get("inputs", {})
+        where = f"row {record.key}: field inputs"
+        problems = []
+        if "reuse" in inputs:
+            problems.append(f"{where}.reuse stands in for a computed result; no run records it")
+        for field_name, value in self.derived.get(record.key, {}).items():
+            if canonical(inputs.get(field_name)) != canonical(value):
+                problems.append(f"{where}.{field_name} is not what the run's config derives")
+        links = tuple(
+            (link, _small(target))
+            for link in LINKS
+            if isinstance(target := inputs.get(link), dict) and isinstance(target.get("key"), str)
+        )
+        if links or "prefix_sha256" in inputs:
+            prefix_row = str(UnitKey.prefix(record.experiment, record.data["item_id"]))
+            copies_prefix = prefix_row != record.key and "prefix_sha256" in inputs
+            self.copies.append(
+                Copies(
+                    record.key,
+                    prefix_row if copies_prefix else None,
+                    links,
+                    {name: _digest(inputs[name]) for name in PREFIX_FIELDS if name in inputs},
+                )
+            )
+        return problems
 
 
 # The manifest's header: recorded, never compared by a resume, so checked here for shape.
@@ -538,9 +635,10 @@ HEADER: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def check_header(ledger: RunLedger, records: list[Record]) -> list[str]:
+def check_header(ledger: RunLedger, holding: str | None) -> list[str]:
     """Header fields of the right shape, none unknown, and a snapshot setting the rows
-    bear out. A header is not hashed: its content beyond that is the run's word."""
+    bear out (``holding``: the first row that holds a snapshot). A header is not hashed:
+    its content beyond that is the run's word."""
     manifest = ledger.manifest
     problems = [
         f"manifest.json: field {name} is not one a kvreplay run writes"
@@ -552,13 +650,11 @@ def check_header(ledger: RunLedger, records: list[Record]) -> list[str]:
         for name, valid in HEADER.items()
         if name in manifest and not valid(manifest[name])
     ]
-    if manifest.get("snapshots") == "fingerprints only":
-        holding = next((r.key for r in records if _snapshots(r.data)), None)
-        if holding is not None:
-            problems.append(
-                f"manifest.json: field snapshots says fingerprints only, but row {holding} "
-                "holds a snapshot"
-            )
+    if manifest.get("snapshots") == "fingerprints only" and holding is not None:
+        problems.append(
+            f"manifest.json: field snapshots says fingerprints only, but row {holding} "
+            "holds a snapshot"
+        )
     return problems
 
 
@@ -567,9 +663,10 @@ RUN_FILES = (MANIFEST, ITEMS, ROWS, ".kvreplay.lock", "claims.json", "report.md"
 TORN = re.compile(r"rows\.torn-\d+\.jsonl")  # a torn last line a resume set aside
 
 
-def check_files(ledger: RunLedger, records: list[Record]) -> list[str]:
-    """Every file in the run folder is one a run writes, and each derived file (claims,
-    report, figures) is byte-identical to its re-derivation from the checked ledgers."""
+def check_files(ledger: RunLedger, rows: RunRows, snapshots: set[str]) -> list[str]:
+    """Every file in the run folder is one a run writes (``snapshots``: the files its
+    rows name), and each derived file (claims, report, figures) is byte-identical to its
+    re-derivation from the checked ledgers."""
     run_dir, experiments = ledger.run_dir, ledger.manifest["experiments"]
     expected = set(RUN_FILES) | {"figures", "snapshots"}
     for name, entry in experiments.items():
@@ -581,7 +678,6 @@ def check_files(ledger: RunLedger, records: list[Record]) -> list[str]:
         for path in sorted(run_dir.iterdir())
         if path.name not in expected and not TORN.fullmatch(path.name)
     ]
-    snapshots = {entry["file"] for r in records for _, _, entry in _snapshots(r.data)}
     if (run_dir / "snapshots").is_dir():
         problems += [
             f"snapshots/{path.name}: not a snapshot any row names"
@@ -589,11 +685,11 @@ def check_files(ledger: RunLedger, records: list[Record]) -> list[str]:
             if f"snapshots/{path.name}" not in snapshots
         ]
     with tempfile.TemporaryDirectory(prefix="kvreplay-audit-") as scratch:
-        problems += _check_derived(ledger, records, Path(scratch))
+        problems += _check_derived(ledger, rows, Path(scratch))
     return problems
 
 
-def _check_derived(ledger: RunLedger, records: list[Record], scratch: Path) -> list[str]:
+def _check_derived(ledger: RunLedger, rows: RunRows, scratch: Path) -> list[str]:
     """Re-derive claims.json, the report and figures/ into ``scratch`` and compare bytes."""
     from kvreplay.analysis.claims import analyze_dir, write_claims
 
@@ -601,7 +697,7 @@ def _check_derived(ledger: RunLedger, records: list[Record], scratch: Path) -> l
     for name in ledger.manifest["experiments"]:
         experiment = recorded_experiment(name, ledger.manifest)
         if experiment is not None:
-            experiment.figures(scratch, [r for r in records if r.experiment == name])
+            experiment.figures(scratch, rows.of(name))
     try:
         if (run_dir / "claims.json").exists():
             write_claims(analyze_dir(run_dir), scratch / "claims.json")
@@ -621,11 +717,6 @@ def _check_derived(ledger: RunLedger, records: list[Record], scratch: Path) -> l
         elif not theirs.is_file() or mine.read_bytes() != theirs.read_bytes():
             problems.append(f"{name}: differs from its re-derivation from the ledgers")
     return problems
-
-
-# Problems after which loading the model would be pointless or unsafe: the contract, the
-# items or the chain no longer say what was run.
-HASH_PROBLEMS = ("manifest.json: field contract_sha256", "items.jsonl", "rows.jsonl", "line ")
 
 
 def load_audited_items(ledger: RunLedger) -> tuple[list[Item] | None, list[str]]:
@@ -653,25 +744,13 @@ def load_audited_items(ledger: RunLedger) -> tuple[list[Item] | None, list[str]]
 LINKS = ("source", "historical")
 
 
-def check_inputs(
-    ledger: RunLedger, config: RunConfig, records: list[Record], items: dict[str, Item]
-) -> tuple[list[str], dict[str, set[str]], int]:
-    """What a row's recorded inputs may hold, checked before they are re-executed.
-
-    Re-execution takes no result from the row it re-executes: a ``reuse`` entry (a
-    recorded suffix standing in for a computed one) is never recorded by a run, so it
-    is named. A prefix copied from another row of this run must be that row's (which
-    is then re-executed too), and a later phase's prefix its own prefix row's; a
-    trajectory item's must be the item's; inputs an
-    experiment derives from its config and items must be what it derives. Returns the
-    problems, each row's in-run dependencies, and how many rows copy from another run
-    (which this audit cannot re-execute).
-    """
-    problems: list[str] = []
-    depends: dict[str, set[str]] = {}
-    foreign = 0
-    by_key = {r.key: r for r in records}
+def derived_inputs(
+    ledger: RunLedger, config: RunConfig, items: dict[str, Item]
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The inputs each row's unit takes from the recorded configs and items alone, by row
+    key (see :meth:`Experiment.derived_inputs`), and each config that derives none."""
     derived: dict[str, dict[str, Any]] = {}
+    problems = []
     for name, entry in ledger.manifest["experiments"].items():
         experiment = recorded_experiment(name, ledger.manifest)
         if experiment is not None:
@@ -679,65 +758,112 @@ def check_inputs(
                 derived |= experiment.derived_inputs(entry["config"], config, items)
             except (KeyError, TypeError, IndexError):
                 problems.append(f"manifest.json: field experiments.{name}.config is malformed")
-    for record in records:
-        inputs = record.data.get("inputs", {})
-        where = f"row {record.key}: field inputs"
-        if "reuse" in inputs:
-            problems.append(f"{where}.reuse stands in for a computed result; no run records it")
-        for field_name, value in derived.get(record.key, {}).items():
-            if canonical(inputs.get(field_name)) != canonical(value):
-                problems.append(f"{where}.{field_name} is not what the run's config derives")
-        prefix_row = str(UnitKey.prefix(record.experiment, record.data["item_id"]))
-        if prefix_row in by_key and prefix_row != record.key and "prefix_sha256" in inputs:
-            depends.setdefault(record.key, set()).add(prefix_row)
-            problems += _copied_from(where, "prefix", {}, inputs, by_key[prefix_row])
+    return derived, problems
+
+
+def _digest(value: Any) -> bytes:
+    return hashlib.sha256(canonical(value)).digest()
+
+
+NULL = _digest(None)  # a prefix field the inputs do not hold
+
+
+def _small(target: dict[str, Any]) -> dict[str, Any]:
+    """What a link's target names: a row's key and hashes (nothing else is compared)."""
+    return {k: target[k] for k in ("key", "row_sha256", "prefix_sha256") if k in target}
+
+
+@dataclass(frozen=True)
+class Copies:
+    """What a row's inputs say they copy, kept to check once every row is read: its own
+    prefix row (where it copies a prefix and is not that row), the links it records, and
+    a digest of each prefix field its inputs hold."""
+
+    row: str
+    prefix_row: str | None
+    links: tuple[tuple[str, dict[str, Any]], ...]
+    fields: dict[str, bytes]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A row that another row's inputs copy from, as far as the copy is compared."""
+
+    row_sha256: str
+    prefix_sha256: Any
+    fields: dict[str, bytes]
+
+    @classmethod
+    def of(cls, record: Record) -> Source:
+        data = record.data
+        fields = {name: _digest(data.get(name)) for name in PREFIX_FIELDS}
+        return cls(record.row_sha256, data.get("prefix_sha256"), fields)
+
+
+def check_copies(
+    copies: list[Copies], rows: RunRows, items: dict[str, Item]
+) -> tuple[list[str], dict[str, set[str]], int]:
+    """Inputs copied from elsewhere: a prefix copied from another row of this run must
+    be that row's (which is then re-executed too), and a later phase's prefix its own
+    prefix row's; a trajectory item's must be the item's. Returns the problems, each
+    row's in-run dependencies, and how many rows copy from another run (which this
+    audit cannot re-execute). The rows copied from are read when a copy names them."""
+    problems: list[str] = []
+    depends: dict[str, set[str]] = {}
+    foreign = 0
+    by_key = rows.by_key()
+    sources: dict[str, Source] = {}
+
+    def copied(where: str, link: str, target: dict[str, Any], copy: Copies, key: str) -> None:
+        if key not in sources:
+            sources[key] = Source.of(by_key[key])
+        source = sources[key]
+        depends.setdefault(copy.row, set()).add(key)
+        if "row_sha256" in target and target["row_sha256"] != source.row_sha256:
+            problems.append(f"{where}.{link}.row_sha256 is not row {key}'s")
+        if "prefix_sha256" in target and target["prefix_sha256"] != source.prefix_sha256:
+            problems.append(f"{where}.{link}.prefix_sha256 is not row {key}'s")
+        problems.extend(
+            f"{where}.{name} is not row {key}'s {name}"
+            for name, digest in copy.fields.items()
+            if digest != source.fields[name]
+        )
+
+    for copy in copies:
+        where = f"row {copy.row}: field inputs"
+        if copy.prefix_row is not None and copy.prefix_row in by_key:
+            copied(where, "prefix", {}, copy, copy.prefix_row)
             continue  # the prefix row carries the link to where the prefix came from
-        for link in LINKS:
-            target = inputs.get(link)
-            if not isinstance(target, dict) or not isinstance(target.get("key"), str):
-                continue
+        for link, target in copy.links:
             key = target["key"]
             if key.startswith("items.jsonl:"):
                 item = items.get(key.removeprefix("items.jsonl:"))
                 expected = trajectory_inputs(item) if item and item.prefix_token_ids else None
-                if expected is None or any(inputs.get(f) != expected[f] for f in PREFIX_FIELDS):
+                if expected is None or any(
+                    copy.fields.get(name, NULL) != _digest(expected[name]) for name in PREFIX_FIELDS
+                ):
                     problems.append(f"{where}.{link} names a trajectory item it does not copy")
             elif key in by_key:
-                depends.setdefault(record.key, set()).add(key)
-                problems += _copied_from(where, link, target, inputs, by_key[key])
+                copied(where, link, target, copy, key)
             else:
                 foreign += 1
     return problems, depends, foreign
 
 
-def _copied_from(
-    where: str, link: str, target: dict[str, Any], inputs: dict[str, Any], source: Record
-) -> list[str]:
-    """A row's inputs copied from ``source``: the link's hashes and every prefix field."""
-    problems = []
-    if "row_sha256" in target and target["row_sha256"] != source.row_sha256:
-        problems.append(f"{where}.{link}.row_sha256 is not row {source.key}'s")
-    if "prefix_sha256" in target and target["prefix_sha256"] != source.data.get("prefix_sha256"):
-        problems.append(f"{where}.{link}.prefix_sha256 is not row {source.key}'s")
-    for name in PREFIX_FIELDS:
-        if name in inputs and inputs[name] != source.data.get(name):
-            problems.append(f"{where}.{name} is not row {source.key}'s {name}")
-    return problems
-
-
 def with_dependencies(
-    chosen: list[Record], records: list[Record], depends: dict[str, set[str]]
-) -> list[Record]:
+    chosen: list[str], keys: list[str], depends: dict[str, set[str]]
+) -> list[str]:
     """The chosen rows and every row of this run their inputs were copied from, in
-    ledger order: a copied input is vouched for by re-executing the row it came from."""
-    wanted = {r.key for r in chosen}
+    ledger order (``keys``): a copied input is vouched for by re-executing the row it
+    came from."""
+    wanted = set(chosen)
     stack = list(wanted)
     while stack:
         for key in depends.get(stack.pop(), ()):
             if key not in wanted:
                 wanted.add(key)
                 stack.append(key)
-    return [r for r in records if r.key in wanted]
+    return [key for key in keys if key in wanted]
 
 
 def environment_note(fields: list[str]) -> str:

@@ -8,6 +8,7 @@ else prompt lengths), recorded in the manifest before the first row.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
@@ -80,7 +81,7 @@ class Bridge(Experiment):
             units.append(Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs))
         return units
 
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], [config["dtype"]], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:

@@ -8,6 +8,7 @@ Phase 0 records one prefix row per item; phase 1 runs the matrix per item and pr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
@@ -71,7 +72,7 @@ class FixedPrefix(Experiment):
                 units.append(Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs))
         return units
 
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows, prefixed=True)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:

@@ -18,6 +18,7 @@ Its CSV is declared in :mod:`kvreplay.experiments.history.table`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
@@ -84,7 +85,7 @@ class History(Experiment):
             for i, item in enumerate(selected)
         }
 
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:

@@ -26,7 +26,7 @@ the donor's suffix hash on recovering probes and empty on the others.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -202,7 +202,7 @@ class Localize(Experiment):
             units.append(Unit(UnitKey(self.name, item.id, precision), item, precision, inputs))
         return units
 
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         ids = [entry["item_id"] for entry in config["selection"]["rows"]]
         return planned_keys(self.name, ids, [config["precision"]], rows)
 
@@ -242,7 +242,7 @@ class Localize(Experiment):
         row.comparison = None  # a localize row keeps only the boundary argmax verdict
         return row.to_dict()
 
-    def figures(self, run_dir: Path, rows: list[Record]) -> list[Path]:
+    def figures(self, run_dir: Path, rows: Iterable[Record]) -> list[Path]:
         """Recovery rate by layer set and component, one line per direction: the report's
         localize figure (experiments/localize/section.py), drawn after each run."""
         from kvreplay.render.figures import Figures  # matplotlib loads only to draw

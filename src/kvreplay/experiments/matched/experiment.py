@@ -4,6 +4,7 @@ served one, is :mod:`kvreplay.experiments.matrix.table`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -67,7 +68,7 @@ class Matched(Experiment):
             for item in items
         ]
 
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         if "fragile" not in config:
             return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
         screens = [str(UnitKey.prefix(self.name, item)) for item in config["item_ids"]]

@@ -15,6 +15,7 @@ the recorded screen rows, so an audit re-derives it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -134,7 +135,7 @@ def risk(margins: list[float]) -> float:
     return -min(margins) if margins else -math.inf
 
 
-def ranked(experiment: str, candidates: list[str], rows: dict[str, Record], n: int) -> list[str]:
+def ranked(experiment: str, candidates: list[str], rows: Mapping[str, Record], n: int) -> list[str]:
     """The ``n`` reached candidates whose screens are riskiest, riskiest first (equal risks
     in candidate order); empty until every candidate's screen row is recorded."""
     screens = [rows.get(str(UnitKey.prefix(experiment, item))) for item in candidates]

@@ -15,6 +15,7 @@ by :mod:`kvreplay.measure.certificate`; the CSV is declared in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -114,7 +115,7 @@ class Resample(Experiment):
             for item in selection.items
         ]
 
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:

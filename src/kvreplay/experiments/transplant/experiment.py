@@ -23,7 +23,7 @@ live), phase 1 runs the six arms.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ class Transplant(Experiment):
             units.append(Unit(UnitKey(self.name, item.id, precision), item, precision, inputs))
         return units
 
-    def planned(self, config: dict[str, Any], rows: dict[str, Record]) -> list[str]:
+    def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         ids = [entry["item_id"] for entry in config["selection"]["rows"]]
         return planned_keys(self.name, ids, [config["precision"]], rows, prefixed=True)
 
