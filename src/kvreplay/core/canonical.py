@@ -10,8 +10,11 @@ from typing import Any
 
 
 def canonical(data: Any) -> bytes:
-    """Canonical JSON bytes: sorted keys, ASCII, no spaces."""
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    """Canonical JSON bytes: sorted keys, ASCII, no spaces. A number JSON cannot hold
+    (NaN, an infinity) raises ValueError: nothing kvreplay commits to may hold one."""
+    return json.dumps(
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
 
 
 def sha256_json(data: Any) -> str:

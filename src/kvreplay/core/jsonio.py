@@ -86,14 +86,19 @@ def _check_strings(value: Any) -> None:
             stack += node
 
 
-def parse_json(text: str | bytes) -> Any:
+def parse_json(text: str | bytes, finite: bool = True) -> Any:
     """Parse strict JSON; raise :class:`JsonError` with the reason. Bytes must be UTF-8,
-    with or without a BOM (json.loads would also take UTF-16 and UTF-32)."""
+    with or without a BOM (json.loads would also take UTF-16 and UTF-32).
+
+    ``finite=False`` leaves a number too large for a float to the caller, who then
+    encodes what it read canonically (which refuses it) anyway: a ledger row, read to
+    check its hash. Its floats are then parsed at C speed, not by a call each."""
     try:
         text = text.decode("utf-8-sig") if isinstance(text, bytes) else text
         encoded = text.encode("utf-8")  # a string given may hold a lone surrogate itself
         integers = _integer if LONG_DIGITS in encoded.translate(DIGIT_RUNS) else int
-        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=integers)
+        floats = _float if finite else float
+        value = json.loads(text, parse_constant=_constant, parse_float=floats, parse_int=integers)
     except JsonError:
         raise
     except RecursionError:

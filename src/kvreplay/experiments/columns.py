@@ -15,7 +15,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 from kvreplay.core.comparison import Comparison
 from kvreplay.experiments.rows import PanelRow
-from kvreplay.run.ledger import Record
+from kvreplay.run.ledger import Record, heads
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ class Line:
 
 def prefix_row_hashes(rows: Iterable[Record]) -> dict[str, str]:
     """Each prefix row's row_sha256 by key: what a row sourced from its prefix names."""
-    return {r.key: r.row_sha256 for r in rows if r.data.get("kind") == "prefix"}
+    return {r.key: r.row_sha256 for r in heads(rows) if r.data.get("kind") == "prefix"}
 
 
 def reached_lines(compared: tuple[str, str]) -> Callable[[Iterable[Record]], Iterator[Line]]:

@@ -195,7 +195,7 @@ def read_rows_at(
             if not line.endswith(b"\n"):
                 return  # the piece after the last newline is torn
             try:
-                record = Record(**parse_json(line))
+                record = Record(**parse_json(line, finite=False))
             except JsonError as exc:
                 problems.append(f"line {number}: does not parse as a ledger row ({exc})")
                 continue
@@ -208,8 +208,16 @@ def read_rows_at(
             if wrong:
                 problems.append(f"line {number}: field {wrong[0]} has the wrong type")
                 continue
+            try:
+                expected = record.expected_hash()  # canonical: refuses what is not finite
+            except ValueError:
+                problems.append(
+                    f"line {number}: does not parse as a ledger row (a number is too large "
+                    "for a float)"
+                )
+                continue
             where = f"row {record.key} (line {number})"
-            if record.hash != record.expected_hash():
+            if record.hash != expected:
                 problems.append(f"{where}: field hash does not match the row's content")
             if record.prev != prev:
                 problems.append(f"{where}: field prev does not chain to the row before it")
@@ -226,14 +234,45 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
+# The fields of a row's data that a reader picks rows by (which items reached the
+# boundary at every precision, which rows are prefix rows), kept by a run's index.
+HEAD = ("item_id", "precision", "kind", "status")
+
+
+@dataclass(frozen=True)
+class RowHead:
+    """A row as far as a reader picks rows by it: its key, experiment, row hash and the
+    :data:`HEAD` fields of its data (those it has)."""
+
+    key: str
+    experiment: str
+    row_sha256: str
+    data: dict[str, Any]
+
+
+def _head(data: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A row's head fields; the few values they take (precisions, kinds, statuses) are
+    held once for the whole index."""
+    return tuple(
+        (name, _shared(data[name]) if name != "item_id" else data[name])
+        for name in HEAD
+        if name in data
+    )
+
+
+def _shared(value: Any) -> Any:
+    return sys.intern(value) if isinstance(value, str) else value
+
+
 class RowAt(NamedTuple):
-    """Where a row that parsed lies in rows.jsonl, what a reader filters it by, and its
-    :attr:`Record.row_sha256` (computed once, by the chain check)."""
+    """Where a row that parsed lies in rows.jsonl, what a reader filters it by, its
+    :attr:`Record.row_sha256` (computed once, by the chain check) and its head."""
 
     offset: int
     key: str
     experiment: str
     row_sha256: str
+    head: tuple[tuple[str, Any], ...]
 
 
 @dataclass(frozen=True)
@@ -262,7 +301,8 @@ class RunRows:
         problems: list[str] = []
         index = []
         for offset, record in read_rows_at(path, contract_hash, problems):
-            index.append(RowAt(offset, record.key, record.experiment, record.row_sha256))
+            head = _head(record.data)
+            index.append(RowAt(offset, record.key, record.experiment, record.row_sha256, head))
             if visit is not None:
                 visit(record)
         if _stamp(path) != stamp:
@@ -308,6 +348,12 @@ class RunRows:
     def __iter__(self) -> Iterator[Record]:
         return self.read(list(self._chosen()))
 
+    def heads(self) -> Iterator[RowHead]:
+        """These rows' heads, from the index: rows.jsonl is not read again."""
+        return (
+            RowHead(at.key, at.experiment, at.row_sha256, dict(at.head)) for at in self._chosen()
+        )
+
     def __len__(self) -> int:
         return sum(1 for _ in self._chosen())
 
@@ -331,6 +377,12 @@ class RowsByKey(Mapping[str, Record]):
 
     def __len__(self) -> int:
         return len(self._index)
+
+
+def heads(records: Iterable[Record]) -> Iterable[Record | RowHead]:
+    """Rows as far as a reader picks rows by them (a first pass over which to take):
+    a run's rows give their heads without reading rows.jsonl again."""
+    return records.heads() if isinstance(records, RunRows) else records
 
 
 def rows_of(records: Iterable[Record], experiment: str) -> Iterable[Record]:

@@ -26,7 +26,7 @@ from kvreplay.experiments.columns import (
 from kvreplay.experiments.rows import ArmResult, PanelRow, replica_name
 from kvreplay.experiments.table import Check, Ledger, LedgerError, Table, check_equal_flag
 from kvreplay.experiments.units import UnitKey
-from kvreplay.run.ledger import Record
+from kvreplay.run.ledger import Record, heads
 
 MATCHED = "matched"
 FIXED_PREFIX = "fixed-prefix"
@@ -215,8 +215,8 @@ def served_columns(left: str) -> list[Column[Line]]:
 
 
 def matched_lines(rows: Iterable[Record]) -> Iterator[Line]:
-    """Rows of items that reached the boundary at every precision (the rows are read
-    twice: which items those are, then their lines).
+    """Rows of items that reached the boundary at every precision (which items those
+    are from the rows' heads, then their lines).
 
     Live generation may reach the boundary at one precision and not another; the paper's
     ledger pairs precisions row by row, so such items stay in rows.jsonl and in the run
@@ -224,7 +224,7 @@ def matched_lines(rows: Iterable[Record]) -> Iterator[Line]:
     """
     precisions: set[str] = set()
     reached: dict[str, set[str]] = {}
-    for r in rows:
+    for r in heads(rows):
         if r.data.get("kind") == "prefix":  # --select fragile's screens
             continue
         precisions.add(r.data["precision"])
@@ -240,7 +240,7 @@ def matched_lines(rows: Iterable[Record]) -> Iterator[Line]:
 
 def fixed_prefix_lines(rows: Iterable[Record]) -> Iterator[Line]:
     """Matrix rows that reached the boundary, sourced from their recorded prefix (the
-    rows are read twice: the prefix rows' hashes, then the lines)."""
+    prefix rows' hashes from the rows' heads, then the lines)."""
     prefixes = prefix_row_hashes(rows)
     for record in rows:
         if record.data.get("kind") != "matrix" or record.data["status"] != "ok":

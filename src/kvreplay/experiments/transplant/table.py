@@ -141,8 +141,8 @@ COLUMNS: tuple[Column[Line], ...] = (
 
 
 def transplant_lines(rows: Iterable[Record]) -> Iterator[Line]:
-    """The panel's rows, each sourced from the row its prefix was taken from (the rows
-    are read twice: the prefix rows' hashes, then the lines)."""
+    """The panel's rows, each sourced from the row its prefix was taken from (the
+    prefix rows' hashes from the rows' heads, then the lines)."""
     prefixes = prefix_row_hashes(rows)
     for record in rows:
         data = record.data
