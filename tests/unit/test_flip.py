@@ -74,6 +74,35 @@ def test_resampled_auc_on_the_identity_resample_is_the_point_estimate() -> None:
     assert np.isnan(values[2])  # one row copied 30 times has one class only
 
 
+def _pairwise_auc(risks: np.ndarray, labels: np.ndarray, rows: np.ndarray) -> float:
+    """The definition, pair by pair: a win is 1, a tie 1/2, over every positive and
+    negative row of the resample (copies counted as often as drawn)."""
+    pos, neg = risks[rows][labels[rows]], risks[rows][~labels[rows]]
+    if not pos.size or not neg.size:
+        return math.nan
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (pos.size * neg.size)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_auc_without_a_pair_matrix_is_the_pairwise_definition_exactly(seed: int) -> None:
+    """Grouping rows by their distinct risks (so no positives x negatives matrix is
+    built, whatever the ledger's size) counts whole and half wins exactly: the
+    resampled and the point AUC equal the pair-by-pair definition to the last bit."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 60))
+    risks = np.round(rng.normal(size=n), int(rng.integers(0, 2)))  # many ties
+    labels = rng.random(n) < rng.random()
+    indices = rng.integers(0, n, size=(25, n))
+    values = resampled_auc(risks, labels, indices)
+    for value, rows in zip(values, indices, strict=True):
+        expected = _pairwise_auc(risks, labels, rows)
+        assert value == expected or (math.isnan(value) and math.isnan(expected))
+    point = mann_whitney_auc(risks, labels)
+    expected = _pairwise_auc(risks, labels, np.arange(n))
+    assert point == expected or (point is None and math.isnan(expected))
+
+
 def test_bootstrap_interval_holds_the_estimate_and_is_seeded() -> None:
     rng = np.random.default_rng(2)
     labels = rng.random(40) < 0.5

@@ -157,19 +157,26 @@ def audit_catch(
 def resampled_auc(risks: np.ndarray, labels: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """Mann-Whitney AUC of each resample in a (block, n) index matrix, NaN where a class is empty.
 
-    A resample is row multiplicities c, so its AUC is c_pos^T W c_neg / (sum c_pos * sum
-    c_neg) with W the positive-by-negative win matrix (1 above, 1/2 tied): one matrix
-    product per block instead of a sort per resample.
+    A resample is row multiplicities c. With the rows grouped by their distinct risk
+    values, its AUC is the sum over values of (positives' weight at the value) x
+    (negatives' weight below it + half their weight at it), over the product of the
+    classes' weights: time and memory grow with block x n, not with positives x
+    negatives. Every term is a whole or half count, so the sums are exact, whatever
+    their order.
     """
     block, n = indices.shape
     counts = np.bincount((indices + n * np.arange(block)[:, None]).ravel(), minlength=block * n)
     counts = counts.reshape(block, n).astype(np.float64)
-    positive, negative = risks[labels], risks[~labels]
-    wins = (positive[:, None] > negative[None, :]) + 0.5 * (positive[:, None] == negative[None, :])
-    c_pos, c_neg = counts[:, labels], counts[:, ~labels]
-    pairs = c_pos.sum(axis=1) * c_neg.sum(axis=1)
+    values, which = np.unique(risks, return_inverse=True)
+    order = np.argsort(which, kind="stable")
+    starts = np.searchsorted(which[order], np.arange(values.size))
+    at_pos = np.add.reduceat((counts * labels)[:, order], starts, axis=1)
+    at_neg = np.add.reduceat((counts * ~labels)[:, order], starts, axis=1)
+    below_neg = np.cumsum(at_neg, axis=1) - at_neg
+    wins = (at_pos * (below_neg + 0.5 * at_neg)).sum(axis=1)
+    pairs = at_pos.sum(axis=1) * at_neg.sum(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(pairs > 0, ((c_pos @ wins) * c_neg).sum(axis=1) / pairs, np.nan)
+        return np.where(pairs > 0, wins / pairs, np.nan)
 
 
 def resampled_catch_share(

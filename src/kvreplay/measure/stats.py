@@ -17,9 +17,10 @@ from numpy.typing import ArrayLike
 BOOTSTRAP_SEED = 20260728
 BOOTSTRAP_REPLICATES = 20_000
 BOOTSTRAP_BLOCK = 1_000
-# The most row indices one resample matrix holds (64 MiB of int64): a block of 1,000
-# resamples of a million rows would take 7.45 GiB, and a statistic makes copies of it.
-MAX_BLOCK_CELLS = 1 << 23
+# The most row indices one resample matrix holds (16 MiB of int64): a block of 1,000
+# resamples of a million rows would take 7.45 GiB, and a statistic makes a few copies
+# of it (counts, each class's weights), so this bounds analysis memory at any size.
+MAX_BLOCK_CELLS = 1 << 21
 MATRIX_WILSON_Z = 1.96
 TRANSPLANT_WILSON_Z = 1.959963984540054
 
@@ -125,9 +126,10 @@ def mann_whitney_auc(scores: ArrayLike, labels: ArrayLike) -> float | None:
     positive, negative = s[y], s[~y]
     if not positive.size or not negative.size:
         return None
-    above = np.count_nonzero(positive[:, None] > negative[None, :])
-    tied = np.count_nonzero(positive[:, None] == negative[None, :])
-    return float((above + 0.5 * tied) / (positive.size * negative.size))
+    negative = np.sort(negative)  # counted by search: no positives x negatives matrix
+    below = np.searchsorted(negative, positive, side="left")
+    tied = np.searchsorted(negative, positive, side="right") - below
+    return float((int(below.sum()) + 0.5 * int(tied.sum())) / (positive.size * negative.size))
 
 
 def newcombe_paired_difference_ci(
