@@ -469,8 +469,7 @@ def _audit(
     result.problems += check_files(ledger, rows, checks.snapshots)
     if _forged(result.problems):
         return result  # a forged contract, items or chain names no model worth loading
-    tokenizer = checks.tokenizer or load_tokenizer(config.model, config.trust_remote_code)
-    problems, result.environment_diff = check_contract(ledger, config, item_list, tokenizer)
+    problems, result.environment_diff = check_contract(ledger, config, item_list, checks.tokenizer)
     result.problems += problems
     if result.environment_diff and announce is not None:
         announce(environment_note(result.environment_diff))
