@@ -354,9 +354,6 @@ class RunRows:
             RowHead(at.key, at.experiment, at.row_sha256, dict(at.head)) for at in self._chosen()
         )
 
-    def __len__(self) -> int:
-        return sum(1 for _ in self._chosen())
-
 
 class RowsByKey(Mapping[str, Record]):
     """A run's rows by key, read from rows.jsonl when asked for: a plan or a link
