@@ -6,7 +6,6 @@ derived CSV and every snapshot. Read-only: an audit never changes the run.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import random
@@ -611,7 +610,7 @@ class RowChecks:
                     record.key,
                     prefix_row if copies_prefix else None,
                     links,
-                    {name: _digest(inputs[name]) for name in PREFIX_FIELDS if name in inputs},
+                    {name: sha256_json(inputs[name]) for name in PREFIX_FIELDS if name in inputs},
                 )
             )
         return problems
@@ -760,11 +759,7 @@ def derived_inputs(
     return derived, problems
 
 
-def _digest(value: Any) -> bytes:
-    return hashlib.sha256(canonical(value)).digest()
-
-
-NULL = _digest(None)  # a prefix field the inputs do not hold
+NULL = sha256_json(None)  # a prefix field the inputs do not hold
 
 
 def _small(target: dict[str, Any]) -> dict[str, Any]:
@@ -781,7 +776,7 @@ class Copies:
     row: str
     prefix_row: str | None
     links: tuple[tuple[str, dict[str, Any]], ...]
-    fields: dict[str, bytes]
+    fields: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -790,12 +785,12 @@ class Source:
 
     row_sha256: str
     prefix_sha256: Any
-    fields: dict[str, bytes]
+    fields: dict[str, str]
 
     @classmethod
     def of(cls, record: Record) -> Source:
         data = record.data
-        fields = {name: _digest(data.get(name)) for name in PREFIX_FIELDS}
+        fields = {name: sha256_json(data.get(name)) for name in PREFIX_FIELDS}
         return cls(record.row_sha256, data.get("prefix_sha256"), fields)
 
 
@@ -839,7 +834,8 @@ def check_copies(
                 item = items.get(key.removeprefix("items.jsonl:"))
                 expected = trajectory_inputs(item) if item and item.prefix_token_ids else None
                 if expected is None or any(
-                    copy.fields.get(name, NULL) != _digest(expected[name]) for name in PREFIX_FIELDS
+                    copy.fields.get(name, NULL) != sha256_json(expected[name])
+                    for name in PREFIX_FIELDS
                 ):
                     problems.append(f"{where}.{link} names a trajectory item it does not copy")
             elif key in by_key:
