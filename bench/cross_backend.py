@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvreplay.run.ledger import RunLedger, parse_rows
+from kvreplay.ledger import RunLedger, parse_rows
 
 PAIRS = (
     ("hit_vs_hf_live", "left", "left"),

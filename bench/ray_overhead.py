@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.items import load_items
 from kvreplay.core.stages import get_plan
 from kvreplay.engines.local import LocalEngine
 from kvreplay.engines.ray import RayEngine
 from kvreplay.experiments.matched.experiment import Matched
-from kvreplay.experiments.scope import Scope
-from kvreplay.experiments.units import Unit
+from kvreplay.harness.scope import Scope
+from kvreplay.harness.units import Unit
 from kvreplay.model.models import describe_source
-from kvreplay.run.config import RunConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

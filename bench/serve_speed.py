@@ -35,11 +35,11 @@ def main() -> None:
 
     from kvreplay.backends import make_backend
     from kvreplay.backends.served import Request
+    from kvreplay.contract.config import RunConfig
     from kvreplay.core.items import encode_prompt, load_items
     from kvreplay.core.sampler import Sampler
     from kvreplay.core.stages import Stage, StagePlan
     from kvreplay.model.models import describe_source
-    from kvreplay.run.config import RunConfig
 
     stage = Stage("decode", args.tokens)
     plan = StagePlan("bench", (Stage("prompt", 1), stage))

@@ -31,12 +31,12 @@ def child(threads: int, dtype: str, item: int, plan: str, start_file: Path) -> N
     """Load, wait for the start signal, run one row; print its seconds as JSON."""
     import torch
 
+    from kvreplay.contract.config import RunConfig
     from kvreplay.core.items import arith_items
     from kvreplay.core.stages import get_plan
     from kvreplay.engines.worker import Worker
-    from kvreplay.experiments.units import Unit, UnitKey
+    from kvreplay.harness.units import Unit, UnitKey
     from kvreplay.model.models import describe_source
-    from kvreplay.run.config import RunConfig
 
     torch.set_num_threads(threads)
     config = RunConfig(MODEL, describe_source(MODEL)["model_digest"], get_plan(plan))

@@ -11,8 +11,8 @@ from click.testing import Result
 from helpers import invoke
 
 from kvreplay.core.canonical import sha256_json
-from kvreplay.experiments.tables import recorded_table
-from kvreplay.run.ledger import GENESIS, Record
+from kvreplay.experiments.tables_registry import recorded_table
+from kvreplay.ledger import GENESIS, Record
 
 CSV = "matched_live_prefill.csv"
 

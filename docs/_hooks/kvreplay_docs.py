@@ -8,7 +8,7 @@
 - **Generated blocks.** A block ``<!-- generated: SPEC -->`` ... ``<!-- /generated -->``
   must hold what kvreplay's own declarations make of it now: ``columns EXPERIMENT
   [served]`` an experiment's CSV columns (its table in
-  :data:`kvreplay.experiments.tables.EXPERIMENT_TABLES`), ``backends`` every backend's
+  :data:`kvreplay.experiments.tables_registry.EXPERIMENT_TABLES`), ``backends`` every backend's
   capabilities, ``settings BACKEND`` a backend's options (its settings class). A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
@@ -70,7 +70,7 @@ def repository_links(page: str, markdown: str) -> list[tuple[re.Match[str], str]
 def columns_markdown(name: str, served: str = "") -> str:
     """The columns of an experiment's CSV as its table declares them (``served``: the
     table a backend without K/V access writes, as its differences from the K/V table)."""
-    from kvreplay.experiments.tables import EXPERIMENT_TABLES
+    from kvreplay.experiments.tables_registry import EXPERIMENT_TABLES
 
     table, served_table = EXPERIMENT_TABLES[name]
     if not served:

@@ -58,8 +58,8 @@ WORKERS = click.IntRange(1, MAX_WORKERS)
 
 def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     """``--threads``: torch intra-op threads per worker process (default one; see
-    :mod:`kvreplay.run.threads`)."""
-    from kvreplay.run.threads import DEFAULT_THREADS, MAX_THREADS
+    :mod:`kvreplay.engines.threads`)."""
+    from kvreplay.engines.threads import DEFAULT_THREADS, MAX_THREADS
 
     return click.option(
         "--threads", type=click.IntRange(1, MAX_THREADS), default=DEFAULT_THREADS,
@@ -179,7 +179,7 @@ def run_options(
 
 def own_option(key: str, meta: dict[str, Any]) -> Callable[..., Any]:
     """The CLI option of one field of an experiment's options dataclass (its metadata:
-    :func:`kvreplay.experiments.declaration.option`). Its default stays None, so that the
+    :func:`kvreplay.harness.declaration.option`). Its default stays None, so that the
     run's ``extra`` holds only what was given; the field's default is shown."""
     kind = meta["type"].removesuffix(" | None")
     if kind == "bool":
@@ -272,7 +272,7 @@ def run_group() -> None:
 
 def _run_command(declaration: Any) -> None:
     """``kvreplay run EXPERIMENT``: the shared options (defined once) and its own, from
-    its declaration (:class:`kvreplay.experiments.declaration.Declaration`)."""
+    its declaration (:class:`kvreplay.harness.declaration.Declaration`)."""
     experiment = declaration.name
 
     def command(out: Path, **kwargs: Any) -> None:
@@ -436,8 +436,8 @@ def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
 def audit_command(run_dir: Path, sample: int | None, seed: int, **options: Any) -> None:
     """Verify a run: every row against itself and the folder, and re-execute its rows (or
     a --sample of them) to verify every token, fingerprint and hash."""
+    from kvreplay.audit.audit import audit, format_audit
     from kvreplay.backends import setting_options
-    from kvreplay.verify.audit import audit, format_audit
 
     connection = {key: options.pop(key) for key in setting_options(connection_only=True)}
     result = audit(
@@ -501,8 +501,8 @@ def backends_command() -> None:
 @plain_errors
 def env_command(run_dir: Path, venv: str | None) -> None:
     """Print the environment a run was made in as a requirements file, or rebuild it."""
-    from kvreplay.run.ledger import RunLedger
-    from kvreplay.run.lock import rebuild, run_environment
+    from kvreplay.contract.lock import rebuild, run_environment
+    from kvreplay.ledger import RunLedger
 
     manifest = RunLedger.open_existing(run_dir).manifest
     if venv is None:
@@ -573,8 +573,8 @@ def cut_refeed_command(
 ) -> None:
     """Long greedy generations cut at seeded random points, written as items whose prompts
     are the token ids up to each cut (docs/experiments/items-and-plans.md)."""
-    from kvreplay.model.refeed import RefeedPlan, check_out, refeed_items, write_items
-    from kvreplay.run.threads import intra_op_threads
+    from kvreplay.engines.threads import intra_op_threads
+    from kvreplay.run.refeed import RefeedPlan, check_out, refeed_items, write_items
 
     refeed = RefeedPlan(items_source=items_source, **plan)
     refeed.check()

@@ -10,9 +10,9 @@ import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.engines import EngineSession
+from kvreplay.engines.threads import DEFAULT_THREADS
 from kvreplay.model.embedded import DEFAULT_MODEL
 from kvreplay.run.runner import RunRequest, run
-from kvreplay.run.threads import DEFAULT_THREADS
 
 EXPERIMENTS = (
     ("matched", ("bf16", "fp32")),

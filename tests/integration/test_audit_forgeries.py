@@ -89,15 +89,15 @@ def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
     run: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import kvreplay.audit.audit
     import kvreplay.model.models
-    import kvreplay.verify.audit
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the audit read the model of a forged contract")
 
     # a backend describes its model through models.describe_source (Backend.describe_model)
     monkeypatch.setattr(kvreplay.model.models, "describe_source", refuse)
-    monkeypatch.setattr(kvreplay.verify.audit, "make_engine", refuse)
+    monkeypatch.setattr(kvreplay.audit.audit, "make_engine", refuse)
     data = manifest(run)
     data["contract"]["run"]["model"] = "/elsewhere"
     write_manifest(run, data)

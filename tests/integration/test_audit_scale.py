@@ -20,8 +20,8 @@ from helpers import invoke
 from kvreplay import backends
 from kvreplay.analysis.claims import build_claims
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
-from kvreplay.run.ledger import Record, RowAt, RunRows, TamperedLedger
-from kvreplay.verify.audit import RowChecks
+from kvreplay.audit.audit import RowChecks
+from kvreplay.ledger import Record, RowAt, RunRows, TamperedLedger
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 240  # 120 items at two precisions: 5x the committed run it is made from

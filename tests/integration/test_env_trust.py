@@ -15,8 +15,8 @@ import pytest
 from forgery import audit, manifest, problems, read_rows, rechain, write_manifest
 from helpers import assert_one_sentence, invoke
 
+from kvreplay.contract.lock import run_environment
 from kvreplay.core.canonical import sha256_json
-from kvreplay.run.lock import run_environment
 
 
 def evil_wheel(folder: Path, marker: Path) -> Path:

@@ -24,8 +24,9 @@ import transformers
 from click.testing import Result
 from helpers import invoke
 
+from kvreplay.core.canonical import sha256_json
 from kvreplay.core.items import items_digest, load_items
-from kvreplay.run.ledger import parse_rows, sha256_json
+from kvreplay.ledger import parse_rows
 
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"
 

@@ -31,9 +31,9 @@ from transformers import AutoTokenizer
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments.matrix.table import LAYER_DRIFT, MATCHED_TABLE
+from kvreplay.ledger import csv_cell, render_csv
 from kvreplay.model.models import load_model
 from kvreplay.render.document import Paragraph, Table, to_markdown
-from kvreplay.run.ledger import csv_cell, render_csv
 
 NESTED = "[" * 50_000 + "]" * 50_000  # under csv's field limit, far past json's recursion
 

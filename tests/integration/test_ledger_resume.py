@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from helpers import DTYPES, invoke
 
-from kvreplay.run.ledger import parse_rows, sha256_json
+from kvreplay.core.canonical import sha256_json
+from kvreplay.ledger import parse_rows
 
 N = 6
 TOTAL = 2 * N

@@ -14,12 +14,12 @@ import pytest
 import torch
 from helpers import SHORT, invoke
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
 from kvreplay.demo import run_demo
 from kvreplay.engines import processes
-from kvreplay.experiments.units import Unit, UnitKey
-from kvreplay.run.config import RunConfig
+from kvreplay.harness.units import Unit, UnitKey
 
 PROMPTS = [
     ("w1", "What is 2+3?", "5"),

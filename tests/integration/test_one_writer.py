@@ -15,7 +15,7 @@ from pathlib import Path
 
 from helpers import assert_one_sentence, good_lines, jsonl
 
-from kvreplay.verify.audit import audit
+from kvreplay.audit.audit import audit
 
 
 def command(model: Path, items: Path, out: Path) -> list[str]:

@@ -19,12 +19,12 @@ from helpers import one_thread
 
 pytest.importorskip("ray")
 
+from kvreplay.audit.audit import audit  # noqa: E402
 from kvreplay.cli import main  # noqa: E402
+from kvreplay.contract.config import RunConfig  # noqa: E402
 from kvreplay.core.errors import KvreplayError  # noqa: E402
 from kvreplay.engines import ray as ray_engine  # noqa: E402
-from kvreplay.run.config import RunConfig  # noqa: E402
 from kvreplay.run.runner import RunRequest, run  # noqa: E402
-from kvreplay.verify.audit import audit  # noqa: E402
 
 pytestmark = pytest.mark.ray
 # A sockets path under Ray's temp dir must stay within the 107-byte AF_UNIX limit.

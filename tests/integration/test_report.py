@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvreplay.experiments.table import LedgerError
+from kvreplay.harness.table import LedgerError
 from kvreplay.report.build import build_report
 from kvreplay.report.commands import report
 

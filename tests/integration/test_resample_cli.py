@@ -17,7 +17,7 @@ from helpers import check, invoke
 
 from kvreplay.cli import main
 from kvreplay.experiments.resample.table import RESAMPLE_TABLE
-from kvreplay.run.ledger import parse_rows
+from kvreplay.ledger import parse_rows
 
 CSV = "resample_live_prefill.csv"
 SAMPLES, REPLICA = 3, 2

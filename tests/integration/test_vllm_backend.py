@@ -112,7 +112,7 @@ def test_audit_reexecutes_and_catches_a_forged_row(served_run: Path, tmp_path: P
     assert result.exit_code == 0, result.output
     from kvreplay.core.canonical import sha256_json
     from kvreplay.experiments.matrix.table import SERVED_MATCHED_TABLE
-    from kvreplay.run.ledger import GENESIS, Record
+    from kvreplay.ledger import GENESIS, Record
 
     forged = tmp_path / "forged"
     forged.mkdir()

@@ -20,15 +20,15 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from kvreplay.backends.vllm_blocks import pack, unpack  # noqa: E402
+from kvreplay.contract.config import RunConfig  # noqa: E402
 from kvreplay.core.errors import KvreplayError  # noqa: E402
 from kvreplay.engines.worker import Worker  # noqa: E402
-from kvreplay.experiments.blocks import build_state, continue_state  # noqa: E402
 from kvreplay.experiments.localize.experiment import _decide  # noqa: E402
-from kvreplay.experiments.units import Clock  # noqa: E402
+from kvreplay.harness.blocks import build_state, continue_state  # noqa: E402
+from kvreplay.harness.units import Clock  # noqa: E402
 from kvreplay.model.construct import Prefix  # noqa: E402
 from kvreplay.model.decode import Sampler  # noqa: E402
 from kvreplay.model.state import bit_equal, make_replica, transplant  # noqa: E402
-from kvreplay.run.config import RunConfig  # noqa: E402
 
 TRANSPLANT_CSV = "kv_transplant_later.csv"
 

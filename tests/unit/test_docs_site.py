@@ -54,7 +54,7 @@ def test_generated_blocks_match_the_code(page: str) -> None:
 
 def test_generated_blocks_cover_every_experiment_and_backend() -> None:
     from kvreplay.backends import BUILTIN
-    from kvreplay.experiments.tables import EXPERIMENT_TABLES
+    from kvreplay.experiments.tables_registry import EXPERIMENT_TABLES
 
     text = "".join((DOCS / page).read_text(encoding="utf-8") for page in PAGES)
     specs = {m["spec"] for m in HOOKS.GENERATED.finditer(text)}

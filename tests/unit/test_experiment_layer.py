@@ -7,9 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvreplay.cli import main
-from kvreplay.experiments.rows import ReplicaGate
-from kvreplay.experiments.units import UnitKey
-from kvreplay.run.ledger import Record
+from kvreplay.harness.rows import ReplicaGate
+from kvreplay.harness.units import UnitKey
+from kvreplay.ledger import Record
 
 
 def _record(key: str, experiment: str, data: dict) -> Record:
@@ -80,7 +80,7 @@ def test_every_experiment_writes_the_table_analysis_reads() -> None:
     table (so analyze and report include it); a table's key columns are required ones."""
     from kvreplay.analysis.sections.registry import SECTIONS
     from kvreplay.experiments import EXPERIMENTS, SERVED, experiment_at
-    from kvreplay.experiments.tables import EXPERIMENT_TABLES, TABLES
+    from kvreplay.experiments.tables_registry import EXPERIMENT_TABLES, TABLES
 
     for name, where in EXPERIMENTS.items():
         experiment = experiment_at(where)
@@ -101,8 +101,8 @@ def test_a_row_recorded_with_the_retired_comparison_field_reads_as_it_is_written
     from pathlib import Path
 
     from kvreplay.core.comparison import RETIRED, Comparison
-    from kvreplay.experiments.rows import PanelRow, row_as_written
-    from kvreplay.run.ledger import diff_fields
+    from kvreplay.harness.rows import PanelRow, row_as_written
+    from kvreplay.ledger import diff_fields
 
     rows = Path(__file__).parents[2] / "results" / "smollm2-n24" / "rows.jsonl"
     records = [json.loads(line) for line in rows.read_text().splitlines()]

@@ -10,18 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
-from kvreplay.run.ledger import (
+from kvreplay.ledger import (
     GENESIS,
     RUN_FORMAT,
     Record,
     RunLedger,
     TamperedLedger,
-    canonical,
     diff_fields,
     parse_rows,
     render_csv,
-    sha256_json,
     write_text_atomic,
 )
 

@@ -20,8 +20,8 @@ from helpers import Rows, synthetic_ledger, token_hash, write_ledger
 from kvreplay.analysis.ledgers import load_ledger_dir
 from kvreplay.experiments.bridge.table import BRIDGE_TABLE
 from kvreplay.experiments.matrix.table import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
-from kvreplay.experiments.table import LedgerError
-from kvreplay.experiments.tables.paper import HISTORICAL_TABLE, STOCK_TABLE
+from kvreplay.experiments.paper.table import HISTORICAL_TABLE, STOCK_TABLE
+from kvreplay.harness.table import LedgerError
 from kvreplay.report.commands import analyze
 
 PAPER_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "paper-release" / "data"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.run.lock import (
+from kvreplay.contract.lock import (
     installed,
     library_differences,
     lock_differences,

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from helpers import PROMPTS, SHORT
 
 from kvreplay import LoadedModel
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.items import Item
 from kvreplay.core.sampler import Sampler
-from kvreplay.experiments.executor import run_panel
-from kvreplay.experiments.panel import Arm, Panel, Samples
-from kvreplay.experiments.rows import PanelRow
-from kvreplay.experiments.units import Clock, Unit, UnitKey
+from kvreplay.harness.executor import run_panel
+from kvreplay.harness.panel import Arm, Panel, Samples
+from kvreplay.harness.rows import PanelRow
+from kvreplay.harness.units import Clock, Unit, UnitKey
 from kvreplay.measure.certificate import FAITHFUL, UNDECIDED, PairedSamples, certify
-from kvreplay.run.config import RunConfig
 
 
 @dataclass

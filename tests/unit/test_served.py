@@ -10,8 +10,8 @@ from kvreplay.backends import backend_from_contract, make_backend, registry, set
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.trajectory import Prefix
 from kvreplay.experiments.matrix.table import first_token_logprob_diff
-from kvreplay.experiments.requests import computed_tokens
-from kvreplay.experiments.rows import ArmResult, ReplicaGate, ServedReport
+from kvreplay.harness.requests import computed_tokens
+from kvreplay.harness.rows import ArmResult, ReplicaGate, ServedReport
 from kvreplay.model.decode import Segment, Trajectory
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.experiments.columns import Column, Field
 from kvreplay.experiments.matrix.table import MATCHED_TABLE, SERVED_MATCHED_TABLE
-from kvreplay.experiments.table import SCHEMA_VERSION, Table, read_ledger, recorded_version
-from kvreplay.experiments.tables import recorded_table, table_for
-from kvreplay.run.ledger import GENESIS, Record
+from kvreplay.experiments.tables_registry import recorded_table, table_for
+from kvreplay.harness.columns import Column, Field
+from kvreplay.harness.table import SCHEMA_VERSION, Table, read_ledger, recorded_version
+from kvreplay.ledger import GENESIS, Record
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 RUNS = sorted(p for p in RESULTS.iterdir() if (p / "manifest.json").is_file())

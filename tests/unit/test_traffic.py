@@ -10,8 +10,8 @@ import pytest
 
 from kvreplay.backends.server import metric_sums, prometheus
 from kvreplay.backends.traffic import MAX_EVICTION_REQUESTS, Traffic, evict
-from kvreplay.experiments.rows import ServedReport
-from kvreplay.experiments.served import ServedArm
+from kvreplay.harness.rows import ServedReport
+from kvreplay.harness.served import ServedArm
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -9,10 +9,10 @@ from helpers import PLAN, PROMPTS, bit_equal, find_divergence, reach, state_equa
 from kvreplay import KvreplayError, build, continue_from
 from kvreplay.core.comparison import first_divergence
 from kvreplay.core.sampler import Sampler
-from kvreplay.experiments.executor import holds_donor
 from kvreplay.experiments.localize.experiment import Prober, bisect, follow, sweep
 from kvreplay.experiments.localize.table import layer_label
-from kvreplay.experiments.selection import spread
+from kvreplay.harness.executor import holds_donor
+from kvreplay.harness.selection import spread
 from kvreplay.model.state import clone, transplant
 
 

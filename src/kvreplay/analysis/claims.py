@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.analysis.sections.registry import SECTIONS
-from kvreplay.experiments.section import Reading
+from kvreplay.harness.section import Reading
 from kvreplay.measure.rates import Json
 
 SCHEMA = "stage-replay-paper-claims-v1"

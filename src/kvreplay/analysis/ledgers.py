@@ -2,7 +2,7 @@
 
 A claim is only as good as the rows under it, so every gate of the paper's method is
 checked before anything is counted (each table declares its columns and gates: see
-:mod:`kvreplay.experiments.table`). In a kvreplay run folder the CSVs must also still be
+:mod:`kvreplay.harness.table`). In a kvreplay run folder the CSVs must also still be
 what the run's rows.jsonl derives; its rows are read once, here, for every section.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreplay.experiments.table import Ledger, LedgerError, read_ledger
-from kvreplay.experiments.tables import table_for
-from kvreplay.run.ledger import RunRows
+from kvreplay.experiments.tables_registry import table_for
+from kvreplay.harness.table import Ledger, LedgerError, read_ledger
+from kvreplay.ledger import RunRows
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def _run_records(folder: Path) -> RunRows:
     """A kvreplay run's CSVs are derived from its rows.jsonl, the source of truth: one
     cut at a row boundary (or edited) would otherwise be analysed as a smaller (or
     different) run."""
-    from kvreplay.run.derived import check_csvs
-    from kvreplay.run.ledger import RunLedger
+    from kvreplay.analysis.derived import check_csvs
+    from kvreplay.ledger import RunLedger
 
     ledger = RunLedger.open_existing(folder)
     records, problems = RunRows.checked(ledger.rows_path, ledger.contract_hash)

@@ -212,7 +212,7 @@ class Backend:
     def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
         """The model a K/V-access experiment advances boundary states through, for one
         precision: a :class:`~kvreplay.model.models.LoadedModel` or one with its interface;
-        ``config`` is the run's :class:`~kvreplay.run.config.RunConfig`."""
+        ``config`` is the run's :class:`~kvreplay.contract.config.RunConfig`."""
         raise KvreplayError(f"The {self.name} backend loads no model with K/V access.")
 
     def expected_hit(self, computed: int) -> int:
@@ -221,5 +221,6 @@ class Backend:
 
     def open_served(self, config: Any, precision: str) -> ServedModel:
         """A served model for one precision (backends without K/V access); ``config`` is
-        the run's :class:`~kvreplay.run.config.RunConfig` (not imported: it holds a backend)."""
+        the run's :class:`~kvreplay.contract.config.RunConfig` (not imported: it holds a
+        backend)."""
         raise KvreplayError(f"The {self.name} backend serves no model over requests.")

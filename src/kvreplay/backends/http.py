@@ -34,7 +34,7 @@ from kvreplay.backends.traffic import NEW_TOKENS, REQUEST_SECONDS, Traffic, chec
 from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
-    from kvreplay.run.config import RunConfig
+    from kvreplay.contract.config import RunConfig
 
 ADAPTERS: dict[str, str] = {
     "vllm": "kvreplay.backends.vllm_server:VllmServer",

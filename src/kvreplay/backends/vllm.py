@@ -32,7 +32,7 @@ from kvreplay.core.stages import StopDetector
 
 if TYPE_CHECKING:
     from kvreplay.backends.vllm_blocks import VllmModel
-    from kvreplay.run.config import RunConfig
+    from kvreplay.contract.config import RunConfig
 
 # The longest context an engine is started with: the KV pool is sized for it.
 MAX_MODEL_LEN = 8192

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
-    from kvreplay.run.config import RunConfig
+    from kvreplay.contract.config import RunConfig
 
 
 def make_engine(

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.engines.worker import Worker
-from kvreplay.experiments.units import Unit
-from kvreplay.run.config import RunConfig
+from kvreplay.harness.units import Unit
 
 
 class LocalEngine:

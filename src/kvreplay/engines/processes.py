@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError
 from kvreplay.engines.worker import Worker
-from kvreplay.experiments.units import Unit
-from kvreplay.run.config import RunConfig
+from kvreplay.harness.units import Unit
 
 # How long close() waits for a worker to exit before it terminates it.
 STOP_TIMEOUT_S = 10.0

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.engines import check_placement
 from kvreplay.engines.worker import Worker
-from kvreplay.experiments.units import Unit
+from kvreplay.harness.units import Unit
 from kvreplay.model.embedded import cache_root
-from kvreplay.run.config import RunConfig
 
 # Ray restarts a dead actor this many times before the engine gives it up.
 MAX_RESTARTS = 3

@@ -8,11 +8,11 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments import get_experiment
-from kvreplay.experiments.units import Clock, Unit
+from kvreplay.harness.units import Clock, Unit
 from kvreplay.model.models import LoadedModel
-from kvreplay.run.config import RunConfig
 
 
 class Worker:
@@ -57,7 +57,7 @@ class Worker:
         gc.collect()
 
     def device_info(self) -> dict[str, str]:
-        from kvreplay.run.environment import device_name
+        from kvreplay.contract.environment import device_name
 
         return {
             "worker": self.name,

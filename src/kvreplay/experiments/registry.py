@@ -1,5 +1,5 @@
 """The registry of experiments that ``kvreplay run`` knows: one line per experiment, naming
-its declaration (:mod:`kvreplay.experiments.declaration`). A declaration names its classes by
+its declaration (:mod:`kvreplay.harness.declaration`). A declaration names its classes by
 where they live, imported when first asked for: the in-process ones load torch, which the
 core install lacks, and a served run needs only the served ones."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from kvreplay.backends import Backend, backend_class, backend_from_contract, load, registry
 from kvreplay.core.errors import KvreplayError
-from kvreplay.experiments.declaration import Declaration
-from kvreplay.experiments.experiment import Experiment
+from kvreplay.harness.declaration import Declaration
+from kvreplay.harness.experiment import Experiment
 
 # Every built-in experiment's declaration, one line each, in the order ``kvreplay run
 # --help`` lists them; installed packages add theirs through the entry point group.

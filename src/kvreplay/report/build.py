@@ -9,7 +9,7 @@ from pathlib import Path
 from kvreplay.analysis.claims import SCHEMA, build_claims, write_claims
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.core.jsonio import JsonError, parse_json
-from kvreplay.experiments.table import LedgerError
+from kvreplay.harness.table import LedgerError
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Image, to_html, to_markdown
 from kvreplay.render.figures import Figures

@@ -14,12 +14,12 @@ from kvreplay.analysis.sections.registry import SECTIONS
 from kvreplay.backends import backend_class
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import parse_json
-from kvreplay.experiments.section import Page
-from kvreplay.experiments.table import LedgerError
+from kvreplay.harness.section import Page
+from kvreplay.harness.table import LedgerError
+from kvreplay.ledger import Record, rows_of
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Paragraph, Table
 from kvreplay.render.figures import Figures
-from kvreplay.run.ledger import Record, rows_of
 
 # The experiments whose rows compare a rebuilt state with the live one, item by item.
 JUDGED = ("matched", "fixed-prefix", "bridge", "resample")

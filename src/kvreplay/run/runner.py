@@ -19,6 +19,9 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from kvreplay import __version__
+from kvreplay.contract.config import RunConfig, RunSettings
+from kvreplay.contract.environment import environment, git_commit
+from kvreplay.contract.lock import check_libraries, installed
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, is_token_ids, items_digest, load_items
 from kvreplay.core.jsonio import read_json
@@ -26,27 +29,26 @@ from kvreplay.core.paths import check_name, read_regular
 from kvreplay.core.scoring import get_extractor
 from kvreplay.core.stages import StagePlan, get_plan, opener_ids
 from kvreplay.engines import EngineSession, check_engine, make_engine
+from kvreplay.engines.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 from kvreplay.experiments import get_experiment
-from kvreplay.experiments.scope import Scope, SourceRun
-from kvreplay.experiments.units import Unit
-from kvreplay.model.models import load_tokenizer, text_config, vocabulary_size
-from kvreplay.model.precision import parse_device, parse_dtypes
-from kvreplay.model.sources import canonical_spec
-from kvreplay.run.config import RunConfig, RunSettings
-from kvreplay.run.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
-from kvreplay.run.ledger import (
+from kvreplay.harness.scope import Scope, SourceRun
+from kvreplay.harness.units import Unit
+from kvreplay.ledger import (
+    CONTRACT_SCHEME,
     ITEMS,
     MANIFEST,
     SNAPSHOTS_SAVED,
     STOPPED,
     Record,
     RunLedger,
+    contract_scheme,
     parse_rows,
     write_text_atomic,
 )
-from kvreplay.run.lock import installed
+from kvreplay.model.models import load_tokenizer, text_config, vocabulary_size
+from kvreplay.model.precision import parse_device, parse_dtypes
+from kvreplay.model.sources import canonical_spec
 from kvreplay.run.summary import format_summary, summarize
-from kvreplay.run.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 from kvreplay.verify.verdict import verdict_sentence
 
 
@@ -229,7 +231,9 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
     experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
     ledger = RunLedger(request.out)
-    ledger.start(contract, header)
+    ledger.start(
+        contract, header, on_resume=lambda recorded: check_libraries(recorded, request.out)
+    )
     try:
         _freeze_items(ledger, items)
     except BaseException:
@@ -278,7 +282,7 @@ def run(
 ) -> dict[str, Any]:
     """Run (or resume) one experiment into ``request.out``; return its summary.
 
-    The run holds the folder's lock (see :mod:`kvreplay.run.runlock`) from before its first
+    The run holds the folder's lock (see :mod:`kvreplay.ledger.writer`) from before its first
     write until it returns, so a second run on the same folder is refused. It runs on
     ``request.threads`` torch threads per worker process, which its contract records.
     A ``session`` (closed by the caller) keeps its workers and their models for the next

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.experiment import Experiment
-from kvreplay.experiments.rows import PairLabels
-from kvreplay.run.ledger import Record
+from kvreplay.harness.experiment import Experiment
+from kvreplay.harness.rows import PairLabels
+from kvreplay.ledger import Record
 
 
 def summarize(experiment: Experiment, rows: list[Record]) -> dict[str, Any]:

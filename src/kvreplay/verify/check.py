@@ -19,8 +19,8 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import load_jsonl
-from kvreplay.experiments.experiment import Experiment
-from kvreplay.run.ledger import ITEMS, Record
+from kvreplay.harness.experiment import Experiment
+from kvreplay.ledger import ITEMS, Record
 from kvreplay.verify.verdict import SCHEMA, Expectation, StopRule, Verdict, judge, parse_expectation
 
 # The experiments a check runs: live vs prefill greedily, or the resample certificate
@@ -206,7 +206,7 @@ def run_check(
     outputs, and return the verdict. Every refusal comes before the run writes. The run
     stops once its verdict is decided (:func:`~kvreplay.verify.verdict.decided`)."""
     from kvreplay.experiments import get_experiment
-    from kvreplay.run.ledger import RunLedger, parse_rows
+    from kvreplay.ledger import RunLedger, parse_rows
     from kvreplay.run.runner import run
 
     options = dict(options)

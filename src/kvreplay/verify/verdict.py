@@ -30,11 +30,11 @@ from kvreplay.core.comparison import first_divergence
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.power import items_needed, percent, rate_upper_bound
 from kvreplay.core.trajectory import numeric_divergence
-from kvreplay.experiments.experiment import Experiment
-from kvreplay.run.ledger import Record
+from kvreplay.harness.experiment import Experiment
+from kvreplay.ledger import Record
 
 if TYPE_CHECKING:
-    from kvreplay.experiments.rows import ArmResult
+    from kvreplay.harness.rows import ArmResult
 
 SCHEMA = "kvreplay-check-v3"
 READABLE = ("kvreplay-check-v1", "kvreplay-check-v2", SCHEMA)

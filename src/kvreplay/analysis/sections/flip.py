@@ -23,12 +23,12 @@ from kvreplay.analysis.flip import (
     score_panel,
 )
 from kvreplay.experiments.matrix.section import MATRIX, MATRIX_DESIGNS
-from kvreplay.experiments.section import Page, Reading, Section
-from kvreplay.experiments.table import Ledger
+from kvreplay.harness.section import Page, Reading, Section
+from kvreplay.harness.table import Ledger
+from kvreplay.ledger import Record
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Image, Paragraph
 from kvreplay.render.document import Table as Grid
-from kvreplay.run.ledger import Record
 
 SKIP_NO_ROWS = (
     "The flip predictor needs the live margins in rows.jsonl; this folder holds CSV"

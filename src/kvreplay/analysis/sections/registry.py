@@ -6,15 +6,15 @@ registry's order (its name is enough: nothing is added here)."""
 from __future__ import annotations
 
 from kvreplay.analysis.sections.flip import FLIP
-from kvreplay.analysis.sections.paper import HISTORICAL, STOCK
 from kvreplay.analysis.sections.served import SERVED
 from kvreplay.experiments.bridge.section import BRIDGE
 from kvreplay.experiments.localize.section import LOCALIZE
 from kvreplay.experiments.matrix.section import MATRIX
+from kvreplay.experiments.paper.section import HISTORICAL, STOCK
 from kvreplay.experiments.registry import declared
 from kvreplay.experiments.resample.section import RESAMPLE
-from kvreplay.experiments.section import Section
 from kvreplay.experiments.transplant.section import TRANSPLANT
+from kvreplay.harness.section import Section
 
 PAPER_ORDER: tuple[Section, ...] = (
     MATRIX,

@@ -5,7 +5,7 @@ each control continued differently."""
 from __future__ import annotations
 
 from kvreplay.experiments.matrix.table import SERVED_CONTROLS, SERVED_MATCHED_TABLE
-from kvreplay.experiments.section import Page, Reading, Section
+from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.measure.rates import Json, median, rate_payload, rate_text
 from kvreplay.measure.stats import MATRIX_WILSON_Z
 from kvreplay.render.document import Block, Heading, Paragraph

@@ -5,7 +5,7 @@ declared here and registered by one line in :mod:`kvreplay.experiments.registry`
 from kvreplay.experiments.bridge.experiment import DEFAULT_N
 from kvreplay.experiments.bridge.section import BRIDGE as SECTION
 from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
-from kvreplay.experiments.declaration import Declaration
+from kvreplay.harness.declaration import Declaration
 
 DECLARATION = Declaration(
     name=BRIDGE,

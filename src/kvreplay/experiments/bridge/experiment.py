@@ -13,13 +13,13 @@ from typing import Any
 
 from kvreplay.core.items import Item
 from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
-from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix.table import MATCHED
-from kvreplay.experiments.panel import Arm, Panel
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import prompt_lengths, spread_selection
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.panel import Arm, Panel
+from kvreplay.harness.scope import Scope, Selection
+from kvreplay.harness.selection import prompt_lengths, spread_selection
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 # Items a bridge runs when --n is not given: each row advances every layer twice.
 DEFAULT_N = 12
@@ -85,7 +85,7 @@ class Bridge(Experiment):
         return planned_keys(self.name, config["item_ids"], [config["dtype"]], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
-        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+        from kvreplay.harness.executor import run_panel  # in process only: loads torch
 
         result = run_panel(worker, unit, clock, self.panel)
         base = {

@@ -4,7 +4,7 @@ prefixes (``prospective_bridge``), beside the paper's 12/12."""
 from __future__ import annotations
 
 from kvreplay.experiments.bridge.table import BRIDGE_TABLE
-from kvreplay.experiments.section import Reading, Row, Section
+from kvreplay.harness.section import Reading, Row, Section
 from kvreplay.measure.rates import Json, count, fraction
 
 SECTION = "prospective_bridge"

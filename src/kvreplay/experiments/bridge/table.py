@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.core.comparison import Comparison
-from kvreplay.experiments.columns import Column, Kind, Line, reached_lines, written
-from kvreplay.experiments.table import Ledger, Table, check_equal_flag
+from kvreplay.harness.columns import Column, Kind, Line, reached_lines, written
+from kvreplay.harness.table import Ledger, Table, check_equal_flag
 
 BRIDGE = "bridge"
 COMPARED = ("live", "teacher")

@@ -3,9 +3,9 @@ when it runs), declared here and registered by one line in
 :mod:`kvreplay.experiments.registry`. Its CSV and its section are the four-arm matrix's,
 which matched shares (:mod:`kvreplay.experiments.matrix`)."""
 
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.matrix.section import MATRIX as SECTION
 from kvreplay.experiments.matrix.table import FIXED_PREFIX, FIXED_PREFIX_TABLE
+from kvreplay.harness.declaration import Declaration
 
 DECLARATION = Declaration(
     name=FIXED_PREFIX,

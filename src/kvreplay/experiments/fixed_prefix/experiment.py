@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matrix.panel import matrix_panel, run_matrix
 from kvreplay.experiments.matrix.table import FIXED_PREFIX, FIXED_PREFIX_TABLE, MATCHED
-from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.prefixes import prefix_inputs, prefix_row, prefix_unit
+from kvreplay.harness.scope import Scope, Selection
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 
 def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | None:

@@ -3,9 +3,9 @@ its section of the analysis and report (``section``), declared here and register
 line in :mod:`kvreplay.experiments.registry`. It is a server's experiment: its arms are
 served panels on the http backend, so its class and its served class are the same."""
 
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.history.section import HISTORY as SECTION
 from kvreplay.experiments.history.table import HISTORY, HISTORY_TABLE
+from kvreplay.harness.declaration import Declaration
 
 DECLARATION = Declaration(
     name=HISTORY,

@@ -3,7 +3,7 @@ read, or on what else the server was doing? (``history_hit_miss.csv``)
 
 Per item and precision, on a server (the http backend), the same hit request for P's
 first suffix stage is served after different histories (see
-:mod:`kvreplay.experiments.served`), each from a reset cache:
+:mod:`kvreplay.harness.served`), each from a reset cache:
 
 - ``hit``: P's blocks written by the generation that decoded through P (with a replica);
 - ``miss``: none (a one-shot prefill of P; with a replica);
@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.history.table import HISTORY, HISTORY_TABLE
-from kvreplay.experiments.panel import Panel
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.served import ServedArm, run_served_panel
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.panel import Panel
+from kvreplay.harness.scope import Scope, Selection
+from kvreplay.harness.served import ServedArm, run_served_panel
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 TRAFFIC_PROMPTS = 8
 """Other items whose prompts the traffic clients send (beside random-token prompts)."""

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from kvreplay.experiments.history.table import HISTORIES, HISTORY_TABLE, LOAD
-from kvreplay.experiments.section import Page, Reading, Section
+from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.measure.rates import Json, rate_payload, rate_text
 from kvreplay.measure.stats import MATRIX_WILSON_Z
 from kvreplay.render.document import Block, Heading, Paragraph

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvreplay.core.comparison import first_divergence
-from kvreplay.experiments.columns import Column, Kind, Line, reached_lines, written
-from kvreplay.experiments.rows import ArmResult, replica_name
-from kvreplay.experiments.table import Table, check_equal_flag
+from kvreplay.harness.columns import Column, Kind, Line, reached_lines, written
+from kvreplay.harness.rows import ArmResult, replica_name
+from kvreplay.harness.table import Table, check_equal_flag
 
 HISTORY = "history"
 COMPARED = ("hit", "miss")

@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING, Any
 from kvreplay.core.sampler import Sampler
 from kvreplay.core.stages import StagePlan
 from kvreplay.core.trajectory import Trajectory
-from kvreplay.experiments.blocks import engine_of, follow_in_engine
-from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.localize.section import draw, recovery
 from kvreplay.experiments.localize.table import (
     DIRECTIONS,
@@ -44,12 +42,14 @@ from kvreplay.experiments.localize.table import (
     SWEEPS,
     Probe,
 )
-from kvreplay.experiments.panel import Arm, Panel
-from kvreplay.experiments.prefixes import prefix_inputs
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import PanelOptions, select_panel
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.blocks import engine_of, follow_in_engine
+from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.panel import Arm, Panel
+from kvreplay.harness.prefixes import prefix_inputs
+from kvreplay.harness.scope import Scope, Selection
+from kvreplay.harness.selection import PanelOptions, select_panel
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 if TYPE_CHECKING:
     from kvreplay.model.models import LoadedModel
@@ -207,7 +207,7 @@ class Localize(Experiment):
         return planned_keys(self.name, ids, [config["precision"]], rows)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
-        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+        from kvreplay.harness.executor import run_panel  # in process only: loads torch
 
         result = run_panel(worker, unit, clock, self.panel)
         row, lm = result.row, result.lm

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvreplay.experiments.localize.table import LOCALIZE_TABLE
-from kvreplay.experiments.section import Page, Reading, Section
-from kvreplay.experiments.table import Ledger
+from kvreplay.harness.section import Page, Reading, Section
+from kvreplay.harness.table import Ledger
 from kvreplay.measure.rates import Json, count, fraction
 from kvreplay.render.document import Block, Heading, Image, Paragraph
 from kvreplay.render.document import Table as Grid

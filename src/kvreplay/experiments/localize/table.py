@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvreplay.experiments.columns import Column, Kind
-from kvreplay.experiments.rows import ArmResult, PanelRow
-from kvreplay.experiments.table import Ledger, Table, check_same
-from kvreplay.run.ledger import Record
+from kvreplay.harness.columns import Column, Kind
+from kvreplay.harness.rows import ArmResult, PanelRow
+from kvreplay.harness.table import Ledger, Table, check_same
+from kvreplay.ledger import Record
 
 LOCALIZE = "localize"
 COMPARED = ("left", "prefill")

@@ -3,9 +3,9 @@ runs) and its screen for ``--select fragile`` (``screen``), declared here and re
 one line in :mod:`kvreplay.experiments.registry`. Its CSV and its section are the four-arm
 matrix's, which fixed-prefix shares (:mod:`kvreplay.experiments.matrix`)."""
 
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.matrix.section import MATRIX as SECTION
 from kvreplay.experiments.matrix.table import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
+from kvreplay.harness.declaration import Declaration
 
 DECLARATION = Declaration(
     name=MATCHED,

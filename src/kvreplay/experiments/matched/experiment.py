@@ -9,15 +9,15 @@ from dataclasses import replace
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.matched.screen import WINDOW, MatchedOptions, ranked, screen_row
 from kvreplay.experiments.matrix.panel import matrix_panel, run_matrix
 from kvreplay.experiments.matrix.table import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
-from kvreplay.experiments.panel import Panel
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.served import ServedArm, run_served_panel
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.panel import Panel
+from kvreplay.harness.scope import Scope, Selection
+from kvreplay.harness.served import ServedArm, run_served_panel
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 
 class Matched(Experiment):
@@ -85,7 +85,7 @@ class Matched(Experiment):
 class ServedMatched(Matched):
     """``matched`` on a serving backend: a prefix-cache hit vs a miss of the same P, each
     with a replica under the same cache condition, beside the uninterrupted request and
-    the hit co-scheduled with companions (see :mod:`kvreplay.experiments.served`). Its
+    the hit co-scheduled with companions (see :mod:`kvreplay.harness.served`). Its
     rows fill the matched ledger's columns where they apply and leave the K/V ones empty."""
 
     served = True

@@ -22,11 +22,11 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.stages import StagePlan
 from kvreplay.core.trajectory import Trajectory
-from kvreplay.experiments.declaration import option
-from kvreplay.experiments.prefixes import prefix_record, prompt_ids
-from kvreplay.experiments.scope import Scope, own_options
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.declaration import option
+from kvreplay.harness.prefixes import prefix_record, prompt_ids
+from kvreplay.harness.scope import Scope, own_options
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 WINDOW = 32  # decoded suffix steps a screen reads: the flip predictor's window
 SELECTIONS = ("first", "fragile")
@@ -97,7 +97,7 @@ def screen_row(worker: Workbench, unit: Unit, clock: Clock, served: bool) -> dic
     plan, sampler = config.plan, config.sampler
     suffix: Trajectory | None = None
     if served:
-        from kvreplay.experiments.served import generate_prefix, serve_stages
+        from kvreplay.harness.served import generate_prefix, serve_stages
 
         engine = worker.served(unit.precision)
         with clock.model():

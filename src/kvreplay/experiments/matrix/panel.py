@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.experiments.panel import Arm, Panel
-from kvreplay.experiments.units import Clock, Unit, Workbench
+from kvreplay.harness.panel import Arm, Panel
+from kvreplay.harness.units import Clock, Unit, Workbench
 
 
 def matrix_panel(left: str) -> Panel[Arm]:
@@ -19,7 +19,7 @@ def matrix_panel(left: str) -> Panel[Arm]:
 
 def run_matrix(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) -> dict[str, Any]:
     """One (item, precision) row, or an unreached one when live generation stopped short."""
-    from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+    from kvreplay.harness.executor import run_panel  # in process only: loads torch
 
     result = run_panel(worker, unit, clock, panel)
     row = result.row

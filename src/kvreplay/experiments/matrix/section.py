@@ -18,9 +18,9 @@ from kvreplay.experiments.matrix.table import (
     MATCHED_TABLE,
     SERVED_MATCHED_TABLE,
 )
-from kvreplay.experiments.rows import replica_name
-from kvreplay.experiments.section import Page, Reading, Row, Section
-from kvreplay.experiments.table import Ledger, Table
+from kvreplay.harness.rows import replica_name
+from kvreplay.harness.section import Page, Reading, Row, Section
+from kvreplay.harness.table import Ledger, Table
 from kvreplay.measure.rates import (
     Json,
     count,

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from kvreplay.core.comparison import Comparison, first_divergence
-from kvreplay.experiments.columns import (
+from kvreplay.harness.columns import (
     Column,
     Kind,
     Line,
@@ -23,10 +23,10 @@ from kvreplay.experiments.columns import (
     prefix_row_hashes,
     written,
 )
-from kvreplay.experiments.rows import ArmResult, PanelRow, replica_name
-from kvreplay.experiments.table import Check, Ledger, LedgerError, Table, check_equal_flag
-from kvreplay.experiments.units import UnitKey
-from kvreplay.run.ledger import Record, heads
+from kvreplay.harness.rows import ArmResult, PanelRow, replica_name
+from kvreplay.harness.table import Check, Ledger, LedgerError, Table, check_equal_flag
+from kvreplay.harness.units import UnitKey
+from kvreplay.ledger import Record, heads
 
 MATCHED = "matched"
 FIXED_PREFIX = "fixed-prefix"

@@ -2,9 +2,9 @@
 runs), its CSV (``table``) and its section of the analysis and report (``section``),
 declared here and registered by one line in :mod:`kvreplay.experiments.registry`."""
 
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.resample.section import RESAMPLE as SECTION
 from kvreplay.experiments.resample.table import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
+from kvreplay.harness.declaration import Declaration
 
 DECLARATION = Declaration(
     name=RESAMPLE,

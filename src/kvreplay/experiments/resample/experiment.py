@@ -22,15 +22,15 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
 from kvreplay.core.sampler import Sampler
-from kvreplay.experiments.declaration import option
-from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.panel import Arm, Panel, Samples
 from kvreplay.experiments.resample.table import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
-from kvreplay.experiments.rows import PanelRow
-from kvreplay.experiments.scope import Scope, Selection, own_options
-from kvreplay.experiments.served import ServedArm, run_served_panel
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.declaration import option
+from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.panel import Arm, Panel, Samples
+from kvreplay.harness.rows import PanelRow
+from kvreplay.harness.scope import Scope, Selection, own_options
+from kvreplay.harness.served import ServedArm, run_served_panel
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 # The most seeded samples per arm and row: the manifest lists every seed, and each is a
 # decode of the whole suffix.
@@ -138,7 +138,7 @@ class Resample(Experiment):
     def run_row(
         self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples
     ) -> tuple[PanelRow | None, dict[str, Any]]:
-        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+        from kvreplay.harness.executor import run_panel  # in process only: loads torch
 
         result = run_panel(worker, unit, clock, replace(self.panel, samples=samples))
         return result.row, result.prefix
@@ -147,7 +147,7 @@ class Resample(Experiment):
 class ServedResample(Resample):
     """``resample`` on a serving backend: a prefix-cache hit (``live``) and a miss
     (``prefill``) of the same P, each continued once per seed with the engine's own
-    per-request seeded sampler (see :mod:`kvreplay.experiments.served`); the K/V
+    per-request seeded sampler (see :mod:`kvreplay.harness.served`); the K/V
     columns stay empty and ``backend`` names the engine."""
 
     served = True

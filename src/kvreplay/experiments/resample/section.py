@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from kvreplay.experiments.resample.table import RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
-from kvreplay.experiments.section import Page, Reading, Section
-from kvreplay.experiments.table import Ledger
+from kvreplay.harness.section import Page, Reading, Section
+from kvreplay.harness.table import Ledger
 from kvreplay.measure.certificate import PairedSamples, certify
 from kvreplay.measure.rates import Json, percent_interval
 from kvreplay.render.document import Block, Heading, Image, Paragraph

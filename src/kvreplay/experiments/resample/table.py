@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from kvreplay.core.canonical import canonical
-from kvreplay.experiments.columns import Column, Kind, Line, kv, optional, reached_lines, written
-from kvreplay.experiments.rows import ArmResult, PairLabels
-from kvreplay.experiments.table import Ledger, Table, check_same
+from kvreplay.harness.columns import Column, Kind, Line, kv, optional, reached_lines, written
+from kvreplay.harness.rows import ArmResult, PairLabels
+from kvreplay.harness.table import Ledger, Table, check_same
 from kvreplay.measure.certificate import tv_distance
 
 RESAMPLE = "resample"

@@ -2,16 +2,16 @@
 runs), its CSV (``table``) and its section of the analysis and report (``section``),
 declared here and registered by one line in :mod:`kvreplay.experiments.registry`."""
 
-from kvreplay.experiments.declaration import Declaration
 from kvreplay.experiments.transplant.section import TRANSPLANT as SECTION
 from kvreplay.experiments.transplant.table import TRANSPLANT, TRANSPLANT_TABLE
+from kvreplay.harness.declaration import Declaration
 
 DECLARATION = Declaration(
     name=TRANSPLANT,
     summary="The six-arm K/V transplant panel (kv_transplant_<name>.csv).",
     experiment=f"{__name__}.experiment:Transplant",
     table=TRANSPLANT_TABLE,
-    options="kvreplay.experiments.selection:PanelOptions",
+    options="kvreplay.harness.selection:PanelOptions",
     takes=("panel", "alias", "name", "divergent", "controls", "panel_seed"),
     source="Take the panel and its prefixes from this run.",
     section=SECTION,

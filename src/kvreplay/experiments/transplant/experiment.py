@@ -28,15 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.experiments.experiment import Experiment, planned_keys
-from kvreplay.experiments.panel import Arm, Panel, Transplanted
-from kvreplay.experiments.prefixes import prefix_inputs, prefix_row, prefix_unit
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.selection import PanelOptions, select_panel
-from kvreplay.experiments.table import RUN_NAME
 from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.panel import Arm, Panel, Transplanted
+from kvreplay.harness.prefixes import prefix_inputs, prefix_row, prefix_unit
+from kvreplay.harness.scope import Scope, Selection
+from kvreplay.harness.selection import PanelOptions, select_panel
+from kvreplay.harness.table import RUN_NAME
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 DEFAULT_NAME = {"stratified": "primary", "blind": "later"}
 PANEL = Panel(
@@ -114,7 +114,7 @@ class Transplant(Experiment):
         return planned_keys(self.name, ids, [config["precision"]], rows, prefixed=True)
 
     def run_unit(self, worker: Workbench, unit: Unit, clock: Clock) -> dict[str, Any]:
-        from kvreplay.experiments.executor import run_panel  # in process only: loads torch
+        from kvreplay.harness.executor import run_panel  # in process only: loads torch
 
         if unit.key.is_prefix:
             return prefix_row(worker, unit, clock)

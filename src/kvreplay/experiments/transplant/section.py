@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvreplay.experiments.section import Page, Reading, Row, Section
-from kvreplay.experiments.table import Ledger
 from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT_TABLE, recovers
+from kvreplay.harness.section import Page, Reading, Row, Section
+from kvreplay.harness.table import Ledger
 from kvreplay.measure.rates import Json, count, fraction, rate_payload, rate_text
 from kvreplay.measure.stats import TRANSPLANT_WILSON_Z
 from kvreplay.render.document import Block, Heading, Image

@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvreplay.experiments.columns import Column, Kind, Line, prefix_row_hashes, written
-from kvreplay.experiments.rows import PairLabels, PanelRow
-from kvreplay.experiments.table import Check, Ledger, Table, check_equal_flag
-from kvreplay.experiments.units import UnitKey
-from kvreplay.run.ledger import Record
+from kvreplay.harness.columns import Column, Kind, Line, prefix_row_hashes, written
+from kvreplay.harness.rows import PairLabels, PanelRow
+from kvreplay.harness.table import Check, Ledger, Table, check_equal_flag
+from kvreplay.harness.units import UnitKey
+from kvreplay.ledger import Record
 
 TRANSPLANT = "transplant"
 COMPARED = ("left", "prefill")

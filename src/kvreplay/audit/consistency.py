@@ -18,7 +18,7 @@ from typing import Any
 
 from kvreplay.core.canonical import sha256_json
 from kvreplay.core.scoring import score
-from kvreplay.experiments.rows import ArmResult, PairLabels, PanelRow, ReplicaGate, replica_name
+from kvreplay.harness.rows import ArmResult, PairLabels, PanelRow, ReplicaGate, replica_name
 
 
 @dataclass(frozen=True)

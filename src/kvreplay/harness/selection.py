@@ -17,11 +17,10 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, items_digest
-from kvreplay.experiments.declaration import option
-from kvreplay.experiments.scope import Scope, Selection, own_options
+from kvreplay.harness.declaration import option
+from kvreplay.harness.scope import Scope, Selection, own_options
+from kvreplay.ledger import Record, RunLedger, contract_scheme
 from kvreplay.model.models import load_tokenizer
-from kvreplay.run.environment import contract_scheme
-from kvreplay.run.ledger import Record, RunLedger
 
 PANELS = ("stratified", "blind")
 BASIS = {

@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.experiments.table import Ledger, Table
+from kvreplay.harness.table import Ledger, Table
+from kvreplay.ledger import Record
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block
-from kvreplay.run.ledger import Record
 
 if TYPE_CHECKING:  # the report hands a section its Figures; analysis loads no matplotlib
     from kvreplay.render.figures import Figures

@@ -17,29 +17,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvreplay.analysis.derived import check_csvs
+from kvreplay.audit.consistency import Scorer, row_problems
 from kvreplay.backends import precisions
+from kvreplay.contract.config import RunConfig
+from kvreplay.contract.lock import check_libraries, valid_pin
 from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
 from kvreplay.core.paths import open_regular
 from kvreplay.engines import make_engine
+from kvreplay.engines.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
 from kvreplay.experiments import recorded_experiment
-from kvreplay.experiments.prefixes import trajectory_inputs
-from kvreplay.experiments.rows import (
+from kvreplay.experiments.tables_registry import recorded_table
+from kvreplay.harness.prefixes import trajectory_inputs
+from kvreplay.harness.rows import (
     PREFIX_FIELDS,
     PanelRow,
     row_as_written,
     without_unrecorded_digests,
 )
-from kvreplay.experiments.tables import recorded_table
-from kvreplay.experiments.units import Unit, UnitKey
-from kvreplay.model.identity import file_digests
-from kvreplay.model.models import load_tokenizer
-from kvreplay.run.config import RunConfig
-from kvreplay.run.consistency import Scorer, row_problems
-from kvreplay.run.derived import check_csvs
-from kvreplay.run.environment import contract_scheme
-from kvreplay.run.ledger import (
+from kvreplay.harness.units import Unit, UnitKey
+from kvreplay.ledger import (
     ITEMS,
     MANIFEST,
     MANIFEST_TYPES,
@@ -48,13 +47,14 @@ from kvreplay.run.ledger import (
     Record,
     RunLedger,
     RunRows,
+    contract_scheme,
     diff_fields,
 )
-from kvreplay.run.lock import check_libraries, valid_pin
-from kvreplay.run.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+from kvreplay.model.identity import file_digests
+from kvreplay.model.models import load_tokenizer
 
 if TYPE_CHECKING:
-    from kvreplay.experiments.experiment import Experiment
+    from kvreplay.harness.experiment import Experiment
     from kvreplay.model.state import SavedState, SnapshotContents
 
 # Keys that legitimately differ between a run and its re-execution.
@@ -273,7 +273,7 @@ def read_record(
 
 
 def consistency_problems(record: Record, row: PanelRow | None, scorer: Scorer | None) -> list[str]:
-    """What a row says of itself (:mod:`kvreplay.run.consistency`), checked on every row:
+    """What a row says of itself (:mod:`kvreplay.audit.consistency`), checked on every row:
     the sample only limits which rows are re-executed. A row whose re-derivation fails
     (a hand-edited field of the wrong kind) is named, not raised."""
     try:

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
-from kvreplay.run.config import RunConfig
-from kvreplay.run.ledger import Record
+from kvreplay.ledger import Record
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends import load
-from kvreplay.experiments.table import Table
+from kvreplay.harness.table import Table
 
 if TYPE_CHECKING:
-    from kvreplay.experiments.section import Section
+    from kvreplay.harness.section import Section
 
 
 def option(

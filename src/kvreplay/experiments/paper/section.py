@@ -4,13 +4,13 @@ checkpoint (exactness counts only)."""
 
 from __future__ import annotations
 
-from kvreplay.experiments.section import Reading, Section
-from kvreplay.experiments.tables.paper import (
+from kvreplay.experiments.paper.table import (
     HISTORICAL_FLAG_COLUMNS,
     HISTORICAL_LEAF_COLUMNS,
     HISTORICAL_TABLE,
     STOCK_TABLE,
 )
+from kvreplay.harness.section import Reading, Section
 from kvreplay.measure.rates import Json, count
 
 HISTORICAL_SECTION = "historical_bridge"

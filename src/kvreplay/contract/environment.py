@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.extras import missing
-
-CONTRACT_SCHEME = 3
-INFORMATIONAL = ("environment.platform",)
+from kvreplay.ledger import CONTRACT_SCHEME
 
 
 def git_commit() -> str | None:
@@ -100,8 +98,3 @@ def core_environment(device: str) -> dict[str, Any]:
         "device": device,
         "device_name": device_name(device),
     }
-
-
-def contract_scheme(contract: dict[str, Any]) -> int:
-    """The scheme a recorded contract was written in (scheme 1 did not say)."""
-    return int(contract.get("scheme", 1))

@@ -1,8 +1,8 @@
 """A plan's stages served as requests, one per stage, each from what the requests
 before it left in the engine's prefix cache (as a multi-turn conversation is served),
 and how many of P's tokens such a generation computed. Served panels
-(:mod:`kvreplay.experiments.served`) and states held in an engine's blocks
-(:mod:`kvreplay.experiments.blocks`) both serve stages this way."""
+(:mod:`kvreplay.harness.served`) and states held in an engine's blocks
+(:mod:`kvreplay.harness.blocks`) both serve stages this way."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvreplay.core.sampler import Sampler
 from kvreplay.core.stages import Stage, StagePlan, opener_ids
 from kvreplay.core.trajectory import Prefix, Segment, Trajectory, generated_prefix
-from kvreplay.experiments.rows import ServedReport
+from kvreplay.harness.rows import ServedReport
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel

@@ -10,8 +10,8 @@ import io
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from kvreplay.experiments.tables import recorded_table
-from kvreplay.run.ledger import Record, RunLedger, rows_of
+from kvreplay.experiments.tables_registry import recorded_table
+from kvreplay.ledger import Record, RunLedger, rows_of
 
 
 def _same_bytes(path: Path, lines: Iterator[str]) -> bool:
@@ -29,7 +29,7 @@ def check_csvs(
 ) -> list[str]:
     """Each experiment's CSV must equal the one derived from rows.jsonl, byte for byte;
     ``present_only`` skips experiments whose CSV is not written yet (a run in progress).
-    ``records`` may be a run's rows read afresh (:class:`~kvreplay.run.ledger.RunRows`): a
+    ``records`` may be a run's rows read afresh (:class:`~kvreplay.ledger.RunRows`): a
     CSV that matches is checked a line at a time, one that does not is then compared
     field by field."""
     problems = []

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.experiments.columns import Column, Field, Kind, csv_value, parse_cell
-from kvreplay.run.ledger import Record, render_csv_lines
+from kvreplay.harness.columns import Column, Field, Kind, csv_value, parse_cell
+from kvreplay.ledger import Record, render_csv_lines
 
 SCHEMA_VERSION = "schema_version"
 """The key of an experiment's config that records its CSV's schema version."""
@@ -44,7 +44,7 @@ class Table:
     """A CSV and how it is read. A table kvreplay writes names its ``experiment`` and
     ``lines``, which types the experiment's rows into the lines its columns read (one
     at a time, reading the rows as often as it needs: they may be a run read afresh
-    each time, see :class:`~kvreplay.run.ledger.RunRows`); a CSV only the paper's release
+    each time, see :class:`~kvreplay.ledger.RunRows`); a CSV only the paper's release
     has names neither. ``marker`` tells this table from another
     of the same file: the CSV has that column (a served backend's ``backend``)."""
 

@@ -1,6 +1,6 @@
 """The Experiment base class: everything the runner and the audit know of an
 experiment. Each experiment declares its panel (arms), selection, units and figures, and
-names its table (its CSV, declared in :mod:`kvreplay.experiments.tables`, where analysis
+names its table (its CSV, declared in :mod:`kvreplay.experiments.tables_registry`, where analysis
 reads it too); the runner names none of them."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
-from kvreplay.experiments.panel import Panel
-from kvreplay.experiments.rows import PanelRow
-from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.table import Table
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.panel import Panel
+from kvreplay.harness.rows import PanelRow
+from kvreplay.harness.scope import Scope, Selection
+from kvreplay.harness.table import Table
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 
 class Experiment(ABC):

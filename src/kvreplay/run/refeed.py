@@ -123,7 +123,7 @@ def check_out(out: Path) -> None:
 
 def write_items(items: list[Item], out: Path) -> None:
     """The items as JSONL at ``out`` (written whole, then renamed into place)."""
-    from kvreplay.run.ledger import write_text_atomic
+    from kvreplay.ledger import write_text_atomic
 
     check_out(out)
     write_text_atomic(

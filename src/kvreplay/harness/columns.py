@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar, cast
 
 from kvreplay.core.comparison import Comparison
-from kvreplay.experiments.rows import PanelRow
-from kvreplay.run.ledger import Record, heads
+from kvreplay.harness.rows import PanelRow
+from kvreplay.ledger import Record, heads
 
 T = TypeVar("T")
 

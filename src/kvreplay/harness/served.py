@@ -23,7 +23,7 @@ Every request of an arm after the first is served as the engine would serve a
 multi-turn conversation: from the blocks the arm itself wrote. A resampled panel serves
 each arm once per seed (the engine's per-request seeded sampler), each from a reset
 cache. :func:`run_served_panel` is the executor; declarations are data, as for
-:func:`~kvreplay.experiments.executor.run_panel`.
+:func:`~kvreplay.harness.executor.run_panel`.
 
 A replica is its arm served again under the same condition; where the engine can save
 and load back the state an arm's requests left (``ServedModel.restores``: llama.cpp's
@@ -42,22 +42,22 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvreplay.contract.config import RunConfig
 from kvreplay.core.canonical import sha256_tokens
 from kvreplay.core.items import encode_prompt
 from kvreplay.core.sampler import Sampler
 from kvreplay.core.scoring import score
 from kvreplay.core.stages import Stage, StagePlan
 from kvreplay.core.trajectory import Prefix, Segment, Trajectory
-from kvreplay.experiments.panel import Panel, Replica
-from kvreplay.experiments.prefixes import prefix_record, prompt_ids
-from kvreplay.experiments.requests import computed_tokens, generate_prefix, serve_stages
-from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
-from kvreplay.experiments.units import Clock, Unit, Workbench
-from kvreplay.run.config import RunConfig
+from kvreplay.harness.panel import Panel, Replica
+from kvreplay.harness.prefixes import prefix_record, prompt_ids
+from kvreplay.harness.requests import computed_tokens, generate_prefix, serve_stages
+from kvreplay.harness.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
+from kvreplay.harness.units import Clock, Unit, Workbench
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
-    from kvreplay.experiments.panel import Panel, Replica
+    from kvreplay.harness.panel import Panel, Replica
 
 Condition = Literal["hit", "miss", "uninterrupted"]
 History = Literal["decode", "warm", "evicted"]

@@ -4,8 +4,8 @@ control on a stock checkpoint (``stock_qwen_control.csv``)."""
 
 from __future__ import annotations
 
-from kvreplay.experiments.columns import Field, Kind
-from kvreplay.experiments.table import Table, check_same
+from kvreplay.harness.columns import Field, Kind
+from kvreplay.harness.table import Table, check_same
 
 HISTORICAL_LEAF_COLUMNS = (
     "cache_common_scalar_leaves_per_section",

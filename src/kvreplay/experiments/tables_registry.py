@@ -9,8 +9,8 @@ from typing import Any
 
 from kvreplay.backends import backend_from_contract
 from kvreplay.core.errors import KvreplayError
-from kvreplay.experiments.table import Table, read_header
-from kvreplay.experiments.tables.paper import HISTORICAL_TABLE, STOCK_TABLE
+from kvreplay.experiments.paper.table import HISTORICAL_TABLE, STOCK_TABLE
+from kvreplay.harness.table import Table, read_header
 
 
 def experiment_tables() -> dict[str, tuple[Table, Table | None]]:

@@ -27,15 +27,15 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.core.sampler import Sampler
 from kvreplay.core.stages import StagePlan
 from kvreplay.core.trajectory import Prefix, Segment, Trajectory
-from kvreplay.experiments.requests import computed_tokens, generate_prefix, serve_stages
-from kvreplay.experiments.rows import ServedReport
+from kvreplay.harness.requests import computed_tokens, generate_prefix, serve_stages
+from kvreplay.harness.rows import ServedReport
 
 if TYPE_CHECKING:
     from kvreplay.backends.vllm_blocks import BlockEngine, BlockState
     from kvreplay.model.state import BoundaryState
 
 # The in-process constructions and decode loop are imported where they run (torch): the
-# panels that call these are declared without torch (kvreplay.experiments.panel).
+# panels that call these are declared without torch (kvreplay.harness.panel).
 
 ENGINE_CONSTRUCTIONS = ("replay", "prefill")  # and live, generated rather than rebuilt
 

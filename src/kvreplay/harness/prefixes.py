@@ -10,10 +10,10 @@ from kvreplay.core.canonical import sha256_tokens
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt
 from kvreplay.core.trajectory import Prefix, Trajectory
-from kvreplay.experiments.blocks import live_state
-from kvreplay.experiments.rows import PREFIX_FIELDS
-from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
-from kvreplay.run.ledger import Record
+from kvreplay.harness.blocks import live_state
+from kvreplay.harness.rows import PREFIX_FIELDS
+from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
+from kvreplay.ledger import Record
 
 if TYPE_CHECKING:
     from kvreplay.model.models import LoadedModel

@@ -1,8 +1,8 @@
 """Panels: what a unit runs, declared once. An experiment declares its arms (which
 constructions, which transplants, replicas or not) and an executor runs the declaration
-into a typed :class:`~kvreplay.experiments.rows.PanelRow`: in process
-(:func:`kvreplay.experiments.executor.run_panel`, which loads torch) or on a serving
-backend (:func:`kvreplay.experiments.served.run_served_panel`). Declarations are plain
+into a typed :class:`~kvreplay.harness.rows.PanelRow`: in process
+(:func:`kvreplay.harness.executor.run_panel`, which loads torch) or on a serving
+backend (:func:`kvreplay.harness.served.run_served_panel`). Declarations are plain
 data, so the core install (no torch) reads every experiment.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
-from kvreplay.experiments.rows import is_replica, replica_name
+from kvreplay.harness.rows import is_replica, replica_name
 
 Replica = Literal["replica", "clone", "none"]
 """What an arm gets beside it: a replica (checked and continued), a clone (checked only;
@@ -55,7 +55,7 @@ class Samples:
 
 class Declared(Protocol):
     """What a panel needs of an arm's declaration, in-process (:class:`Arm`) or served
-    (:class:`~kvreplay.experiments.served.ServedArm`)."""
+    (:class:`~kvreplay.harness.served.ServedArm`)."""
 
     @property
     def name(self) -> str: ...
@@ -74,7 +74,7 @@ class Panel(Generic[A]):
     With ``keep_states`` the arms continue copies and the boundary states stay for the
     experiment's own probes; with ``samples`` each arm is continued once per seed. A
     served experiment's panel declares served arms (:func:`run_panel` builds ``Arm``s,
-    :func:`~kvreplay.experiments.served.run_served_panel` serves ``ServedArm``s)."""
+    :func:`~kvreplay.harness.served.run_served_panel` serves ``ServedArm``s)."""
 
     arms: tuple[A, ...]  # the first two are the compared pair (left, right)
     transplants: tuple[Transplanted, ...] = ()

@@ -1,6 +1,6 @@
 """The one per-unit executor of in-process panels (loads torch): :func:`run_panel`
-builds a panel's arms (:mod:`kvreplay.experiments.panel`), checks, continues and scores
-them into a typed :class:`~kvreplay.experiments.rows.PanelRow`, in the spirit of
+builds a panel's arms (:mod:`kvreplay.harness.panel`), checks, continues and scores
+them into a typed :class:`~kvreplay.harness.rows.PanelRow`, in the spirit of
 TransformerLens's ``patching.py``: one generic function, thin named declarations.
 """
 
@@ -15,11 +15,11 @@ from typing import Any
 from kvreplay.core.canonical import sha256_tokens
 from kvreplay.core.sampler import Sampler
 from kvreplay.core.scoring import score
-from kvreplay.experiments.blocks import build_state, continue_state, engine_of, live_state
-from kvreplay.experiments.panel import Arm, Panel
-from kvreplay.experiments.prefixes import prefix_from_inputs, prefix_record, prompt_ids
-from kvreplay.experiments.rows import ArmResult, PanelRow, ReplicaGate, replica_name
-from kvreplay.experiments.units import Clock, Unit, Workbench
+from kvreplay.harness.blocks import build_state, continue_state, engine_of, live_state
+from kvreplay.harness.panel import Arm, Panel
+from kvreplay.harness.prefixes import prefix_from_inputs, prefix_record, prompt_ids
+from kvreplay.harness.rows import ArmResult, PanelRow, ReplicaGate, replica_name
+from kvreplay.harness.units import Clock, Unit, Workbench
 from kvreplay.model.models import LoadedModel
 from kvreplay.model.state import (
     BoundaryState,

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvreplay.core.items import PREFIX_KEY, Item
-from kvreplay.run.ledger import Record
+from kvreplay.ledger import Record
 
 if TYPE_CHECKING:  # the worker's side; a row's key and unit are plain data, no torch
+    from kvreplay.contract.config import RunConfig
     from kvreplay.model.models import LoadedModel
-    from kvreplay.run.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,283 @@
+"""The run directory's ledger: ``manifest.json`` written before the first row, and
+``rows.jsonl``, an append-only, hash-chained, fsynced record of every completed row.
+
+The manifest's ``contract`` holds everything that can change a result (model digests,
+library versions, device, threads, dtype flags, plan, items, sampler); resuming refuses
+a different contract. Each row commits to the previous row's hash and to the contract's
+hash, so a deleted, reordered or edited row breaks the chain where it happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvreplay.core.canonical import canonical, sha256_json
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.jsonio import JsonError, parse_json
+from kvreplay.core.paths import read_regular
+from kvreplay.ledger.files import disk_error, write_atomic
+from kvreplay.ledger.records import GENESIS, Record, TamperedLedger, parse_rows, typed
+from kvreplay.ledger.writer import RunLock
+
+RUN_FORMAT = "kvreplay-run-v1"
+MANIFEST = "manifest.json"
+ROWS = "rows.jsonl"
+ITEMS = "items.jsonl"
+SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot files
+STOPPED = "stopped"  # an experiment's note: the rule that ended it early, and its last row
+# The newest contract scheme (see kvreplay.contract.environment); a contract that names none
+# is scheme 1. A difference in an INFORMATIONAL field is reported on resume, never refused.
+CONTRACT_SCHEME = 3
+INFORMATIONAL = ("environment.platform",)
+MANIFEST_TYPES: dict[str, type] = {
+    "format": str,
+    "contract": dict,
+    "contract_sha256": str,
+    "experiments": dict,
+}
+
+
+def diff_fields(old: Any, new: Any, path: str = "") -> list[str]:
+    """Dotted paths where two JSON-like values differ (for refusals and audits)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in old or key not in new:
+                out.append(sub)
+            else:
+                out += diff_fields(old[key], new[key], sub)
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        out = []
+        for index, (a, b) in enumerate(zip(old, new, strict=True)):
+            out += diff_fields(a, b, f"{path}[{index}]")
+        return out
+    return [] if old == new else [path or "<root>"]
+
+
+class RunLedger:
+    """Owns a run directory's manifest and rows; the only writer of rows.jsonl."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.manifest_path = run_dir / MANIFEST
+        self.rows_path = run_dir / ROWS
+        self.manifest: dict[str, Any] = {}
+        self.records: list[Record] = []
+        self._keys: set[str] = set()
+        self._lock = RunLock(run_dir)
+        self.fresh = False  # True when start() (re)wrote the manifest: no row exists yet
+
+    @property
+    def contract_hash(self) -> str:
+        return sha256_json(self.manifest["contract"])
+
+    @classmethod
+    def open_existing(cls, run_dir: Path) -> RunLedger:
+        """Open a run for reading (audit, report); bad input if it is not a run."""
+        ledger = cls(run_dir)
+        try:
+            manifest = parse_json(read_regular(ledger.manifest_path))
+        except (OSError, JsonError) as exc:
+            raise KvreplayError(
+                f"{run_dir} is not a kvreplay run (no readable manifest.json)."
+            ) from exc
+        if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT:
+            raise KvreplayError(f"{run_dir}/manifest.json is not a kvreplay run manifest.")
+        for name, kind in MANIFEST_TYPES.items():
+            if not typed(manifest.get(name), kind):
+                raise KvreplayError(
+                    f"{run_dir}/manifest.json: field {name} is missing or not a {kind.__name__}."
+                )
+        scheme = manifest["contract"].get("scheme", 1)
+        if not (typed(scheme, int) and 1 <= scheme <= CONTRACT_SCHEME):
+            raise KvreplayError(
+                f"{run_dir}/manifest.json: field contract.scheme is {str(scheme)[:20]!r}, not a "
+                f"scheme this kvreplay knows (1 to {CONTRACT_SCHEME})."
+            )
+        for name, entry in manifest["experiments"].items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):
+                raise KvreplayError(
+                    f"{run_dir}/manifest.json: field experiments.{name}.config is not an object."
+                )
+        ledger.manifest = manifest
+        return ledger
+
+    def has_rows(self) -> bool:
+        """Whether rows.jsonl holds anything; a rows.jsonl that is not a regular file (a
+        folder cannot be appended to, a FIFO blocks) is refused."""
+        if not self.rows_path.exists():
+            return False
+        if not self.rows_path.is_file():
+            raise KvreplayError(
+                f"{self.rows_path} is not a regular file; remove it or use a new --out folder."
+            )
+        return self.rows_path.stat().st_size > 0
+
+    def close(self) -> None:
+        """End this process's turn as the run's writer."""
+        self._lock.release()
+
+    def start(
+        self,
+        contract: dict[str, Any],
+        header: dict[str, Any],
+        on_resume: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Create the run, or resume it when its contract is the same.
+
+        ``header`` is recorded but never compared (command line, timestamps);
+        ``on_resume`` sees the recorded manifest of a run with rows before anything else
+        is compared (the runner refuses other library versions there).
+        """
+        contract = json.loads(canonical(contract))  # tuples become lists, as when re-read
+        self._lock.acquire()
+        try:
+            self._open(contract, header, on_resume)
+        except BaseException:
+            self.close()  # a refused start ends this writer's turn
+            raise
+
+    def _open(
+        self,
+        contract: dict[str, Any],
+        header: dict[str, Any],
+        on_resume: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        probe = self.run_dir / ".write-probe"
+        try:
+            probe.write_text("ok")
+        except OSError as exc:
+            raise KvreplayError(f"The output folder {self.run_dir} is not writable.") from exc
+        finally:
+            probe.unlink(missing_ok=True)
+        if self.has_rows() and not self.manifest_path.exists():
+            raise KvreplayError(
+                f"{self.run_dir} holds rows.jsonl but no manifest.json; use a new --out folder."
+            )
+        if self.manifest_path.exists() and self.has_rows():
+            existing = RunLedger.open_existing(self.run_dir).manifest
+            if on_resume is not None:
+                on_resume(existing)
+            changed = diff_fields(existing["contract"], contract)
+            noted = [path for path in changed if path in INFORMATIONAL]
+            if noted:
+                print(f"kvreplay: resuming although {', '.join(noted)} differs", file=sys.stderr)
+            changed = [path for path in changed if path not in INFORMATIONAL]
+            if changed:
+                raise KvreplayError(
+                    f"{self.run_dir} holds a run with a different contract "
+                    f"({', '.join(changed[:4])}); use a new --out folder."
+                )
+            self.manifest = existing
+            self.recover()
+            return
+        self.manifest = {
+            "format": RUN_FORMAT,
+            **header,
+            "contract": contract,
+            "contract_sha256": sha256_json(contract),
+            "experiments": {},
+        }
+        write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        self.records = []
+        self.fresh = True
+
+    def register_experiment(self, name: str, config: dict[str, Any]) -> None:
+        """Record an experiment's own settings before its first row; refuse a change."""
+        config = json.loads(canonical(config))
+        experiments = self.manifest.setdefault("experiments", {})
+        if name in experiments:
+            changed = diff_fields(experiments[name]["config"], config)
+            if changed:
+                raise KvreplayError(
+                    f"{self.run_dir} already ran {name} with different settings "
+                    f"({', '.join(changed[:4])}); use a new --out folder."
+                )
+            return
+        experiments[name] = {"config": config, "config_sha256": sha256_json(config)}
+        write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+
+    def note_experiment(self, name: str, key: str, value: Any) -> None:
+        """Record facts about an experiment that do not change results (engine, workers,
+        an early stop); None drops the fact."""
+        entry = self.manifest["experiments"][name]
+        if value is None and key not in entry:
+            return
+        if value is None:
+            del entry[key]
+        else:
+            entry[key] = value
+        write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+
+    def recover(self) -> None:
+        """Load rows; set a torn final line aside; refuse a ledger that does not chain."""
+        if self.rows_path.exists():
+            raw = self.rows_path.read_bytes()
+            if raw and not raw.endswith(b"\n"):
+                cut = raw.rfind(b"\n") + 1
+                aside = self.run_dir / f"rows.torn-{int(time.time())}.jsonl"
+                aside.write_bytes(raw[cut:])
+                with self.rows_path.open("r+b") as handle:
+                    handle.truncate(cut)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                print(f"kvreplay: set aside a torn last row in {aside.name}", file=sys.stderr)
+        records, problems = parse_rows(self.rows_path, self.contract_hash)
+        if problems:
+            raise TamperedLedger(
+                f"{self.rows_path} is damaged ({problems[0]}); run kvreplay audit for details."
+            )
+        self.records = records
+        self._keys = {r.key for r in records}
+
+    def is_done(self, key: str) -> bool:
+        return key in self._keys
+
+    def by_key(self) -> dict[str, Record]:
+        return {r.key: r for r in self.records}
+
+    def rows(self, experiment: str) -> list[Record]:
+        return [r for r in self.records if r.experiment == experiment]
+
+    def append(
+        self, key: str, experiment: str, data: dict[str, Any], worker: str, timing: dict[str, float]
+    ) -> Record:
+        """Append one row; flushed and fsynced before this returns."""
+        if key in self._keys:
+            raise KvreplayError(f"Row {key} is already in the ledger.")
+        prev = self.records[-1].hash if self.records else GENESIS
+        record = Record(
+            seq=len(self.records),
+            key=key,
+            experiment=experiment,
+            data=data,
+            worker=worker,
+            timing={k: round(v, 6) for k, v in timing.items()},
+            prev=prev,
+            contract=self.contract_hash,
+            hash="",
+        )
+        record.hash = record.expected_hash()
+        try:
+            with self.rows_path.open("ab") as handle:
+                handle.write(record.to_line().encode())
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:  # a torn line is set aside when the run resumes
+            raise disk_error(self.rows_path, exc) from exc
+        self.records.append(record)
+        self._keys.add(key)
+        return record
+
+
+def contract_scheme(contract: dict[str, Any]) -> int:
+    """The scheme a recorded contract was written in (scheme 1 did not say)."""
+    return int(contract.get("scheme", 1))
