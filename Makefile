@@ -132,7 +132,7 @@ test-core: setup-core setup-llamacpp setup-vllm
 # The distributions: a wheel and an sdist, twine check, and the wheel installed in a clean
 # environment: the version pyproject.toml names, kvreplay --help, no torch, and nothing
 # but the package in the wheel (no tests, results or docs).
-VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+VERSION = $(shell sed -n 's/^VERSION = "\(.*\)"/\1/p' src/kvreplay/core/version.py)
 dist:
 	rm -rf dist .venv-dist && python3 -m venv .venv-dist
 	.venv-dist/bin/pip install -q build twine

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from types import SimpleNamespace
 
 import torch
 
-from kvreplay.backends import make_backend
+from kvreplay.backends import ModelRef, make_backend
 from kvreplay.core.items import arith_items, encode_prompt
+from kvreplay.model.reading import describe_source
 
 
 def main() -> None:
@@ -29,11 +29,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = SimpleNamespace(
-        model="smollm2-135m", trust_remote_code=False, device="cpu", attn_implementation="sdpa"
-    )
+    model = ModelRef("smollm2-135m", describe_source("smollm2-135m")["model_digest"])
     start = time.perf_counter()
-    lm = make_backend(args.backend).load_model(config, args.dtype)
+    lm = make_backend(args.backend).load_model(model, args.dtype)
     loaded = time.perf_counter()
     ids = encode_prompt(lm.tokenizer, arith_items()[0].prompt)
     state = lm.empty_state("live")

@@ -19,7 +19,7 @@ import argparse
 import json
 
 from kvreplay.core.items import arith_easy_items, encode_prompt
-from kvreplay.model.models import load_tokenizer
+from kvreplay.model.reading import load_tokenizer
 
 HEADER_TOKENS = 8
 

@@ -27,11 +27,12 @@ from kvreplay.contract.config import RunConfig
 from kvreplay.core.items import load_items
 from kvreplay.core.stages import get_plan
 from kvreplay.engines.local import LocalEngine
+from kvreplay.engines.placement import Placement
 from kvreplay.engines.ray import RayEngine
 from kvreplay.experiments.matched.experiment import Matched
 from kvreplay.harness.scope import Scope
 from kvreplay.harness.units import Unit
-from kvreplay.model.models import describe_source
+from kvreplay.model.reading import describe_source
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,7 +100,12 @@ def main() -> None:
     results = [measure("local", 1, lambda: LocalEngine(config), units)]
     for workers in (1, 2):
         results.append(
-            measure("ray", workers, lambda w=workers: RayEngine(config, w, 0.0, None), units)
+            measure(
+                "ray",
+                workers,
+                lambda w=workers: RayEngine(config, Placement("ray", workers=w)),
+                units,
+            )
         )
     ray.shutdown()
 

@@ -39,7 +39,7 @@ def main() -> None:
     from kvreplay.core.items import encode_prompt, load_items
     from kvreplay.core.sampler import Sampler
     from kvreplay.core.stages import Stage, StagePlan
-    from kvreplay.model.models import describe_source
+    from kvreplay.model.reading import describe_source
 
     stage = Stage("decode", args.tokens)
     plan = StagePlan("bench", (Stage("prompt", 1), stage))
@@ -53,7 +53,7 @@ def main() -> None:
     items = load_items("arith")[: args.prompts]
     began = time.perf_counter()
     if args.backend in ("vllm", "http"):
-        served = config.backend.open_served(config, args.dtype)
+        served = config.backend.open_served(config.model_ref, args.dtype)
         start_s = time.perf_counter() - began
         prompts = [encode_prompt(served.tokenizer, i.prompt) for i in items]
 
@@ -61,10 +61,10 @@ def main() -> None:
             served.reset_cache()
             return len(served.serve([Request(ids, stage, Sampler())])[0].segment.token_ids)
     else:
+        from kvreplay.backends.hf.loading import load_model
         from kvreplay.core.trajectory import Prefix
         from kvreplay.model.construct import build
         from kvreplay.model.decode import continue_from
-        from kvreplay.model.models import load_model
 
         lm = load_model(args.model, args.dtype)
         start_s = time.perf_counter() - began

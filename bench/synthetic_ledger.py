@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvreplay.core.canonical import sha256_json
 from kvreplay.core.items import Item, items_digest, load_jsonl
-from kvreplay.experiments.tables_registry import recorded_table
+from kvreplay.experiments.registry import recorded_table
 from kvreplay.ledger import GENESIS, Record, RunRows
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "results" / "smollm2-n24"

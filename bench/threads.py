@@ -36,7 +36,7 @@ def child(threads: int, dtype: str, item: int, plan: str, start_file: Path) -> N
     from kvreplay.core.stages import get_plan
     from kvreplay.engines.worker import Worker
     from kvreplay.harness.units import Unit, UnitKey
-    from kvreplay.model.models import describe_source
+    from kvreplay.model.reading import describe_source
 
     torch.set_num_threads(threads)
     config = RunConfig(MODEL, describe_source(MODEL)["model_digest"], get_plan(plan))

@@ -11,7 +11,7 @@ from click.testing import Result
 from helpers import invoke
 
 from kvreplay.core.canonical import sha256_json
-from kvreplay.experiments.tables_registry import recorded_table
+from kvreplay.experiments.registry import recorded_table
 from kvreplay.ledger import GENESIS, Record
 
 CSV = "matched_live_prefill.csv"

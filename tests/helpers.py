@@ -36,7 +36,7 @@ from kvreplay import (
 from kvreplay.cli import main
 from kvreplay.core.stages import Stage
 from kvreplay.experiments.matrix.table import FIXED_PREFIX_TABLE, LAYER_DRIFT, MATCHED_TABLE
-from kvreplay.experiments.tables_registry import table_for
+from kvreplay.experiments.registry import table_for
 
 ARCHS = ("qwen2", "llama", "gemma3")
 DTYPES = ("bf16", "fp32")

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from kvreplay.backends.hf.loading import load_model
 from kvreplay.core.items import encode_prompt
-from kvreplay.model.models import load_model
 
 
 @dataclass

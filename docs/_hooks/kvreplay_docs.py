@@ -8,7 +8,7 @@
 - **Generated blocks.** A block ``<!-- generated: SPEC -->`` ... ``<!-- /generated -->``
   must hold what kvreplay's own declarations make of it now: ``columns EXPERIMENT
   [served]`` an experiment's CSV columns (its table in
-  :data:`kvreplay.experiments.tables_registry.EXPERIMENT_TABLES`), ``backends`` every backend's
+  :func:`kvreplay.experiments.registry.experiment_tables`), ``backends`` every backend's
   capabilities, ``settings BACKEND`` a backend's options (its settings class). A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
@@ -70,9 +70,9 @@ def repository_links(page: str, markdown: str) -> list[tuple[re.Match[str], str]
 def columns_markdown(name: str, served: str = "") -> str:
     """The columns of an experiment's CSV as its table declares them (``served``: the
     table a backend without K/V access writes, as its differences from the K/V table)."""
-    from kvreplay.experiments.tables_registry import EXPERIMENT_TABLES
+    from kvreplay.experiments.registry import experiment_tables
 
-    table, served_table = EXPERIMENT_TABLES[name]
+    table, served_table = experiment_tables()[name]
     if not served:
         keys = ", ".join(f"`{k}`" for k in table.key)
         lines = [
@@ -105,7 +105,7 @@ def columns_markdown(name: str, served: str = "") -> str:
 
 def backends_markdown() -> str:
     """Every built-in backend: its capabilities and the experiments it runs."""
-    from kvreplay.backends import BUILTIN, backend_class
+    from kvreplay.backends import BACKENDS
     from kvreplay.backends.base import Capabilities
     from kvreplay.experiments.registry import declared
 
@@ -114,8 +114,7 @@ def backends_markdown() -> str:
         "| backend | " + " | ".join(n.replace("_", " ") for n in names) + " | experiments |",
         "|---" * (len(names) + 2) + "|",
     ]
-    for name in BUILTIN:
-        cls = backend_class(name)
+    for name, cls in BACKENDS.items():
         marks = ["yes" if getattr(cls.capabilities, n) else "" for n in names]
         runs = [e for e, declaration in declared().items() if declaration.runs_on(cls)]
         lines.append(f"| [{name}]({name}.md) | " + " | ".join(marks) + f" | {', '.join(runs)} |")
@@ -135,12 +134,12 @@ def settings_markdown(name: str) -> str:
     if not settings:
         return lines[0] + " The backend has no settings of its own.\n"
     lines += ["| option | default | what it sets |", "|---|---|---|"]
-    for key, meta in settings.items():
-        default = "" if meta["default"] in ("", None) else f"`{meta['default']}`"
+    for key, spec in settings.items():
+        default = "" if spec.default in ("", None, False) else f"`{spec.text(spec.default)}`"
         connection = (
             " Not recorded: give it again to resume or audit." if (key in cls.connection) else ""
         )
-        lines.append(f"| `{meta['option']}` | {default} | {meta['help']}{connection} |")
+        lines.append(f"| `{spec.flag}` | {default} | {spec.option.help}{connection} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from kvreplay.core.version import VERSION
+
+__version__ = VERSION
 
 _EXPORTS = {
     "kvreplay.core.canonical": ("sha256_tokens",),
@@ -19,7 +21,8 @@ _EXPORTS = {
     "kvreplay.model.decode": ("continue_from",),
     "kvreplay.core.errors": ("KvreplayError",),
     "kvreplay.core.items": ("Item", "arith_items", "encode_prompt", "load_items"),
-    "kvreplay.model.models": ("LoadedModel", "load_model"),
+    "kvreplay.backends.hf.loading": ("LoadedModel", "load_model"),
+    "kvreplay.backends.hf.state": ("HfState", "load_state"),
     "kvreplay.core.sampler": ("Sampler",),
     "kvreplay.core.stages": ("Stage", "StagePlan", "get_plan"),
     "kvreplay.model.state": (
@@ -27,7 +30,6 @@ _EXPORTS = {
         "clone",
         "compare",
         "fingerprint_tensors",
-        "load_state",
         "make_replica",
         "save_state",
         "transplant",

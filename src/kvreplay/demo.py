@@ -9,10 +9,11 @@ from pathlib import Path
 import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
-from kvreplay.engines import EngineSession
+from kvreplay.engines import EngineSession, Placement
 from kvreplay.engines.threads import DEFAULT_THREADS
 from kvreplay.model.embedded import DEFAULT_MODEL
-from kvreplay.run.runner import RunRequest, run
+from kvreplay.run.request import RunRequest
+from kvreplay.run.runner import run
 
 EXPERIMENTS = (
     ("matched", ("bf16", "fp32")),
@@ -55,7 +56,7 @@ def run_demo(
             )
             request = RunRequest(
                 experiment=experiment, out=out, model=model, n=n, dtypes=dtypes,
-                workers=workers, threads=threads,
+                placement=Placement(workers=workers, threads=threads),
             )  # fmt: skip
             run(request, session=session)
     finally:

@@ -13,21 +13,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvreplay.verify.check import run_check
+from kvreplay.run.check import run_check
+from kvreplay.verify.render import sentence
 from kvreplay.verify.verdict import Verdict
 
 
 def check(*args: str, out: Path | str | None = None, quiet: bool = True) -> Verdict:
     """Run ``kvreplay check ARGS`` here and return its verdict (a refusal raises
     :class:`~kvreplay.core.errors.KvreplayError` or click's usage error)."""
-    from kvreplay.cli import build_request, command_line, main
+    from kvreplay.cli import check_request, main
 
     command = main.get_command(None, "check")  # type: ignore[arg-type]
     arguments = [str(a) for a in args] + (["--out", str(out)] if out is not None else [])
     with main.make_context("kvreplay", ["check"]) as parent:
         context = command.make_context("check", arguments, parent=parent)
     echo = (lambda _: None) if quiet else print
-    return run_check(context.params, build_request, echo, command_line(context))
+    return run_check(check_request(context.params), echo)
 
 
 def assert_check_holds(*args: str, out: Path | str | None = None) -> Verdict:
@@ -36,5 +37,5 @@ def assert_check_holds(*args: str, out: Path | str | None = None) -> Verdict:
 
     verdict = check(*args, out=out)
     if not verdict.holds:
-        pytest.fail(verdict.sentence(), pytrace=False)
+        pytest.fail(sentence(verdict), pytrace=False)
     return verdict

@@ -90,13 +90,13 @@ def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kvreplay.audit.audit
-    import kvreplay.model.models
+    import kvreplay.model.reading
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the audit read the model of a forged contract")
 
     # a backend describes its model through models.describe_source (Backend.describe_model)
-    monkeypatch.setattr(kvreplay.model.models, "describe_source", refuse)
+    monkeypatch.setattr(kvreplay.model.reading, "describe_source", refuse)
     monkeypatch.setattr(kvreplay.audit.audit, "make_engine", refuse)
     data = manifest(run)
     data["contract"]["run"]["model"] = "/elsewhere"

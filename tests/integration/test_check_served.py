@@ -129,7 +129,7 @@ def test_the_default_check_names_both_levels_and_bitwise_names_where_numerics_pa
 
 def test_parity_with_vllms_cold_and_hot_method(smollm2_folder: Path, tmp_path: Path) -> None:
     from kvreplay.core.items import encode_prompt
-    from kvreplay.model.models import load_tokenizer
+    from kvreplay.model.reading import load_tokenizer
 
     tokenizer = load_tokenizer(str(smollm2_folder))
     prompts = [SHARED + "Question: " + q + " Answer:" for q in QUESTIONS]

@@ -17,8 +17,8 @@ import torch
 from helpers import QUICK, check, copy_model, invoke, items_with, jsonl, run_args, run_case
 from tiny import build
 
+from kvreplay.backends.hf.loading import load_model
 from kvreplay.core.errors import KvreplayError
-from kvreplay.model.models import load_model
 
 
 def plan_with(tmp: Path, **stage: object) -> list[str]:

@@ -29,10 +29,10 @@ from helpers import (
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from kvreplay.backends.hf.loading import load_model
 from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments.matrix.table import LAYER_DRIFT, MATCHED_TABLE
 from kvreplay.ledger import csv_cell, render_csv
-from kvreplay.model.models import load_model
 from kvreplay.render.document import Paragraph, Table, to_markdown
 
 NESTED = "[" * 50_000 + "]" * 50_000  # under csv's field limit, far past json's recursion

@@ -23,8 +23,10 @@ from kvreplay.audit.audit import audit  # noqa: E402
 from kvreplay.cli import main  # noqa: E402
 from kvreplay.contract.config import RunConfig  # noqa: E402
 from kvreplay.core.errors import KvreplayError  # noqa: E402
+from kvreplay.engines import Placement  # noqa: E402
 from kvreplay.engines import ray as ray_engine  # noqa: E402
-from kvreplay.run.runner import RunRequest, run  # noqa: E402
+from kvreplay.run.request import RunRequest  # noqa: E402
+from kvreplay.run.runner import run  # noqa: E402
 
 pytestmark = pytest.mark.ray
 # A sockets path under Ray's temp dir must stay within the 107-byte AF_UNIX limit.
@@ -60,8 +62,9 @@ def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 def _request(model: Path, out: Path, **engine: Any) -> RunRequest:
     return RunRequest(
-        "matched", out, model=str(model), n=3, plan="short", dtypes=("bf16", "fp32"), **engine
-    )
+        experiment="matched", out=out, model=str(model), n=3, plan="short",
+        dtypes=("bf16", "fp32"), placement=Placement(**engine),
+    )  # fmt: skip
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -141,4 +144,4 @@ def test_ray_engine_refuses_gpus_on_a_cpu_device(runs: dict[str, Path]) -> None:
     manifest = json.loads((runs["ray"] / "manifest.json").read_text())
     config = RunConfig.from_contract(manifest["contract"]["run"])
     with pytest.raises(KvreplayError, match="gpus-per-worker"):
-        ray_engine.RayEngine(config, 2, 1.0, None)
+        ray_engine.RayEngine(config, Placement("ray", workers=2, gpus_per_worker=1.0))

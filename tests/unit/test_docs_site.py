@@ -53,15 +53,15 @@ def test_generated_blocks_match_the_code(page: str) -> None:
 
 
 def test_generated_blocks_cover_every_experiment_and_backend() -> None:
-    from kvreplay.backends import BUILTIN
-    from kvreplay.experiments.tables_registry import EXPERIMENT_TABLES
+    from kvreplay.backends import BACKENDS
+    from kvreplay.experiments.registry import experiment_tables
 
     text = "".join((DOCS / page).read_text(encoding="utf-8") for page in PAGES)
     specs = {m["spec"] for m in HOOKS.GENERATED.finditer(text)}
-    for name, (_, served) in EXPERIMENT_TABLES.items():
+    for name, (_, served) in experiment_tables().items():
         assert {f"columns {name}", f"options {name}"} <= specs
         assert (f"columns {name} served" in specs) == (served is not None)
-    assert {f"settings {name}" for name in BUILTIN} <= specs
+    assert {f"settings {name}" for name in BACKENDS.names()} <= specs
 
 
 def test_a_changed_declaration_makes_its_block_stale() -> None:

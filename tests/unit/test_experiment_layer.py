@@ -78,18 +78,20 @@ def test_every_experiment_writes_the_table_analysis_reads() -> None:
     """An experiment is a plugin: it writes the table the torch-free registry names for it
     (so the audit and analyze derive the CSV it wrote) and an analysis section reads that
     table (so analyze and report include it); a table's key columns are required ones."""
-    from kvreplay.analysis.sections.registry import SECTIONS
-    from kvreplay.experiments import EXPERIMENTS, SERVED, experiment_at
-    from kvreplay.experiments.tables_registry import EXPERIMENT_TABLES, TABLES
+    from kvreplay.analysis.sections.registry import sections
+    from kvreplay.experiments import EXPERIMENTS, experiment_at
+    from kvreplay.experiments.registry import TABLES, experiment_tables
 
-    for name, where in EXPERIMENTS.items():
-        experiment = experiment_at(where)
-        assert EXPERIMENT_TABLES[name][0] is experiment.table
+    for name, declaration in EXPERIMENTS.items():
+        experiment = experiment_at(declaration.experiment, name)
+        assert experiment_tables()[name][0] is experiment.table
         assert experiment.table.experiment == name and experiment.name == name
-    for name, where in SERVED.items():
-        assert EXPERIMENT_TABLES[name][1] is experiment_at(where).table
-    assert set(TABLES) == {table for section in SECTIONS for table in section.tables}
-    for table in TABLES:
+        if declaration.served:
+            served = experiment_at(declaration.served, name).table
+            assert experiment_tables()[name][1] is served
+    tables = TABLES.values()
+    assert set(tables) == {table for section in sections() for table in section.tables}
+    for table in tables:
         required = {c.name for c in table.columns if c.use == "required"}
         assert set(table.key) - {"row_id"} <= required, table.file
 

@@ -18,7 +18,7 @@ from kvreplay.core.items import arith_items, encode_prompt
 from kvreplay.core.stages import Stage, eos_ids, opener_ids
 from kvreplay.model import folder as plain
 from kvreplay.model.identity import special_token_ids
-from kvreplay.model.models import generation_config, text_config
+from kvreplay.model.reading import generation_config, text_config
 
 TEXTS = [
     "What is 2+3?",

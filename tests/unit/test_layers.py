@@ -1,5 +1,6 @@
-"""The import contract of the analysis stack (issue 36): every import among these packages
-runs down the layers, never back up, and no module imports itself round a circle.
+"""The import contract of the whole package (issue 42): every module of ``src/kvreplay``
+belongs to one layer, every import runs down the layers (or within one), never back up,
+and no module imports itself round a circle.
 
 The layers are listed here, once; ``make lint`` runs this file, and so does every test run.
 It reads the source as an AST (imports inside functions and under ``TYPE_CHECKING``
@@ -13,23 +14,40 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-# Top to bottom: a module may import its own layer and any layer below it.
+# Top to bottom: a module may import its own layer and any layer below it. A module
+# belongs to the most specific entry that names it or a package holding it.
 LAYERS = (
+    "kvreplay",  # the public surface (__init__: names imported on first use)
+    "kvreplay.__main__",  # python -m kvreplay
+    "kvreplay.testing",  # the pytest helper users import
+    "kvreplay.cli",  # the command line: options made from the typed requests
+    "kvreplay.demo",  # make demo
+    "kvreplay.run",  # the application: run, check, env, cut-and-refeed items
+    "kvreplay.audit",  # re-execution and every check of a run folder
     "kvreplay.report",  # the report's files and the analyze/report commands
-    "kvreplay.analysis",  # ledgers read as tables, claims.json
-    "kvreplay.experiments",  # each experiment's run, table and section
+    "kvreplay.verify",  # verdicts: a value judged from rows, and its renderings
+    "kvreplay.analysis",  # ledgers read as tables, claims.json, the derived-CSV check
+    "kvreplay.engines",  # where units run: this process, worker processes, Ray
+    "kvreplay.experiments",  # one package per experiment, and their registry
+    "kvreplay.harness",  # what every experiment plugs into: panels, rows, tables, sections
+    "kvreplay.contract",  # a run's configuration, environment and locks
+    "kvreplay.backends",  # inference stacks behind one protocol
+    "kvreplay.model",  # a model's files and boundary states, whatever runs them
     "kvreplay.render",  # the blocks and figures a page is made of
     "kvreplay.measure",  # statistics: intervals, rates, the certificate
-    "kvreplay.core",  # the domain (errors, items, plans, trajectories): imports none above
+    "kvreplay.ledger",  # the run folder's format: manifest, chained rows, atomic writes
+    "kvreplay.core",  # the domain (errors, items, plans, trajectories, the registry)
 )
 
 
 def layer_of(module: str) -> int | None:
-    """The index of the layer holding ``module`` (None: outside the contract)."""
-    for index, layer in enumerate(LAYERS):
-        if module == layer or module.startswith(layer + "."):
-            return index
-    return None
+    """The index of the most specific layer entry naming ``module`` (None: outside)."""
+    found = [
+        (len(layer), index)
+        for index, layer in enumerate(LAYERS)
+        if module == layer or module.startswith(layer + ".")
+    ]
+    return max(found)[1] if found else None
 
 
 def module_name(path: Path) -> str:
@@ -55,12 +73,8 @@ def imports(path: Path) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    """Each module of the layers and the modules of the layers it imports."""
-    modules = {
-        module_name(path): path
-        for layer in LAYERS
-        for path in sorted(SRC.joinpath(*layer.split(".")).rglob("*.py"))
-    }
+    """Each module of the package and the modules it imports."""
+    modules = {module_name(path): path for path in sorted((SRC / "kvreplay").rglob("*.py"))}
     return {
         name: {m for m in imports(path) if layer_of(m) is not None and m != name}
         for name, path in modules.items()
@@ -99,7 +113,14 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_layer_exists() -> None:
     for layer in LAYERS:
-        assert SRC.joinpath(*layer.split(".")).is_dir(), layer
+        path = SRC.joinpath(*layer.split("."))
+        assert path.is_dir() or path.with_suffix(".py").is_file(), layer
+
+
+def test_every_module_is_in_a_layer_of_its_own_package() -> None:
+    """No module falls through to the package's surface: a new package is listed here."""
+    root = LAYERS.index("kvreplay")
+    assert [m for m in graph() if m != "kvreplay" and layer_of(m) == root] == []
 
 
 def test_no_import_runs_back_up_the_layers() -> None:

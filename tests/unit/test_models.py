@@ -14,8 +14,8 @@ import torch
 
 from kvreplay import KvreplayError, load_model
 from kvreplay.model.embedded import CONVERSION_STAMP, EMBEDDED, EmbeddedModel, cache_root
-from kvreplay.model.models import describe_source
 from kvreplay.model.precision import parse_dtype
+from kvreplay.model.reading import describe_source
 
 REPO = Path(__file__).resolve().parents[2]
 

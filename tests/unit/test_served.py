@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvreplay.backends import backend_from_contract, make_backend, registry, setting_options
+from kvreplay.contract.upgrade import current_run
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.trajectory import Prefix
 from kvreplay.experiments.matrix.table import first_token_logprob_diff
@@ -76,24 +77,38 @@ def test_a_setting_is_taken_only_by_the_backend_that_declares_it() -> None:
         make_backend("vllm", block_size=32.0)
     with pytest.raises(KvreplayError, match="Unknown backend 'tgi'"):
         make_backend("tgi")
-    assert make_backend().contract() is None
+    assert make_backend().contract() == {
+        "name": "hf",
+        "attn_implementation": "sdpa",
+        "trust_remote_code": False,
+    }
     assert make_backend("vllm").contract()["kv_access"] is True
-    assert setting_options()["block_size"]["backends"] == ["vllm"]
+    assert setting_options()["block_size"].backends == ("vllm",)
     assert {"hf", "vllm"} <= set(registry())
 
 
-def test_a_recorded_vllm_contract_is_read_back_unchanged() -> None:
-    """The committed vLLM runs' contracts: the registry must rebuild them byte for byte."""
+def test_a_recorded_contract_is_read_back_through_one_upgrade_step() -> None:
+    """The committed runs' contracts (an hf run named no backend; every run held the
+    attention and remote-code settings beside the model) read as today's layout, and
+    the backend they name rebuilds its entry field for field."""
     recorded = {
         "block_size": 32, "companions": 3, "enable_prefix_caching": True,
         "enforce_eager": True, "kv_access": False, "max_model_len": 8192,
         "max_num_batched_tokens": 8192, "max_num_seqs": 8, "name": "vllm", "seed": 0,
     }  # fmt: skip
-    assert backend_from_contract(recorded).contract() == recorded
-    assert backend_from_contract(None).contract() is None
-    current = make_backend("vllm").contract()
-    assert current == {**recorded, "kv_access": True}
-    assert backend_from_contract(current).contract() == current
+    old = {"backend": recorded, "attn_implementation": "sdpa", "trust_remote_code": False}
+    upgraded = current_run(old)["backend"]
+    assert upgraded == {**recorded, "trust_remote_code": False}
+    assert backend_from_contract(upgraded).contract() == upgraded
+    hf = current_run({"model": "m", "attn_implementation": "eager", "trust_remote_code": False})
+    assert hf == {
+        "model": "m",
+        "backend": {"name": "hf", "attn_implementation": "eager", "trust_remote_code": False},
+    }
+    assert current_run(hf) is hf  # today's layout reads as it is
+    now = make_backend("vllm").contract()
+    assert now == {**upgraded, "kv_access": True}
+    assert backend_from_contract(now).contract() == now
 
 
 def test_vllm_serves_hit_and_miss_and_reads_blocks_for_the_kv_experiments() -> None:

@@ -40,7 +40,8 @@ from kvreplay import (
     sha256_tokens,
     transplant,
 )
-from kvreplay.model.state import BoundaryState, read_state_metadata, storage_disjoint
+from kvreplay.backends.hf.state import HfState
+from kvreplay.model.state import read_state_metadata, storage_disjoint
 
 # --- replicas -------------------------------------------------------------------------
 
@@ -76,9 +77,9 @@ def test_mutating_a_clone_leaves_the_original_intact(tiny_lm, arch: str) -> None
 
 def test_shared_storage_is_detected(tiny_lm) -> None:
     state, _ = reach(tiny_lm("qwen2", "bf16"))
-    alias = BoundaryState(state.cache, state.logits.clone(), list(state.token_ids), "alias")
+    alias = HfState(state.cache, state.logits.clone(), list(state.token_ids), "alias")
     assert not storage_disjoint(state, alias)
-    view = BoundaryState(clone(state).cache, state.logits[:10], list(state.token_ids), "view")
+    view = HfState(clone(state).cache, state.logits[:10], list(state.token_ids), "view")
     assert not storage_disjoint(state, view)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvreplay.experiments.matrix.table import MATCHED_TABLE, SERVED_MATCHED_TABLE
-from kvreplay.experiments.tables_registry import recorded_table, table_for
+from kvreplay.experiments.registry import recorded_table, table_for
 from kvreplay.harness.columns import Column, Field
 from kvreplay.harness.table import SCHEMA_VERSION, Table, read_ledger, recorded_version
 from kvreplay.ledger import GENESIS, Record
@@ -65,7 +65,8 @@ def test_a_served_run_is_read_and_derived_as_the_served_table(tmp_path: Path) ->
     assert table_for(Path(MATCHED_TABLE.file)) is MATCHED_TABLE
     served = json.loads((RESULTS / "smollm2-http-n24-bf16" / "manifest.json").read_text())
     assert recorded_table("matched", served) is SERVED_MATCHED_TABLE
-    assert recorded_table("matched", {"contract": {"run": {}}}) is MATCHED_TABLE
+    old_hf = {"attn_implementation": "sdpa", "trust_remote_code": False}  # named no backend
+    assert recorded_table("matched", {"contract": {"run": old_hf}}) is MATCHED_TABLE
     assert recorded_table("bridge", served) is None  # the bridge reads K/V
 
 

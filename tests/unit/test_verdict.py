@@ -13,7 +13,10 @@ import pytest
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.power import items_needed, percent, rate_upper_bound
 from kvreplay.core.trajectory import Segment, Trajectory, numeric_divergence
-from kvreplay.verify.verdict import Expectation, ItemOutcome, Verdict, parse_expectation, read_json
+from kvreplay.verify.expectation import Expectation, parse_expectation
+from kvreplay.verify.outcome import ItemOutcome
+from kvreplay.verify.render import junit, read_json, screen, sentence, to_json
+from kvreplay.verify.verdict import Verdict
 
 EXACT = Expectation("exact")
 BITWISE = Expectation("bitwise")
@@ -38,7 +41,7 @@ def test_exact_holds_only_when_no_suffix_differs() -> None:
     assert Verdict(EXACT, ("live", "prefill"), [outcome("a"), outcome("b")]).exit_code == 0
     failing = Verdict(EXACT, ("live", "prefill"), [outcome("a"), outcome("b", differs=True)])
     assert failing.exit_code == 1
-    assert "differ on 1 of 2 item(s) in bf16, 1 of those at a near-tie" in failing.sentence()
+    assert "differ on 1 of 2 item(s) in bf16, 1 of those at a near-tie" in sentence(failing)
 
 
 def test_a_pass_names_its_level_power_and_what_the_bits_give() -> None:
@@ -46,7 +49,7 @@ def test_a_pass_names_its_level_power_and_what_the_bits_give() -> None:
     items = [outcome(i, cached=96, numerics=0) for i in "abcd"]
     verdict = Verdict(EXACT, ("cache-hit", "cache-miss"), items)
     assert verdict.holds
-    assert verdict.sentence() == (
+    assert sentence(verdict) == (
         "HOLDS at token level (every suffix equal): cache-hit and cache-miss continuations "
         "differ on 0 of 4 item(s) in bf16, so the divergence rate may still be up to 60% "
         "(95% upper bound); NOT bitwise: cache-hit and cache-miss numerics differ on 4 of 4 "
@@ -54,7 +57,7 @@ def test_a_pass_names_its_level_power_and_what_the_bits_give() -> None:
         "differ on 4."
     )
     bitwise = Verdict(BITWISE, ("cache-hit", "cache-miss"), items)
-    assert not bitwise.holds and bitwise.sentence().startswith("FAILS bitwise")
+    assert not bitwise.holds and sentence(bitwise).startswith("FAILS bitwise")
 
 
 def test_bitwise_holds_only_on_recorded_equal_numerics() -> None:
@@ -62,12 +65,12 @@ def test_bitwise_holds_only_on_recorded_equal_numerics() -> None:
     assert equal.holds
     assert (
         "agree bit for bit (every step's reported logprobs) on 2 of 2 item(s), so the "
-        "rate of items whose numerics part may still be up to 84%" in equal.sentence()
+        "rate of items whose numerics part may still be up to 84%" in sentence(equal)
     )
     late = Verdict(BITWISE, ("l", "p"), [outcome("a", numerics=17)])
-    assert not late.holds and "from step 17" in late.sentence()
+    assert not late.holds and "from step 17" in sentence(late)
     unrecorded = Verdict(BITWISE, ("l", "p"), [outcome("a", recorded=False)])
-    assert not unrecorded.holds and "bitwise unknown" in unrecorded.sentence()
+    assert not unrecorded.holds and "bitwise unknown" in sentence(unrecorded)
     assert unrecorded.items[0].bits == "unknown"
 
 
@@ -80,11 +83,11 @@ def test_max_divergent_counts_divergent_items() -> None:
 def test_hits_that_read_no_cached_block_are_no_cache_check() -> None:
     vacuous = Verdict(EXACT, ("cache-hit", "cache-miss"), [outcome("a", cached=0)] * 3)
     assert not vacuous.holds and vacuous.exit_code == 1
-    assert "no prefix-cache hit read a cached token of P on any item" in vacuous.sentence()
+    assert "no prefix-cache hit read a cached token of P on any item" in sentence(vacuous)
     mixed = Verdict(EXACT, ("cache-hit", "cache-miss"), [outcome("a", cached=0),
                                                          outcome("b", cached=96)])  # fmt: skip
     assert mixed.holds
-    assert "(1 item(s) read no cached token of P" in mixed.sentence()
+    assert "(1 item(s) read no cached token of P" in sentence(mixed)
     assert mixed.levels()["tokens"]["items"] == 1  # the uncached item bounds nothing
 
 
@@ -122,7 +125,7 @@ def test_numeric_divergence_counts_suffix_tokens_and_skips_forced_openers() -> N
 def test_verdict_json_of_either_schema_reads_back() -> None:
     environment = {"kvreplay_version": "0.1.0", "model": {}, "backend": {"name": "hf"}}
     items = [outcome("a"), outcome("b", differs=True)]
-    data = Verdict(EXACT, ("l", "p"), items, environment=environment).to_json()
+    data = to_json(Verdict(EXACT, ("l", "p"), items, environment=environment))
     jsonschema.validate(data, json.loads((DOCS / "check-v3.schema.json").read_text()))
     record = read_json(data)
     assert record.verdict == "fails" and record.levels["bits"]["holds"] is True
@@ -164,9 +167,9 @@ def test_a_hit_that_changes_under_traffic_fails_the_check_and_is_reported() -> N
     assert (
         "hit and miss continuations differ on 0 of 3 item(s) in bf16; under traffic the hit "
         "continuation differs from the hit alone on 1 of 2 item(s) and from the miss on 1"
-    ) in verdict.sentence()
-    assert "NOT bitwise" in verdict.sentence()
-    data = verdict.to_json()
+    ) in sentence(verdict)
+    assert "NOT bitwise" in sentence(verdict)
+    data = to_json(verdict)
     jsonschema.validate(data, json.loads((DOCS / "check-v3.schema.json").read_text()))
     assert data["traffic"] == {
         "items": 2,
@@ -174,10 +177,10 @@ def test_a_hit_that_changes_under_traffic_fails_the_check_and_is_reported() -> N
         "numerics_differ_from": {"hit": 1},
         "load": load,
     }
-    junit = verdict.junit()
-    assert 'name="traffic_suffix_differs_from_hit" value="1"' in junit
-    assert "under traffic the continuation differs from the one alone" in junit
-    assert "server running max 4" in verdict.screen()
+    xml = junit(verdict)
+    assert 'name="traffic_suffix_differs_from_hit" value="1"' in xml
+    assert "under traffic the continuation differs from the one alone" in xml
+    assert "server running max 4" in screen(verdict)
     quiet = Verdict(EXACT, ("hit", "miss"), [alone, still])
-    assert quiet.holds and quiet.to_json()["traffic"]["suffix_differs_from"]["hit"] == 0
-    assert Verdict(EXACT, ("hit", "miss"), [alone]).to_json()["traffic"] is None
+    assert quiet.holds and to_json(quiet)["traffic"]["suffix_differs_from"]["hit"] == 0
+    assert to_json(Verdict(EXACT, ("hit", "miss"), [alone]))["traffic"] is None

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
-from kvreplay.analysis.sections.registry import SECTIONS
+from kvreplay.analysis.sections.registry import sections
 from kvreplay.harness.section import Reading
 from kvreplay.measure.rates import Json
 
@@ -23,7 +23,7 @@ def build_claims(folder: LedgerDir) -> Json:
     """Claims for every ledger of a folder, each section from the ledgers it reads (and a
     run's rows); a section without its ledgers adds nothing."""
     claims: Json = {"schema": SCHEMA}
-    for section in SECTIONS:
+    for section in sections():
         if own := section.ledgers(folder.ledgers):
             part = section.claims(Reading(own, folder.records))
             if "extra" in part:
@@ -44,4 +44,4 @@ def write_claims(claims: Json, path: Path) -> None:
 
 def summary_lines(claims: Json) -> list[str]:
     """One plain line per section with its headline numbers."""
-    return [line for section in SECTIONS for line in section.summary(claims)]
+    return [line for section in sections() for line in section.summary(claims)]

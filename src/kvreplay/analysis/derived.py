@@ -10,7 +10,7 @@ import io
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from kvreplay.experiments.tables_registry import recorded_table
+from kvreplay.experiments.registry import recorded_table
 from kvreplay.ledger import Record, RunLedger, rows_of
 
 

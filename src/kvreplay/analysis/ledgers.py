@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreplay.experiments.tables_registry import table_for
+from kvreplay.experiments.registry import table_for
 from kvreplay.harness.table import Ledger, LedgerError, read_ledger
 from kvreplay.ledger import RunRows
 

@@ -19,17 +19,20 @@ from typing import TYPE_CHECKING, Any
 
 from kvreplay.analysis.derived import check_csvs
 from kvreplay.audit.consistency import Scorer, row_problems
+from kvreplay.audit.request import AuditRequest
 from kvreplay.backends import precisions
+from kvreplay.contract.build import build_contract
 from kvreplay.contract.config import RunConfig
 from kvreplay.contract.lock import check_libraries, valid_pin
+from kvreplay.contract.upgrade import current
 from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import BUILTIN_ITEMS, Item, items_digest, load_jsonl
 from kvreplay.core.paths import open_regular
 from kvreplay.engines import make_engine
-from kvreplay.engines.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+from kvreplay.engines.threads import check_recorded, intra_op_threads
 from kvreplay.experiments import recorded_experiment
-from kvreplay.experiments.tables_registry import recorded_table
+from kvreplay.experiments.registry import recorded_table
 from kvreplay.harness.prefixes import trajectory_inputs
 from kvreplay.harness.rows import (
     PREFIX_FIELDS,
@@ -51,7 +54,7 @@ from kvreplay.ledger import (
     diff_fields,
 )
 from kvreplay.model.identity import file_digests
-from kvreplay.model.models import load_tokenizer
+from kvreplay.model.reading import load_tokenizer
 
 if TYPE_CHECKING:
     from kvreplay.harness.experiment import Experiment
@@ -291,19 +294,17 @@ def check_contract(
 
     Returns the problems and the machine fields that differ (a note, not a problem).
     """
-    from kvreplay.run.runner import build_contract
-
     problems: list[str] = []
     contract = ledger.manifest["contract"]
     recorded_items = contract.get("items")
     source = recorded_items.get("source", "") if isinstance(recorded_items, dict) else ""
     scheme = contract_scheme(contract)
-    info = config.backend.describe_model(config.model, config.trust_remote_code, scheme, tokenizer)
+    info = config.backend.describe_model(config.model, scheme, tokenizer)
     built = json.loads(canonical(build_contract(config, info, source, items or [], scheme)))
     if items is None:
         built["items"] = recorded_items  # already named as unreadable
     noted = []
-    for path in diff_fields(contract, built):
+    for path in diff_fields(current(contract), built):
         field_name = path.removeprefix("environment.")
         if path.startswith("environment.") and field_name in MACHINE_FIELDS:
             noted.append(field_name)
@@ -393,20 +394,13 @@ def stop_problem(
 
 def audit(
     run_dir: Path,
-    sample: int | None = None,
-    seed: int = 0,
-    engine: str = "local",
-    workers: int = 1,
-    gpus_per_worker: float = 0.0,
-    ray_address: str | None = None,
+    request: AuditRequest = AuditRequest(),  # noqa: B008 - a frozen value
     announce: Callable[[str], None] | None = None,
-    threads: int = DEFAULT_THREADS,
-    trust_remote_code: bool = False,
     connection: dict[str, Any] | None = None,
 ) -> AuditResult:
     """Verify a run; see the module docstring. Bad input raises KvreplayError, and so
-    do a ``threads`` count other than the one the run recorded, library versions other
-    than the run's, and a run whose model ships code unless ``trust_remote_code``.
+    do a thread count other than the one the run recorded, library versions other than
+    the run's, and a run whose model ships code unless the request trusts it.
 
     ``connection`` reaches the run's backend (a server's address, which a run does not
     record, so it may differ from the run's). ``announce`` hears, before any re-execution
@@ -416,24 +410,28 @@ def audit(
     """
     ledger = RunLedger.open_existing(run_dir)
     contract = ledger.manifest["contract"]
-    run = contract.get("run")
-    if isinstance(run, dict) and run.get("trust_remote_code") and not trust_remote_code:
+    if _runs_model_code(contract) and not request.trust_remote_code:
         raise KvreplayError(
             f"{run_dir} was made with --trust-remote-code, so re-executing it runs the "
             "model's own Python code; pass --trust-remote-code to audit only if you trust it."
         )
     check_libraries(ledger.manifest, run_dir)
+    threads = request.placement.threads
     check_recorded(contract, threads, run_dir, "audit")
-    placement = (engine, workers, gpus_per_worker, ray_address)
     with intra_op_threads(threads):
-        return _audit(ledger, sample, seed, placement, announce, connection or {})
+        return _audit(ledger, request, announce, connection or {})
+
+
+def _runs_model_code(contract: dict[str, Any]) -> bool:
+    """Whether a recorded run let its model's own code run (in any layout)."""
+    run = current(contract).get("run")
+    backend = run.get("backend") if isinstance(run, dict) else None
+    return isinstance(backend, dict) and backend.get("trust_remote_code") is True
 
 
 def _audit(
     ledger: RunLedger,
-    sample: int | None,
-    seed: int,
-    placement: tuple[str, int, float, str | None],
+    request: AuditRequest,
     announce: Callable[[str], None] | None,
     connection: dict[str, Any],
 ) -> AuditResult:
@@ -476,8 +474,8 @@ def _audit(
         return result
     keys = rows.keys()
     chosen = keys
-    if sample is not None and sample < len(keys):
-        chosen = random.Random(seed).sample(keys, sample)
+    if request.sample is not None and request.sample < len(keys):
+        chosen = random.Random(request.seed).sample(keys, request.sample)
     by_key = rows.by_key()
     units = []
     for key in with_dependencies(chosen, keys, depends):
@@ -493,7 +491,7 @@ def _audit(
             continue
         inputs = {k: v for k, v in data.get("inputs", {}).items() if k != "reuse"}
         units.append(Unit(unit_key, item, data["precision"], inputs))
-    runner = make_engine(config, *placement)
+    runner = make_engine(config, request.placement)
     try:
         for unit, data, _, _ in runner.run(units):
             recorded = row_as_written(by_key[str(unit.key)].data)
@@ -552,13 +550,11 @@ class RowChecks:
         self.snapshot_check: SnapshotCheck | None = None
         if config is not None:
             layout = functools.cache(
-                lambda tokens: config.backend.state_layout(
-                    config.model, config.trust_remote_code, tokens
-                )
+                lambda tokens: config.backend.state_layout(config.model, tokens)
             )
             layers = ledger.manifest["contract"].get("model_info", {}).get("num_layers")
             self.snapshot_check = SnapshotCheck(ledger.run_dir, layout, layers)
-            self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+            self.tokenizer = load_tokenizer(config.model, config.backend.trusts_remote_code)
             answers = {i.id: i.answer for i in item_list} if item_list is not None else None
             self.scorer = Scorer(self.tokenizer, config.extractor, answers)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.extras import INSTALL, missing, require
+from kvreplay.core.options import Declared, declared, option
 
 if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
@@ -36,8 +37,10 @@ class Capabilities:
 
 
 # The types a setting may have, by annotation, and how a refusal names them.
-SETTING_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "float": (int, float)}
-KIND_NAMES = {"int": "an integer", "str": "a string", "float": "a number"}
+SETTING_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int, "str": str, "float": (int, float), "bool": bool,
+}  # fmt: skip
+KIND_NAMES = {"int": "an integer", "str": "a string", "float": "a number", "bool": "true or false"}
 
 
 # What a serving engine offers: no K/V, but cache control, cached-token reports, top-k
@@ -51,10 +54,14 @@ SERVED = Capabilities(
 )
 
 
-def option(flag: str, help: str, elsewhere: str = "") -> dict[str, str]:
-    """A settings field's metadata: the CLI flag that sets it, its help, and why another
-    backend does not take it (said when it is given to one)."""
-    return {"option": flag, "help": help, **({"elsewhere": elsewhere} if elsewhere else {})}
+@dataclass(frozen=True)
+class ModelRef:
+    """The model a run names, as a backend opens it: its spec, the digest of its identity
+    the run's contract records (a worker refuses other files), and the device."""
+
+    spec: str
+    digest: str
+    device: str = "cpu"
 
 
 def companions_setting() -> Any:
@@ -64,6 +71,18 @@ def companions_setting() -> Any:
         metadata=option(
             "--companions",
             "Other items' requests sharing the batch-composition arm's batches (0: no such arm).",
+        ),
+    )
+
+
+def trust_remote_code_setting() -> Any:
+    """Whether the model's own Python code may run: a setting of every backend that
+    executes a model's code (transformers, vLLM); off unless asked for."""
+    return field(
+        default=False,
+        metadata=option(
+            "--trust-remote-code",
+            "Run the model's own Python code (a model folder that ships it); off by default.",
         ),
     )
 
@@ -95,12 +114,10 @@ class Backend:
     requires: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if "option" not in f.metadata:
-                continue
-            value, kind = getattr(self, f.name), SETTING_TYPES[str(f.type)]
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise KvreplayError(f"{f.metadata['option']} must be {KIND_NAMES[str(f.type)]}.")
+        for name, setting in self.settings().items():
+            value, kind = getattr(self, name), SETTING_TYPES[setting.kind]
+            if not isinstance(value, kind) or (isinstance(value, bool) != (setting.kind == "bool")):
+                raise KvreplayError(f"{setting.flag} must be {KIND_NAMES[setting.kind]}.")
         self.validate()
 
     def validate(self) -> None:
@@ -109,6 +126,12 @@ class Backend:
     @property
     def kv_access(self) -> bool:
         return self.capabilities.kv_access
+
+    @property
+    def trusts_remote_code(self) -> bool:
+        """Whether the model's own Python code may run (a setting of the backends that
+        execute it; see :func:`trust_remote_code_setting`)."""
+        return bool(getattr(self, "trust_remote_code", False))
 
     @property
     def traffic_clients(self) -> int:
@@ -123,19 +146,15 @@ class Backend:
         return not self.kv_access or (has_served_form and self.capabilities.cache_control)
 
     @classmethod
-    def settings(cls) -> dict[str, Any]:
-        """Each CLI setting's field name, its metadata (option, help), type and default."""
-        return {
-            f.name: {**f.metadata, "type": str(f.type), "default": f.default}
-            for f in fields(cls)
-            if "option" in f.metadata
-        }
+    def settings(cls) -> dict[str, Declared]:
+        """Each CLI setting by field name: its option, type and default."""
+        return declared(cls)
 
     def context_window(self, model_context: int) -> int:
         """The tokens one request may span (0: the model does not say)."""
         return model_context
 
-    def contract(self) -> dict[str, Any] | None:
+    def contract(self) -> dict[str, Any]:
         """The contract's ``backend`` entry: every setting that can change numerics."""
         return {"name": self.name, **asdict(self)}
 
@@ -175,52 +194,62 @@ class Backend:
     def check_ready(self) -> None:
         """Refuse (one sentence) when this environment cannot run the backend."""
 
-    def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
-        """Refuse, before the manifest, a model this backend could not build or load here
-        with ``attn_implementation`` (nothing by default: a backend that loads no model
-        itself, or checks its loading in :meth:`check_model`, has nothing to add)."""
+    def admit(
+        self,
+        spec: str,
+        device: str,
+        dtypes: tuple[str, ...],
+        scheme: int,
+        prompts: list[Any],
+        chat: bool | None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Everything this backend refuses of a model before a run writes anything, in
+        order: the model itself (:meth:`check_model`), the identity it records
+        (:meth:`describe_model`) and the prompts' token ids (:meth:`check_tokenization`).
+        Returns the model's tokenizer and its ``model_info``."""
+        from kvreplay.model.reading import load_tokenizer
 
-    def check_model(
-        self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
-    ) -> None:
+        self.check_model(spec, device, dtypes)
+        tokenizer = load_tokenizer(spec, self.trusts_remote_code)
+        info = self.describe_model(spec, scheme, tokenizer)
+        self.check_tokenization(spec, tokenizer, prompts, chat)
+        return tokenizer, info
+
+    def check_model(self, spec: str, device: str, dtypes: tuple[str, ...]) -> None:
         """Refuse, before the manifest, a model, device or precision this backend cannot
-        serve."""
+        run (what would otherwise fail only when a worker loads it)."""
 
     def check_tokenization(
         self, spec: str, tokenizer: Any, prompts: list[Any], chat: bool | None
     ) -> None:
         """Refuse, before the manifest, prompts the backend would tokenize otherwise."""
 
-    def describe_model(
-        self, spec: str, trust_remote_code: bool, scheme: int, tokenizer: Any = None
-    ) -> dict[str, Any]:
-        """The contract's ``model_info``: the identity of the files this backend runs and
-        the architecture, without loading weights (``models.describe_source``)."""
-        from kvreplay.model.models import describe_source
+    def describe_model(self, spec: str, scheme: int, tokenizer: Any = None) -> dict[str, Any]:
+        """The contract's ``model_info``: the identity of the model's files and its
+        architecture, read without loading weights
+        (:func:`~kvreplay.model.reading.describe_source`); a backend that runs other files
+        (a GGUF as shipped) says so."""
+        from kvreplay.model.reading import describe_source
 
-        return describe_source(spec, trust_remote_code, scheme, tokenizer)
+        return describe_source(spec, self.trusts_remote_code, scheme, tokenizer)
 
-    def state_layout(
-        self, spec: str, trust_remote_code: bool, tokens: int
-    ) -> tuple[list[str], list[int]] | None:
+    def state_layout(self, spec: str, tokens: int) -> tuple[list[str], list[int]] | None:
         """The layer kinds and per-layer lengths of this backend's boundary state over
         ``tokens`` tokens, as a snapshot records them, from the model's config alone;
         None where only a loaded model could say (an audit then holds the snapshots of
         one precision to one layout, each layer to at most ``tokens``)."""
         return None
 
-    def load_model(self, config: Any, precision: str, device_map: str | None = None) -> Any:
+    def load_model(self, model: ModelRef, precision: str, device_map: str | None = None) -> Any:
         """The model a K/V-access experiment advances boundary states through, for one
-        precision: a :class:`~kvreplay.model.models.LoadedModel` or one with its interface;
-        ``config`` is the run's :class:`~kvreplay.contract.config.RunConfig`."""
+        precision: one with :class:`~kvreplay.backends.hf.loading.LoadedModel`'s interface
+        (``empty_state``, ``tokenizer``, ``num_layers``, ``model_digest``)."""
         raise KvreplayError(f"The {self.name} backend loads no model with K/V access.")
 
     def expected_hit(self, computed: int) -> int:
         """How many of ``computed`` prompt tokens a prefix-cache hit must report."""
         return computed
 
-    def open_served(self, config: Any, precision: str) -> ServedModel:
-        """A served model for one precision (backends without K/V access); ``config`` is
-        the run's :class:`~kvreplay.contract.config.RunConfig` (not imported: it holds a
-        backend)."""
+    def open_served(self, model: ModelRef, precision: str) -> ServedModel:
+        """A served model for one precision (backends that serve requests)."""
         raise KvreplayError(f"The {self.name} backend serves no model over requests.")

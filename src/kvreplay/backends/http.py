@@ -24,27 +24,29 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvreplay.backends import load
-from kvreplay.backends.base import SERVED, Backend, companions_setting, option
+from kvreplay.backends.base import SERVED, Backend, ModelRef, companions_setting, option
 from kvreplay.backends.served import Reply, Request, served_stage
 from kvreplay.backends.server import Client, Probe, ServerAdapter, parse_address
 from kvreplay.backends.traffic import NEW_TOKENS, REQUEST_SECONDS, Traffic, check_clients, evict
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.registry import Registry, located
 
-if TYPE_CHECKING:
-    from kvreplay.contract.config import RunConfig
-
-ADAPTERS: dict[str, str] = {
-    "vllm": "kvreplay.backends.vllm_server:VllmServer",
-    "llamacpp": "kvreplay.backends.llama_server:LlamaServer",
-}
-"""Each server kvreplay knows, by the name ``--server`` takes: one adapter module each."""
+# Each server kvreplay knows, by the name ``--server`` takes: one adapter module each.
+ADAPTERS: Registry[type[ServerAdapter]] = Registry(
+    "server adapter",
+    located(
+        (
+            "kvreplay.backends.vllm_server:VllmServer",
+            "kvreplay.backends.llama_server:LlamaServer",
+        )
+    ),
+)
 
 
 def adapter_class(name: str) -> type[ServerAdapter]:
-    return load(ADAPTERS[name])
+    return ADAPTERS.get(name)
 
 
 def connect(url: str, server: str, timeout: float, api_key_env: str) -> ServerAdapter:
@@ -57,7 +59,7 @@ def connect(url: str, server: str, timeout: float, api_key_env: str) -> ServerAd
     client = Client(url, timeout, api_key)
     if server != "auto":
         return adapter_class(server)(client)
-    for adapter in map(adapter_class, ADAPTERS):
+    for adapter in ADAPTERS.values():
         if adapter.recognises(client):
             return adapter(client)
     raise KvreplayError(
@@ -163,13 +165,9 @@ class HttpBackend(Backend):
         if refusal is not None:
             raise KvreplayError(refusal)
 
-    def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
+    def check_model(self, spec: str, device: str, dtypes: tuple[str, ...]) -> None:
         """The server loads the model: kvreplay reads only its tokenizer and config (the
-        core install, without transformers, can)."""
-
-    def check_model(
-        self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
-    ) -> None:
+        core install, without transformers, can), and checks what the server serves."""
         self.check_ready()
         for precision in dtypes:
             self.check_precision(precision)
@@ -211,9 +209,9 @@ class HttpBackend(Backend):
                 f"pass --dtypes {served}."
             )
 
-    def open_served(self, config: RunConfig, precision: str) -> HttpServed:
+    def open_served(self, model: ModelRef, precision: str) -> HttpServed:
         from kvreplay.core.stages import eos_ids
-        from kvreplay.model.models import (
+        from kvreplay.model.reading import (
             generation_config,
             load_tokenizer,
             text_config,
@@ -229,8 +227,8 @@ class HttpBackend(Backend):
             )
         self.check_ready()
         self.check_precision(precision)
-        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-        folder, _ = resolve_source(config.model, config.trust_remote_code)
+        tokenizer = load_tokenizer(model.spec)
+        folder, _ = resolve_source(model.spec)
         return HttpServed(
             self.adapter,
             str(self.probe.identity["model"]),
@@ -238,7 +236,7 @@ class HttpBackend(Backend):
             eos_ids(tokenizer, generation_config(folder)),
             self.context_window(0),
             self.probe.restores,
-            vocabulary_size(text_config(config.model, config.trust_remote_code), tokenizer),
+            vocabulary_size(text_config(model.spec), tokenizer),
         )
 
 

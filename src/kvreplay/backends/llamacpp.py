@@ -17,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.backends.base import Backend, Capabilities, option
+from kvreplay.backends.base import Backend, Capabilities, ModelRef, option
 from kvreplay.backends.llamacpp_binding import KV_TYPES, binding
 from kvreplay.core.errors import KvreplayError
 
@@ -37,7 +37,7 @@ class LlamaCppBackend(Backend):
     precisions = tuple(KV_TYPES)
     prefix_precision = "fp16"  # llama.cpp's default KV-cache type
     extra = "llamacpp"
-    requires = ("llama_cpp", "torch", "transformers")
+    requires = ("llama_cpp", "torch")
     libraries = {"llama_cpp_python": ("llama-cpp-python", "llama_cpp_python")}
     n_ctx: int = field(
         default=2048,
@@ -74,15 +74,13 @@ class LlamaCppBackend(Backend):
     def check_ready(self) -> None:
         binding()
 
-    def describe_model(
-        self, spec: str, trust_remote_code: bool, scheme: int, tokenizer: Any = None
-    ) -> dict[str, Any]:
+    def describe_model(self, spec: str, scheme: int, tokenizer: Any = None) -> dict[str, Any]:
         """The GGUF file llama.cpp runs is the model's identity, not a conversion of it."""
-        from kvreplay.model.models import describe_source, load_tokenizer
+        from kvreplay.model.reading import describe_source, load_tokenizer
 
-        tokenizer = tokenizer or load_tokenizer(spec, trust_remote_code)
+        tokenizer = tokenizer or load_tokenizer(spec)
         identity = gguf_identity(spec, tokenizer)
-        return describe_source(spec, trust_remote_code, scheme, tokenizer, identity)
+        return describe_source(spec, False, scheme, tokenizer, identity)
 
     def _runtime(self, path: Path, threads: int, kv: str, vocab_only: bool = False) -> Runtime:
         """llama.cpp's model in ``path``, making its contexts at this backend's settings."""
@@ -90,9 +88,7 @@ class LlamaCppBackend(Backend):
 
         return Runtime(path, self.n_ctx, self.flash_attn, threads, kv, vocab_only)
 
-    def check_model(
-        self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
-    ) -> None:
+    def check_model(self, spec: str, device: str, dtypes: tuple[str, ...]) -> None:
         from kvreplay.model.sources import gguf_file
 
         if device != "cpu":
@@ -127,21 +123,21 @@ class LlamaCppBackend(Backend):
                     "tokenizer does, so its rows would feed ids llama.cpp never makes."
                 )
 
-    def load_model(self, config: Any, precision: str, device_map: str | None = None) -> LlamaModel:
+    def load_model(
+        self, model: ModelRef, precision: str, device_map: str | None = None
+    ) -> LlamaModel:
         import torch
 
         from kvreplay.backends.llamacpp_runtime import LlamaModel
-        from kvreplay.model.models import describe_source, load_tokenizer
+        from kvreplay.model.reading import describe_source, load_tokenizer
         from kvreplay.model.sources import gguf_file
 
-        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-        identity = gguf_identity(config.model, tokenizer)
-        info = describe_source(
-            config.model, config.trust_remote_code, tokenizer=tokenizer, identity=identity
-        )
-        runtime = self._runtime(gguf_file(config.model), torch.get_num_threads(), precision)
+        tokenizer = load_tokenizer(model.spec)
+        identity = gguf_identity(model.spec, tokenizer)
+        info = describe_source(model.spec, tokenizer=tokenizer, identity=identity)
+        runtime = self._runtime(gguf_file(model.spec), torch.get_num_threads(), precision)
         window = self.context_window(int(info["context_length"]))
-        return LlamaModel(runtime, tokenizer, config.model, precision, identity, info, window)
+        return LlamaModel(runtime, tokenizer, model.spec, precision, identity, info, window)
 
 
 def gguf_identity(spec: str, tokenizer: Any) -> Any:

@@ -298,7 +298,7 @@ class LlamaState(BoundaryState):
 @dataclass
 class LlamaModel:
     """A GGUF model in llama.cpp at one KV-cache type: what experiments advance states
-    through (the interface of :class:`~kvreplay.model.models.LoadedModel`)."""
+    through (the interface of :class:`~kvreplay.backends.hf.loading.LoadedModel`)."""
 
     model: Runtime
     tokenizer: Any

@@ -24,7 +24,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.backends.base import SERVED, Backend, companions_setting, option
+from kvreplay.backends.base import (
+    SERVED,
+    Backend,
+    ModelRef,
+    companions_setting,
+    option,
+    trust_remote_code_setting,
+)
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Reply, Request, served_stage
 from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.core.extras import INSTALL
@@ -32,7 +39,6 @@ from kvreplay.core.stages import StopDetector
 
 if TYPE_CHECKING:
     from kvreplay.backends.vllm_blocks import VllmModel
-    from kvreplay.contract.config import RunConfig
 
 # The longest context an engine is started with: the KV pool is sized for it.
 MAX_MODEL_LEN = 8192
@@ -83,6 +89,7 @@ class VllmBackend(Backend):
         default=8, metadata=option("--max-num-seqs", "Most requests the engine batches together.")
     )
     companions: int = companions_setting()
+    trust_remote_code: bool = trust_remote_code_setting()
     seed: int = 0
     block_kv: bool = True
 
@@ -129,29 +136,29 @@ class VllmBackend(Backend):
             raise KvreplayError(VLLM_SETUP)
         vllm_version()
 
-    def check_model(
-        self, spec: str, trust_remote_code: bool, device: str, dtypes: tuple[str, ...]
-    ) -> None:
-        check_servable(spec, trust_remote_code)
+    def check_model(self, spec: str, device: str, dtypes: tuple[str, ...]) -> None:
+        check_servable(spec, self.trust_remote_code)
         check_device(device)
-        check_engine_config(spec, trust_remote_code, self, dtypes)
+        check_engine_config(spec, self.trust_remote_code, self, dtypes)
 
     def expected_hit(self, computed: int) -> int:
         """Only full blocks are cached: a hit reads every full block of what was computed."""
         return computed // self.block_size * self.block_size
 
-    def open_served(self, config: RunConfig, precision: str) -> VllmServed:
-        return load_served(config, precision, self)
+    def open_served(self, model: ModelRef, precision: str) -> VllmServed:
+        return load_served(model, precision, self)
 
-    def load_model(self, config: Any, precision: str, device_map: str | None = None) -> VllmModel:
+    def load_model(
+        self, model: ModelRef, precision: str, device_map: str | None = None
+    ) -> VllmModel:
         """An engine whose cached blocks are the K/V experiments' boundary states."""
         from kvreplay.backends.vllm_blocks import BlockEngine, VllmModel
 
-        served = load_served(config, precision, self)
+        served = load_served(model, precision, self)
         return VllmModel(
             BlockEngine(served, self.block_size),
             served.tokenizer,
-            config.model,
+            model.spec,
             precision,
             served.identity,
             served.context_length,
@@ -241,11 +248,11 @@ class VllmServed:
         )
 
 
-def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> VllmServed:
+def load_served(model: ModelRef, precision: str, backend: VllmBackend) -> VllmServed:
     """Start the engine for one precision over the run's model folder, after checking the
     folder is the one the run recorded (the same digest as the hf backend's)."""
     from kvreplay.model.decode import eos_ids
-    from kvreplay.model.models import (
+    from kvreplay.model.reading import (
         generation_config,
         load_tokenizer,
         source_identity,
@@ -254,16 +261,17 @@ def load_served(config: RunConfig, precision: str, backend: VllmBackend) -> Vllm
     )
     from kvreplay.model.sources import resolve_source
 
-    check_servable(config.model, config.trust_remote_code)
-    check_device(config.device)
-    folder, _ = resolve_source(config.model, config.trust_remote_code)
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    identity = source_identity(config.model, config.trust_remote_code, tokenizer)
-    if not identity.matches(config.model_digest):
+    trust = backend.trust_remote_code
+    check_servable(model.spec, trust)
+    check_device(model.device)
+    folder, _ = resolve_source(model.spec, trust)
+    tokenizer = load_tokenizer(model.spec, trust)
+    identity = source_identity(model.spec, trust, tokenizer)
+    if not identity.matches(model.digest):
         raise KvreplayError("The model files' digest differs from the run's.")
-    text = text_config(config.model, config.trust_remote_code)
+    text = text_config(model.spec, trust)
     context = int(getattr(text, "max_position_embeddings", 0) or 0)
-    engine = start_engine(str(folder), precision, backend, config.trust_remote_code, context)
+    engine = start_engine(str(folder), precision, backend, trust, context)
     return VllmServed(
         engine,
         tokenizer,
@@ -335,7 +343,7 @@ def check_engine_config(
     block size the platform's attention backend has no kernel for. vLLM's CPU attention
     (CPU_ATTN) lists the head sizes it serves and starts on any other, but then fails at
     the first request ("Unsupported CPU attention configuration: head_dim=16")."""
-    from kvreplay.model.models import text_config
+    from kvreplay.model.reading import text_config
     from kvreplay.model.sources import resolve_source
 
     folder, _ = resolve_source(spec, trust_remote_code)
@@ -404,7 +412,7 @@ def check_device(device: str) -> None:
 def check_servable(spec: str, trust_remote_code: bool) -> None:
     """Refuse, before the manifest, a model vLLM cannot serve: a GGUF file, or an
     architecture its registry does not list (unless remote code was asked for)."""
-    from kvreplay.model.models import text_config
+    from kvreplay.model.reading import text_config
     from kvreplay.model.sources import resolve_source
 
     _, gguf_file = resolve_source(spec, trust_remote_code)

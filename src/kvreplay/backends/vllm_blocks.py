@@ -316,7 +316,8 @@ class BlockState(BoundaryState):
 class VllmModel:
     """A model in an in-process vLLM engine whose boundary states are the engine's
     cached blocks: what the K/V experiments take as their model on the vllm backend
-    (the interface of :class:`~kvreplay.model.models.LoadedModel` they use, and ``engine``)."""
+    (the interface of :class:`~kvreplay.backends.hf.loading.LoadedModel` they use, and
+    ``engine``)."""
 
     engine: BlockEngine
     tokenizer: Any

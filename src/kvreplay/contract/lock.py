@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.paths import check_name
 
 # Contract environment fields that are library versions, with the distributions that
 # provide each (the rest describe the machine, and Python, which pip cannot rebuild, is
@@ -253,51 +251,3 @@ def run_environment(manifest: dict[str, Any]) -> RunEnvironment:
                                   "with every library the run recorded)")  # fmt: skip
     pins = {known[lib][-1]: version for lib, version in recorded.items()}
     return RunEnvironment(pins, python, False, "only its libraries were recorded")
-
-
-# Folders a virtual environment never belongs in: the kernel's views, not storage.
-SYSTEM_FOLDERS = (Path("/proc"), Path("/sys"), Path("/dev"))
-
-
-def check_venv(venv: str) -> Path:
-    """The folder ``kvreplay env --venv`` builds, as an absolute path; refused in one
-    sentence: nothing (the current folder), an option, a name with control characters,
-    a system folder, a file, or a folder that holds something other than a venv."""
-    if not venv.strip():
-        raise KvreplayError("--venv is empty; name the folder to build, e.g. --venv .venv-run.")
-    if not venv.isprintable():
-        raise KvreplayError("--venv holds a newline or another control character.")
-    if venv.startswith("-"):
-        raise KvreplayError(
-            f"--venv {venv[:80]!r} starts with '-', which would reach python -m venv as an "
-            f"option; write ./{venv[:80]} for a folder of that name."
-        )
-    target = check_name(Path(venv), "--venv").absolute()
-    shown = f"--venv {venv[:80]!r}"
-    for system in SYSTEM_FOLDERS:
-        if system in (target, *target.parents, target.resolve(), *target.resolve().parents):
-            raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
-    if target.exists() and not target.is_dir():
-        raise KvreplayError(f"{shown} exists and is not a folder.")
-    if target.is_dir() and not (target / "pyvenv.cfg").is_file() and any(target.iterdir()):
-        raise KvreplayError(
-            f"{shown} is a folder that holds other files and no virtual environment; "
-            "name a new folder."
-        )
-    return target
-
-
-def rebuild(manifest: dict[str, Any], venv: str, echo: Any) -> None:
-    """Build ``venv`` with the run's environment, echoing each command before it runs.
-    Both the folder and every pin are checked before anything runs."""
-    target = check_venv(venv)
-    for command in run_environment(manifest).commands(target):
-        echo("$ " + shlex.join(command))
-        try:
-            done = subprocess.run(command, check=False)
-        except OSError as exc:
-            raise KvreplayError(f"Could not run {command[0]} ({exc.strerror}).") from exc
-        if done.returncode != 0:
-            raise KvreplayError(
-                f"Rebuilding the run's environment failed at: {shlex.join(command)}."
-            )

@@ -8,10 +8,11 @@ core install vs extras).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.options import option
 
 if TYPE_CHECKING:
     import torch
@@ -25,9 +26,18 @@ class Sampler:
     a state and its replica) see the same random stream and differ only by their state.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float = field(
+        default=0.0,
+        metadata=option(
+            "--temperature",
+            "0 is greedy; above 0 samples with --seed (several samples an item take seeds "
+            "--seed, --seed+1, ...).",
+        ),
+    )
+    top_p: float = field(
+        default=1.0, metadata=option("--top-p", "Nucleus sampling's probability mass (1: off).")
+    )
+    seed: int = field(default=0, metadata=option("--seed", "The sampler's seed."))
 
     def __post_init__(self) -> None:
         """Refuse NaN and infinities too (a comparison alone lets NaN through)."""

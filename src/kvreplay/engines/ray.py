@@ -22,7 +22,7 @@ import torch
 
 from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError, first_line
-from kvreplay.engines import check_placement
+from kvreplay.engines.placement import Placement, check_placement
 from kvreplay.engines.worker import Worker
 from kvreplay.harness.units import Unit
 from kvreplay.model.embedded import cache_root
@@ -117,9 +117,7 @@ class RayEngine:
     def __init__(
         self,
         config: RunConfig,
-        workers: int,
-        gpus_per_worker: float,
-        address: str | None,
+        placement: Placement,
         fault_injection: dict[str, int] | None = None,
     ):
         """Start (or join, or reuse) Ray and place every actor before returning.
@@ -128,6 +126,8 @@ class RayEngine:
         once (see :class:`RayWorker`); it exists for the crash-recovery test.
         """
         global _owned_ray, _live_engines
+        workers, gpus_per_worker = placement.workers, placement.gpus_per_worker
+        address = placement.ray_address
         check_placement(workers, gpus_per_worker, config.device, local=address is None)
         threads = torch.get_num_threads()
         # A CPU worker reserves a core per thread, so Ray never packs more threads than

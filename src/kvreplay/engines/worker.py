@@ -8,11 +8,11 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from kvreplay.backends.hf.loading import LoadedModel
 from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments import get_experiment
 from kvreplay.harness.units import Clock, Unit
-from kvreplay.model.models import LoadedModel
 
 
 class Worker:
@@ -33,7 +33,7 @@ class Worker:
         if dtype not in self._models:
             if self.config.backend.capabilities.cache_control:
                 self._release()  # an engine holds its device's memory: one at a time
-            lm = self.config.backend.load_model(self.config, dtype, self.device_map)
+            lm = self.config.backend.load_model(self.config.model_ref, dtype, self.device_map)
             if not lm.identity.matches(self.config.model_digest):
                 raise KvreplayError(
                     f"Worker {self.name} loaded model files whose digest differs from the run's."
@@ -47,7 +47,7 @@ class Worker:
         precision by precision, so each starts once in a run."""
         if dtype not in self._served:
             self._release()
-            self._served[dtype] = self.config.backend.open_served(self.config, dtype)
+            self._served[dtype] = self.config.backend.open_served(self.config.model_ref, dtype)
         return self._served[dtype]
 
     def _release(self) -> None:

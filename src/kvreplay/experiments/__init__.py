@@ -9,14 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_REGISTRY = (
-    "EXPERIMENTS",
-    "SERVED",
-    "declared",
-    "experiment_at",
-    "get_experiment",
-    "recorded_experiment",
-)
+_REGISTRY = ("EXPERIMENTS", "declared", "experiment_at", "get_experiment", "recorded_experiment")
 
 
 def __getattr__(name: str) -> Any:

@@ -3,39 +3,37 @@
 A declaration names the experiment's classes by where they live (``module:Class``, so
 that declaring loads no torch), holds its tables and, where the experiment is one
 package, its section. Its own options are the fields of a dataclass whose metadata
-gives each field's flag and help (:func:`option`), as a backend's settings are: the CLI
-builds ``kvreplay run NAME``'s options from them, and the experiment reads its options as
-that dataclass, so a default is stated once, in the field. The registry
+gives each field's flag and help (:func:`kvreplay.core.options.option`), as a backend's
+settings are: the CLI builds ``kvreplay run NAME``'s options from them, and the
+experiment reads its options as that dataclass, so a default is stated once, in the
+field. The registry
 (:mod:`kvreplay.experiments.registry`) lists the declarations, one line each, and
 installed packages add theirs through the ``kvreplay.experiments`` entry point group.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvreplay.backends import load
+from kvreplay.core.options import Declared, declared
+from kvreplay.core.registry import load
 from kvreplay.harness.table import Table
 
 if TYPE_CHECKING:
     from kvreplay.harness.section import Section
 
 
-def option(
-    flag: str, help: str, choices: tuple[str, ...] = (), minimum: int | None = None
-) -> dict[str, Any]:
-    """An options field's metadata: the CLI flag that sets it, its help, and the values
-    it may take (choices, or an integer's minimum; neither: any of its type)."""
-    return {"option": flag, "help": help, "choices": choices, "minimum": minimum}
-
-
 @dataclass(frozen=True)
 class Declaration:
-    """One experiment: its name and summary (``kvreplay run NAME --help``), its class
-    and, where a backend without K/V access runs it as served panels, its served class
-    and table; its own options; its section where the experiment is one package; the
-    backend setting it needs where only some backends run it (history: ``traffic``)."""
+    """One experiment, declared once: its name and summary (``kvreplay run NAME --help``),
+    its class and, where a backend without K/V access runs it as served panels, its
+    served class and table; its own options; its section where the experiment is one
+    package; the backend setting it needs where only some backends run it (history:
+    ``traffic``); the role it plays in ``kvreplay check`` (``greedy``, ``faithful``,
+    ``traffic``); whether a verdict judges its rows (``judged``: they hold a compared pair
+    of arms); and where a later panel reads prior outcomes from its rows, its rank among
+    such sources (``outcome_rank``, 1 first)."""
 
     name: str
     summary: str
@@ -50,22 +48,20 @@ class Declaration:
     default_n: str = "all"  # what --n is when not given, as its help says it
     section: Section | None = None  # its part of claims and report (None: listed in analysis)
     needs: str | None = None  # a backend setting it cannot run without (None: any backend)
+    check: str | None = None  # the role it plays in kvreplay check (None: none)
+    judged: bool = False  # a verdict judges its rows
+    outcome_rank: int | None = None  # a source of prior outcomes for panels, by preference
 
-    def runs_on(self, backend_cls: Any) -> bool:
+    def runs_on(self, backend_cls: type) -> bool:
         """Whether a backend of this class runs it: it has the K/V access, the served
         form or the setting the experiment needs."""
-        if self.needs is not None and self.needs not in backend_cls.settings():
+        if self.needs is not None and self.needs not in backend_cls.settings():  # type: ignore[attr-defined]
             return False
-        return backend_cls.capabilities.kv_access or self.served is not None
+        return backend_cls.capabilities.kv_access or self.served is not None  # type: ignore[attr-defined]
 
-    def option_fields(self) -> dict[str, dict[str, Any]]:
-        """Each own option's field name -> flag, help, choices, type and default."""
+    def option_fields(self) -> dict[str, Declared]:
+        """Each own option (those it takes) by field name."""
         if self.options is None:
             return {}
-        found = {}
-        for f in fields(load(self.options)):
-            if "option" not in f.metadata or (self.takes is not None and f.name not in self.takes):
-                continue
-            default = None if f.default is MISSING else f.default
-            found[f.name] = {**f.metadata, "type": str(f.type), "default": default}
-        return found
+        own = declared(load(self.options))
+        return {k: v for k, v in own.items() if self.takes is None or k in self.takes}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvreplay.backends.hf.loading import LoadedModel
 from kvreplay.core.canonical import sha256_tokens
 from kvreplay.core.sampler import Sampler
 from kvreplay.core.scoring import score
@@ -20,7 +21,6 @@ from kvreplay.harness.panel import Arm, Panel
 from kvreplay.harness.prefixes import prefix_from_inputs, prefix_record, prompt_ids
 from kvreplay.harness.rows import ArmResult, PanelRow, ReplicaGate, replica_name
 from kvreplay.harness.units import Clock, Unit, Workbench
-from kvreplay.model.models import LoadedModel
 from kvreplay.model.state import (
     BoundaryState,
     clone,

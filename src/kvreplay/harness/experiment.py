@@ -1,14 +1,15 @@
 """The Experiment base class: everything the runner and the audit know of an
-experiment. Each experiment declares its panel (arms), selection, units and figures, and
-names its table (its CSV, declared in :mod:`kvreplay.experiments.tables_registry`, where analysis
-reads it too); the runner names none of them."""
+experiment. Each experiment declares its panel (arms), selection, units and figures; its
+name and its table (its CSV, which analysis reads too) are its declaration's
+(:class:`~kvreplay.harness.declaration.Declaration`), which it is made with; the runner
+names none of them."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
@@ -19,16 +20,30 @@ from kvreplay.harness.table import Table
 from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
+if TYPE_CHECKING:
+    from kvreplay.harness.declaration import Declaration
+
 
 class Experiment(ABC):
-    """An experiment: its selection, phased units, the per-unit computation, its table
-    and figures."""
+    """An experiment: its selection, phased units, the per-unit computation and figures,
+    made with its declaration (its name and tables)."""
 
-    name: str
     panel: Panel[Any]  # its arms: built in process (Arm) or served (ServedArm)
-    table: Table  # the CSV, declared once
     phases: int = 1
     served: bool = False  # its arms are served requests, not boundary states
+
+    def __init__(self, declaration: Declaration) -> None:
+        self.declaration = declaration
+
+    @property
+    def name(self) -> str:
+        return self.declaration.name
+
+    @property
+    def table(self) -> Table:
+        """The CSV it writes: its served table when its arms are served requests."""
+        served = self.declaration.served_table
+        return served if self.served and served is not None else self.declaration.table
 
     def default_n(self, total: int) -> int:
         """How many items ``--n`` means when it is not given."""

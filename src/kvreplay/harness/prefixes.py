@@ -16,7 +16,7 @@ from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
 if TYPE_CHECKING:
-    from kvreplay.model.models import LoadedModel
+    from kvreplay.backends.hf.loading import LoadedModel
 
 
 def prefix_inputs(record: Record) -> dict[str, Any]:

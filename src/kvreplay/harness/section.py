@@ -47,14 +47,18 @@ def _none(_: Any) -> list[Any]:
 
 @dataclass(frozen=True)
 class Section:
-    """One experiment's section: the tables it reads and what it makes of them. Claims
-    are a part of claims.json (its keys; ``extra`` merges into the shared extra)."""
+    """A section, by name: the tables it reads and what it makes of them. Claims are a
+    part of claims.json (its keys; ``extra`` merges into the shared extra). The paper's
+    sections come first, in the paper's reading order (``paper_order``); the rest follow
+    in the order they are declared."""
 
+    name: str
     tables: tuple[Table, ...]
     claims: Callable[[Reading], Json]
     summary: Callable[[Json], list[str]] = _none
     headline: Callable[[Json], list[Row]] = _none
     report: Callable[[Page], list[Block]] = _none
+    paper_order: int | None = None
 
     def ledgers(self, ledgers: Mapping[str, Ledger]) -> dict[str, Ledger]:
         """The ledgers this section reads, by file name."""

@@ -17,10 +17,10 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, items_digest
-from kvreplay.harness.declaration import option
+from kvreplay.core.options import option
 from kvreplay.harness.scope import Scope, Selection, own_options
 from kvreplay.ledger import Record, RunLedger, contract_scheme
-from kvreplay.model.models import load_tokenizer
+from kvreplay.model.reading import load_tokenizer
 
 PANELS = ("stratified", "blind")
 BASIS = {
@@ -29,8 +29,6 @@ BASIS = {
     "divergent": "prior_outcome_divergent_length_spread",
 }
 DEFAULT_DIVERGENT, DEFAULT_CONTROLS, DEFAULT_BLIND_N = 24, 8, 48
-# Where a prior row's outcome (suffix of replay/live vs prefill) can be read, preferred first.
-OUTCOME_SOURCES = ("fixed-prefix", "matched")
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,7 @@ def prompt_lengths(scope: Scope, items: list[Item]) -> dict[str, int]:
     """Token count of each item's prompt under the run's tokenizer and chat setting; a
     trajectory item (no prompt) counts its recorded prefix."""
     config = scope.config
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    tokenizer = load_tokenizer(config.model, config.backend.trusts_remote_code)
     return {
         i.id: len(i.prefix_token_ids)
         if i.prefix_token_ids is not None
@@ -164,9 +162,7 @@ def _source_contract(scope: Scope) -> str | None:
         return None
     path, config = scope.source.path, scope.config
     contract = RunLedger.open_existing(path).manifest["contract"]
-    info = config.backend.describe_model(
-        config.model, config.trust_remote_code, contract_scheme(contract)
-    )
+    info = config.backend.describe_model(config.model, contract_scheme(contract))
     if contract["run"]["model_digest"] != info["model_digest"]:
         raise KvreplayError(
             f"The source run {path} used another model "
@@ -210,10 +206,13 @@ def select_panel(
     panel: str,
     scope: Scope,
     rows: dict[str, Record],
+    sources: tuple[str, ...],
     names: Callable[[str], dict[str, str]] | None = None,
 ) -> Selection:
-    """Choose a panel from the source run alone, before any row; ``names`` adds what the
-    experiment names after the panel (a transplant's alias and ledger name).
+    """Choose a panel from the source run alone, before any row: from the rows of the
+    experiments in ``sources`` that record an outcome (replay or live vs prefill),
+    preferred first; ``names`` adds what the experiment names after the panel (a
+    transplant's alias and ledger name).
 
     Every refusal (missing source, too few rows of a stratum, a bad name) happens here,
     so the runner can call this before it writes anything.
@@ -247,7 +246,6 @@ def select_panel(
         for index, item_id in enumerate(spread(lengths, n, seed)):
             entries.append(_entry(index, item_id, "not_used", prefixes.get(item_id)))
     else:
-        sources = OUTCOME_SOURCES + (("transplant",) if panel == "divergent" else ())
         outcomes = outcome_rows(rows, precision, sources)
         strata = {
             stratum: {i: r.data["prefix_token_count"] for i, r in outcomes.items() if flag(r)}

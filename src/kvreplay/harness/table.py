@@ -57,6 +57,11 @@ class Table:
     marker: str | None = None
 
     @property
+    def name(self) -> str:
+        """The table as a registry names it: its file, and its marker where it has one."""
+        return self.file if self.marker is None else f"{self.file} ({self.marker})"
+
+    @property
     def version(self) -> int:
         """The schema version of a new run: the latest that added a column."""
         return max(column.since for column in self.columns)

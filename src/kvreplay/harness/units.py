@@ -13,8 +13,8 @@ from kvreplay.core.items import PREFIX_KEY, Item
 from kvreplay.ledger import Record
 
 if TYPE_CHECKING:  # the worker's side; a row's key and unit are plain data, no torch
+    from kvreplay.backends.hf.loading import LoadedModel
     from kvreplay.contract.config import RunConfig
-    from kvreplay.model.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -130,17 +130,20 @@ class RunLedger:
         contract: dict[str, Any],
         header: dict[str, Any],
         on_resume: Callable[[dict[str, Any]], None] | None = None,
+        current: Callable[[dict[str, Any]], dict[str, Any]] = lambda contract: contract,
     ) -> None:
         """Create the run, or resume it when its contract is the same.
 
         ``header`` is recorded but never compared (command line, timestamps);
         ``on_resume`` sees the recorded manifest of a run with rows before anything else
-        is compared (the runner refuses other library versions there).
+        is compared (the runner refuses other library versions there), and ``current``
+        reads a recorded contract in the layout ``contract`` is built in (a contract of
+        an older layout keeps its bytes and its hash).
         """
         contract = json.loads(canonical(contract))  # tuples become lists, as when re-read
         self._lock.acquire()
         try:
-            self._open(contract, header, on_resume)
+            self._open(contract, header, on_resume, current)
         except BaseException:
             self.close()  # a refused start ends this writer's turn
             raise
@@ -150,6 +153,7 @@ class RunLedger:
         contract: dict[str, Any],
         header: dict[str, Any],
         on_resume: Callable[[dict[str, Any]], None] | None,
+        current: Callable[[dict[str, Any]], dict[str, Any]],
     ) -> None:
         probe = self.run_dir / ".write-probe"
         try:
@@ -166,7 +170,7 @@ class RunLedger:
             existing = RunLedger.open_existing(self.run_dir).manifest
             if on_resume is not None:
                 on_resume(existing)
-            changed = diff_fields(existing["contract"], contract)
+            changed = diff_fields(current(existing["contract"]), contract)
             noted = [path for path in changed if path in INFORMATIONAL]
             if noted:
                 print(f"kvreplay: resuming although {', '.join(noted)} differs", file=sys.stderr)

@@ -1,9 +1,10 @@
 """Boundary states: a KV cache over a prefix plus the logits at its last position.
 
-This is the only module that touches transformers ``Cache`` internals. Tensors keep the
-cache layout ``[batch, kv_heads, seq, head_dim]`` everywhere; sliding-window layers
-(Gemma3) store only their window, and every operation here works on them as stored,
-with the layer's cumulative length checked alongside.
+What every backend's states share: comparison, replicas, transplants, fingerprints and
+snapshots, over :meth:`BoundaryState.layer_tensors`. Tensors keep the cache layout
+``[batch, kv_heads, seq, head_dim]`` everywhere; sliding-window layers (Gemma3) store only
+their window, and every operation here works on them as stored, with the layer's
+cumulative length checked alongside.
 
 Fingerprints are SHA-256 over canonical bytes: for each tensor in a fixed order, an ASCII
 header ``name|dtype|shape\\n`` and then the tensor's raw little-endian bytes (C order).
@@ -13,10 +14,10 @@ paper's release.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,6 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import DynamicCache
 
 from kvreplay.core.comparison import Comparison
 from kvreplay.core.errors import KvreplayError
@@ -46,21 +46,21 @@ def fingerprint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 @dataclass
-class BoundaryState:
-    """A decoder state over ``token_ids``: the cache and the logits at the last position.
+class BoundaryState(ABC):
+    """A decoder state over ``token_ids``: K/V over them (``cache``, held as the backend
+    holds it) and the logits at the last position.
 
     ``advance`` feeds tokens through the model and mutates the state in place; every
-    construction and every continuation is a sequence of ``advance`` calls.
+    construction and every continuation is a sequence of ``advance`` calls. Each backend
+    with K/V access subclasses this (transformers' cache: ``backends/hf/state.py``;
+    llama.cpp's sequence state; vLLM's cached blocks), so every comparison, replica,
+    transplant and snapshot below runs unchanged on it.
     """
 
-    cache: DynamicCache
+    cache: Any
     logits: torch.Tensor | None
     token_ids: list[int]
     construction: str
-
-    @classmethod
-    def empty(cls, model: Any, construction: str) -> BoundaryState:
-        return cls(DynamicCache(config=model.config), None, [], construction)
 
     @property
     def position(self) -> int:
@@ -70,25 +70,29 @@ class BoundaryState:
         assert self.logits is not None, "an empty state has no boundary logits"
         return int(torch.argmax(self.logits).item())
 
-    @torch.inference_mode()
+    @abstractmethod
     def advance(self, model: Any, ids: Sequence[int]) -> None:
-        """Feed ``ids`` as one chunk; only the last position's logits are computed.
+        """Feed ``ids`` as one chunk through ``model``; the logits become the last one's."""
 
-        Computing just the last row (``logits_to_keep=1``) keeps the LM-head GEMM shape the
-        same for every construction, so logits differences come from the cache alone.
-        """
-        device = model.device
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
-        out = model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.logits = out.logits[0, -1]
-        self.token_ids.extend(int(t) for t in ids)
-
+    @abstractmethod
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+        """Each layer's K and V, ``[batch, kv_heads, seq, head_dim]``."""
 
+    @abstractmethod
     def layer_lengths(self) -> list[int]:
         """Tokens each layer has seen (a sliding layer stores fewer than it has seen)."""
-        return [int(layer.get_seq_length()) for layer in self.cache.layers]
+
+    @abstractmethod
+    def layer_kinds(self) -> list[str]:
+        """Each layer's cache kind: what a snapshot must match to load."""
+
+    @abstractmethod
+    def copy(self) -> BoundaryState:
+        """A storage-disjoint deep copy."""
+
+    @abstractmethod
+    def take_layers(self, donor: BoundaryState, layers: list[int], component: Component) -> None:
+        """Replace this state's K and/or V in ``layers`` by copies of the donor's."""
 
     def named_cache_tensors(self) -> list[tuple[str, torch.Tensor]]:
         named = []
@@ -99,37 +103,12 @@ class BoundaryState:
     def cache_fingerprint(self) -> str:
         return fingerprint_tensors(self.named_cache_tensors())
 
-    def layer_kinds(self) -> list[str]:
-        """Each layer's cache class and window: what a snapshot must match to load."""
-        return layer_kinds(self.cache)
-
     def storages(self) -> set[int]:
         """The addresses of the memory this state's tensors live in."""
         tensors = [t for pair in self.layer_tensors() for t in pair]
         if self.logits is not None:
             tensors.append(self.logits)
         return {t.untyped_storage().data_ptr() for t in tensors}
-
-    @torch.inference_mode()
-    def copy(self) -> BoundaryState:
-        """A storage-disjoint deep copy (caches filled under inference mode deep-copy
-        safely)."""
-        return BoundaryState(
-            cache=copy.deepcopy(self.cache),
-            logits=None if self.logits is None else self.logits.clone(),
-            token_ids=list(self.token_ids),
-            construction=self.construction,
-        )
-
-    @torch.inference_mode()
-    def take_layers(self, donor: BoundaryState, layers: list[int], component: Component) -> None:
-        """Replace this state's K and/or V in ``layers`` by copies of the donor's."""
-        for index in layers:
-            source, target = donor.cache.layers[index], self.cache.layers[index]
-            if component in ("kv", "k"):
-                target.keys = source.keys.clone()
-            if component in ("kv", "v"):
-                target.values = source.values.clone()
 
     def logits_fingerprint(self) -> str:
         assert self.logits is not None
@@ -424,55 +403,3 @@ def read_snapshot(path: Path) -> SnapshotContents:
         ids.tolist() if ids is not None and ids.dtype == torch.long and ids.dim() == 1 else None
     )
     return SnapshotContents(metadata, tensors, token_ids, cache, logits)
-
-
-def config_layer_kinds(config: Any) -> list[str]:
-    """The layer kinds of the cache a model of ``config`` builds (no weights needed):
-    what a snapshot saved from that model holds."""
-    return layer_kinds(DynamicCache(config=config))
-
-
-def layer_kinds(cache: DynamicCache) -> list[str]:
-    """Each layer's cache class and window: what a snapshot must match to load."""
-    return [
-        f"{type(layer).__name__}:{getattr(layer, 'sliding_window', 0) or 0}"
-        for layer in cache.layers
-    ]
-
-
-@torch.inference_mode()
-def load_state(path: Path, model: Any) -> BoundaryState:
-    """Rebuild a state saved by :func:`save_state` into a cache laid out for ``model``."""
-    info = read_state_metadata(path)
-    state = BoundaryState.empty(model, info.construction)
-    layers = state.cache.layers
-    if len(layers) != len(info.layer_lengths):
-        raise KvreplayError(
-            f"The snapshot {path} has {len(info.layer_lengths)} layers "
-            f"but the model has {len(layers)}."
-        )
-    with safe_open(str(path), framework="pt") as handle:
-        saved_kinds = json.loads((handle.metadata() or {}).get("layer_kinds", "null"))
-    if saved_kinds != layer_kinds(state.cache):
-        raise KvreplayError(
-            f"The snapshot {path} was saved from a model with another cache layout."
-        )
-    device = model.device
-    with safe_open(str(path), framework="pt", device=str(device)) as handle:
-        for i, layer in enumerate(layers):
-            keys = handle.get_tensor(f"layers.{i}.keys")
-            values = handle.get_tensor(f"layers.{i}.values")
-            if keys.dtype != model.dtype:
-                raise KvreplayError(
-                    f"The snapshot {path} holds a {keys.dtype} cache but the model runs in "
-                    f"{model.dtype}."
-                )
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            if hasattr(layer, "cumulative_length"):
-                layer.cumulative_length = info.layer_lengths[i]
-        state.logits = handle.get_tensor("logits")
-        state.token_ids = [int(t) for t in handle.get_tensor("token_ids").tolist()]
-    if state.layer_lengths() != info.layer_lengths:
-        raise KvreplayError(f"The snapshot {path} does not fit this model's cache layout.")
-    return state

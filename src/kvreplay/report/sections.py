@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.analysis.ledgers import LedgerDir
-from kvreplay.analysis.sections.registry import SECTIONS
+from kvreplay.analysis.sections.registry import sections
 from kvreplay.backends import backend_class
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import parse_json
@@ -20,9 +20,6 @@ from kvreplay.ledger import Record, rows_of
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Paragraph, Table
 from kvreplay.render.figures import Figures
-
-# The experiments whose rows compare a rebuilt state with the live one, item by item.
-JUDGED = ("matched", "fixed-prefix", "bridge", "resample")
 
 
 def _manifest(run_dir: Path) -> dict[str, Any] | None:
@@ -106,7 +103,7 @@ def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figur
     else:
         blocks.append(Paragraph("No manifest.json here, so model, engine and device are unknown."))
     blocks.append(Paragraph("Ledgers read: " + ", ".join(sorted(folder.ledgers)) + "."))
-    headline = [row for section in SECTIONS for row in section.headline(claims)]
+    headline = [row for section in sections() for row in section.headline(claims)]
     if headline:  # a run of experiments the paper has no figure for has none
         blocks += [
             Heading("Headline, beside the paper"),
@@ -118,7 +115,7 @@ def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figur
             Table(("claim", "this run", "paper"), headline),
         ]
     blocks += _verdicts(run_dir, folder.records)
-    for section in SECTIONS:
+    for section in sections():
         own = section.ledgers(folder.ledgers)
         blocks += section.report(Page(claims, own, folder.records, figures))
     return blocks
@@ -129,16 +126,16 @@ def _verdicts(run_dir: Path, records: Iterable[Record] | None) -> list[Block]:
     the near-ties and the power (a folder of CSVs alone has no rows to judge)."""
     if not records:
         return []
-    from kvreplay.experiments.registry import recorded_experiment
-    from kvreplay.verify.verdict import verdict_sentence
+    from kvreplay.experiments.registry import judged_experiments, recorded_experiment
+    from kvreplay.verify.render import run_sentence
 
     manifest = parse_json((run_dir / "manifest.json").read_bytes())
     found = []
     for name, entry in manifest.get("experiments", {}).items():
         experiment = recorded_experiment(name, manifest)
         rows = rows_of(records, name)
-        if experiment is None or next(iter(rows), None) is None or name not in JUDGED:
+        if experiment is None or next(iter(rows), None) is None or name not in judged_experiments():
             continue
-        sentence = verdict_sentence(experiment, rows, entry["config"].get("margin"))
+        sentence = run_sentence(experiment, rows, entry["config"].get("margin"))
         found.append(Paragraph(f"{name}: {sentence}"))
     return [Heading("Verdict"), *found] if found else []

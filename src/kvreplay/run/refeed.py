@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, load_items
+from kvreplay.core.options import option
+from kvreplay.model.embedded import DEFAULT_MODEL
+from kvreplay.model.precision import DTYPES
 
 # Bounds: a workload for a check, not a corpus.
 MAX_SOURCES = 64
@@ -29,14 +32,36 @@ MAX_TOKENS = 4096
 @dataclass(frozen=True)
 class RefeedPlan:
     """Which generations and cuts: ``sources`` items of ``items_source`` (their first),
-    each continued greedily for up to ``tokens`` tokens, cut at ``cuts`` distinct seeded
-    points inside its generation."""
+    each continued greedily by ``model`` at ``dtype`` for up to ``tokens`` tokens, cut at
+    ``cuts`` distinct seeded points inside its generation."""
 
-    sources: int = 4
-    cuts: int = 6
-    tokens: int = 256
-    seed: int = 0
-    items_source: str = "arith"
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=option(
+            "--model", "The model whose greedy generations are cut (transformers, in process)."
+        ),
+    )
+    dtype: str = field(
+        default="fp32",
+        metadata=option("--dtype", "Precision of the generations.", choices=DTYPES),
+    )
+    items_source: str = field(
+        default="arith",
+        metadata=option(
+            "--from", "The items whose prompts start the generations (a built-in set or JSONL)."
+        ),
+    )
+    sources: int = field(
+        default=4, metadata=option("--sources", "Generations: the first N items of --from.")
+    )
+    cuts: int = field(
+        default=6, metadata=option("--cuts", "Seeded cut points per generation; each is one item.")
+    )
+    tokens: int = field(
+        default=256,
+        metadata=option("--tokens", "The most tokens each generation runs (it ends early at EOS)."),
+    )
+    seed: int = field(default=0, metadata=option("--seed", "Seed of the cut points."))
 
     def check(self) -> None:
         for name, value, most in (
@@ -83,14 +108,15 @@ def greedy_generation(lm: Any, prompt_ids: list[int], tokens: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt_ids) :]]
 
 
-def refeed_items(model: str, plan: RefeedPlan, dtype: str = "fp32") -> list[Item]:
-    """The cut-and-refeed items of ``plan`` on ``model`` (see the module docstring)."""
-    from kvreplay.model.models import load_model
+def refeed_items(plan: RefeedPlan) -> list[Item]:
+    """The cut-and-refeed items of ``plan`` (see the module docstring)."""
+    from kvreplay.backends.hf.loading import load_model
 
     plan.check()
     sources = load_items(plan.items_source)[: plan.sources]
     if any(item.prompt is None for item in sources):
         raise KvreplayError(f"Items {plan.items_source!r} hold an item without a prompt.")
+    model, dtype = plan.model, plan.dtype
     lm = load_model(model, dtype)
     rng = random.Random(plan.seed)
     items = []

@@ -12,24 +12,23 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from kvreplay import __version__
-from kvreplay.contract.config import RunConfig, RunSettings
-from kvreplay.contract.environment import environment, git_commit
+from kvreplay.contract.build import build_contract
+from kvreplay.contract.config import RunConfig
+from kvreplay.contract.environment import git_commit
 from kvreplay.contract.lock import check_libraries, installed
+from kvreplay.contract.upgrade import current
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.items import Item, encode_prompt, is_token_ids, items_digest, load_items
-from kvreplay.core.jsonio import read_json
-from kvreplay.core.paths import check_name, read_regular
-from kvreplay.core.scoring import get_extractor
-from kvreplay.core.stages import StagePlan, get_plan, opener_ids
-from kvreplay.engines import EngineSession, check_engine, make_engine
-from kvreplay.engines.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+from kvreplay.core.items import Item, encode_prompt, is_token_ids, load_items
+from kvreplay.core.paths import read_regular
+from kvreplay.core.stages import StagePlan, opener_ids
+from kvreplay.core.version import VERSION
+from kvreplay.engines import EngineSession, make_engine
+from kvreplay.engines.threads import check_recorded, intra_op_threads
 from kvreplay.experiments import get_experiment
 from kvreplay.harness.scope import Scope, SourceRun
 from kvreplay.harness.units import Unit
@@ -45,47 +44,10 @@ from kvreplay.ledger import (
     parse_rows,
     write_text_atomic,
 )
-from kvreplay.model.models import load_tokenizer, text_config, vocabulary_size
-from kvreplay.model.precision import parse_device, parse_dtypes
-from kvreplay.model.sources import canonical_spec
+from kvreplay.model.reading import text_config, vocabulary_size
+from kvreplay.run.request import RunRequest
 from kvreplay.run.summary import format_summary, summarize
-from kvreplay.verify.verdict import verdict_sentence
-
-
-@dataclass(frozen=True)
-class RunRequest(RunSettings):
-    """What the user asked for; every field is validated before model work starts."""
-
-    experiment: str
-    out: Path
-    model: str = "smollm2-135m"
-    items: str = "arith"
-    n: int | None = None
-    dtypes: tuple[str, ...] = ("bf16", "fp32")
-    plan: str = "instruct"
-    save_snapshots: bool = False
-    prefix_from: Path | None = None
-    engine: str = "local"
-    workers: int = 1
-    gpus_per_worker: float = 0.0
-    ray_address: str | None = None
-    threads: int = DEFAULT_THREADS  # torch intra-op threads per worker process
-    command: list[str] = field(default_factory=lambda: list(sys.argv))
-    extra: dict[str, Any] = field(default_factory=dict)  # the experiment's own options
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model", canonical_spec(self.model))
-
-
-def _plan(request: RunRequest) -> StagePlan:
-    path = Path(request.plan)
-    if path.suffix == ".json":
-        data = read_json(path, f"the stage plan file {path}")
-        try:
-            return StagePlan.from_dict(data)
-        except KvreplayError as exc:
-            raise KvreplayError(f"The stage plan file {path} is not a valid plan: {exc}") from exc
-    return get_plan(request.plan)
+from kvreplay.verify.render import run_sentence
 
 
 def _check_prompts(
@@ -94,7 +56,7 @@ def _check_prompts(
     """Prompts over the context window, token ids outside the vocabulary (a trace's, or
     any the tokenizer can produce) and empty openers are refused before model work."""
     budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
-    config = text_config(request.model, request.trust_remote_code)
+    config = text_config(request.model, request.backend.trusts_remote_code)
     vocabulary = vocabulary_size(config, tokenizer)
     largest = max(max(tokenizer.get_vocab().values()), *tokenizer.all_special_ids)
     if largest >= vocabulary:
@@ -150,7 +112,8 @@ def _check_resume(request: RunRequest) -> None:
     existing = RunLedger.open_existing(request.out)
     if not existing.has_rows():
         return
-    check_recorded(existing.manifest["contract"], request.threads, request.out, "resume")
+    threads = request.placement.threads
+    check_recorded(existing.manifest["contract"], threads, request.out, "resume")
     saved = existing.manifest.get("snapshots") == SNAPSHOTS_SAVED
     if saved != request.save_snapshots:
         flag = "with" if saved else "without"
@@ -159,52 +122,22 @@ def _check_resume(request: RunRequest) -> None:
         )
 
 
-def build_contract(
-    config: RunConfig, info: dict[str, Any], items_source: str, items: list[Item], scheme: int
-) -> dict[str, Any]:
-    """The manifest's contract: everything that can change a result. ``kvreplay audit``
-    rebuilds it on its own machine and compares it with the recorded one."""
-    return {
-        **({"scheme": scheme} if scheme > 1 else {}),
-        "run": config.contract(),
-        "model_info": info,
-        "environment": environment(config.device, scheme) | config.backend.environment(),
-        "items": {"source": items_source, "digest": items_digest(items), "count": len(items)},
-    }
-
-
 def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
-    """Validate the request and open (or resume) the run directory."""
-    check_name(request.out, "--out")
-    parse_dtypes(request.dtypes, request.backend.precisions)
-    parse_device(request.device)
-    placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
-    check_engine(*placement, request.device)
-    if request.workers > 1 and not request.backend.parallel_workers:
-        raise KvreplayError(
-            f"The {request.backend.name} backend's workers would share one server and reset "
-            "each other's prefix cache; run it with --workers 1."
-        )
-    plan = _plan(request)
-    get_extractor(request.extractor)
+    """Validate the request and open (or resume) the run directory: everything that can
+    be refused is refused before the first write."""
+    request.check()
+    plan = request.stage_plan()
     experiment = get_experiment(request.experiment, request.backend)
     request.backend.check_installed()  # before anything imports the backend's libraries
     items = load_items(request.items)
-    experiment.check_prompts(items, experiment.count(request.n, items))
+    count = experiment.count(request.n, items)
+    experiment.check_prompts(items, count)
     scheme = _recorded_scheme(request.out)
     _check_resume(request)
-    request.backend.check_loadable(
-        request.model, request.attn_implementation, request.trust_remote_code
+    prompts = [i.prompt for i in items[:count] if i.prompt]
+    tokenizer, info = request.backend.admit(
+        request.model, request.device, request.dtypes, scheme, prompts, request.chat
     )
-    tokenizer = load_tokenizer(request.model, request.trust_remote_code)
-    info = request.backend.describe_model(
-        request.model, request.trust_remote_code, scheme, tokenizer
-    )
-    request.backend.check_model(
-        request.model, request.trust_remote_code, request.device, tuple(request.dtypes)
-    )
-    prompts = [i.prompt for i in items[: experiment.count(request.n, items)] if i.prompt]
-    request.backend.check_tokenization(request.model, tokenizer, prompts, request.chat)
     _check_prompts(request, plan, items, info, tokenizer)
     config = RunConfig(
         model=request.model,
@@ -214,32 +147,42 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
         save_snapshots=request.save_snapshots,
         **request.settings(),
     )
+    source = _source_run(request.prefix_from)
+    scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
+    experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
     contract = build_contract(config, info, request.items, items, scheme)
-    header = {
+    return _open_ledger(request, contract, items), scope
+
+
+def _header(request: RunRequest) -> dict[str, Any]:
+    """What the manifest records but a resume never compares."""
+    return {
         "platform": platform.platform(),
-        "environment": {
-            "python": platform.python_version(),
-            "distributions": installed(),
-        },
-        "kvreplay_version": __version__,
+        "environment": {"python": platform.python_version(), "distributions": installed()},
+        "kvreplay_version": VERSION,
         "git_commit": git_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": request.command,
         "snapshots": SNAPSHOTS_SAVED if request.save_snapshots else "fingerprints only",
     }
-    source = _source_run(request.prefix_from)
-    scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
-    experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
+
+
+def _open_ledger(request: RunRequest, contract: dict[str, Any], items: list[Item]) -> RunLedger:
+    """Start or resume the run's ledger (a resume on other library versions is refused)
+    and freeze its items."""
     ledger = RunLedger(request.out)
     ledger.start(
-        contract, header, on_resume=lambda recorded: check_libraries(recorded, request.out)
+        contract,
+        _header(request),
+        on_resume=lambda recorded: check_libraries(recorded, request.out),
+        current=current,
     )
     try:
         _freeze_items(ledger, items)
     except BaseException:
         ledger.close()
         raise
-    return ledger, scope
+    return ledger
 
 
 def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
@@ -284,11 +227,12 @@ def run(
 
     The run holds the folder's lock (see :mod:`kvreplay.ledger.writer`) from before its first
     write until it returns, so a second run on the same folder is refused. It runs on
-    ``request.threads`` torch threads per worker process, which its contract records.
+    ``request.placement.threads`` torch threads per worker process, which its contract
+    records.
     A ``session`` (closed by the caller) keeps its workers and their models for the next
     run; ``stop`` may end it before every unit ran.
     """
-    with intra_op_threads(request.threads):
+    with intra_op_threads(request.placement.threads):
         ledger, scope = prepare(request)
         try:
             return _run_prepared(request, ledger, scope, quiet, session, stop)
@@ -310,9 +254,8 @@ def _run_prepared(
     own = experiment.config(scope, selection)
     ledger.register_experiment(experiment.name, experiment.table.stamp(own, recorded))
     config = ledger.manifest["experiments"][experiment.name]["config"]
-    placement = (request.engine, request.workers, request.gpus_per_worker, request.ray_address)
-    run = scope.config
-    engine = session.engine(run, *placement) if session else make_engine(run, *placement)
+    run, placement = scope.config, request.placement
+    engine = session.engine(run, placement) if session else make_engine(run, placement)
     try:
         ledger.note_experiment(experiment.name, "engine", engine.describe())
         done = (lambda: stop(ledger.rows(experiment.name))) if stop else (lambda: False)
@@ -339,7 +282,7 @@ def _run_prepared(
     summary = summarize(experiment, rows)
     if not quiet:
         print(format_summary(experiment, summary))
-        print(verdict_sentence(experiment, rows, config.get("margin")))
+        print(run_sentence(experiment, rows, config.get("margin")))
     return summary
 
 

@@ -276,4 +276,4 @@ def _figure_roc(page: Page, flip: Json) -> Path | None:
     return page.figures.save(figure, "flip_predictor_roc.png")
 
 
-FLIP = Section(MATRIX.tables, _claims, _summary, report=_report)
+FLIP = Section("flip", MATRIX.tables, _claims, _summary, report=_report, paper_order=9)

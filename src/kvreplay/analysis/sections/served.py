@@ -86,4 +86,4 @@ def _report(page: Page) -> list[Block]:
     ]
 
 
-SERVED = Section((SERVED_MATCHED_TABLE,), _claims, report=_report)
+SERVED = Section("served", (SERVED_MATCHED_TABLE,), _claims, report=_report, paper_order=5)

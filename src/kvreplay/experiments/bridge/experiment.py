@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.experiments.bridge.table import BRIDGE, BRIDGE_TABLE
 from kvreplay.experiments.matrix.table import MATCHED
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Arm, Panel
@@ -26,8 +25,6 @@ DEFAULT_N = 12
 
 
 class Bridge(Experiment):
-    name = BRIDGE
-    table = BRIDGE_TABLE
     panel = Panel((Arm("live", "live", replica="clone"), Arm("teacher", "replay", replica="clone")))
 
     def default_n(self, total: int) -> int:

@@ -61,4 +61,4 @@ def _headline(claims: Json) -> list[Row]:
     ]
 
 
-BRIDGE = Section((BRIDGE_TABLE,), _claims, _summary, _headline)
+BRIDGE = Section("bridge", (BRIDGE_TABLE,), _claims, _summary, _headline, paper_order=2)

@@ -14,4 +14,6 @@ DECLARATION = Declaration(
     table=FIXED_PREFIX_TABLE,
     source="Take prefixes from this run (default: this run's bf16 live rows).",
     section=SECTION,
+    judged=True,
+    outcome_rank=1,
 )

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvreplay.core.items import Item
 from kvreplay.experiments.matrix.panel import matrix_panel, run_matrix
-from kvreplay.experiments.matrix.table import FIXED_PREFIX, FIXED_PREFIX_TABLE, MATCHED
+from kvreplay.experiments.matrix.table import MATCHED
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.prefixes import prefix_inputs, prefix_row, prefix_unit
 from kvreplay.harness.scope import Scope, Selection
@@ -28,9 +28,7 @@ def _source_for(item: Item, dtype: str, rows: dict[str, Record]) -> Record | Non
 
 
 class FixedPrefix(Experiment):
-    name = FIXED_PREFIX
     panel = matrix_panel("replay")
-    table = FIXED_PREFIX_TABLE
     phases = 2
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:

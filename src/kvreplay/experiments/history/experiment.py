@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.experiments.history.table import HISTORY, HISTORY_TABLE
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Panel
 from kvreplay.harness.scope import Scope, Selection
@@ -37,7 +36,6 @@ TRAFFIC_PROMPTS = 8
 class History(Experiment):
     """The hit after different histories; a server's experiment (the http backend)."""
 
-    name = HISTORY
     served = True
     panel = Panel(
         (
@@ -48,7 +46,6 @@ class History(Experiment):
             ServedArm("evicted", "hit", replica="none", history="evicted"),
         )
     )
-    table = HISTORY_TABLE
 
     def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
         return items[:n]

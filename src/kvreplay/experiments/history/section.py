@@ -117,4 +117,4 @@ def _report(page: Page) -> list[Block]:
     ]
 
 
-HISTORY = Section((HISTORY_TABLE,), _claims, _summary, report=_report)
+HISTORY = Section("history", (HISTORY_TABLE,), _claims, _summary, report=_report)

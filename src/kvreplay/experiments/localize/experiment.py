@@ -37,11 +37,11 @@ from kvreplay.core.trajectory import Trajectory
 from kvreplay.experiments.localize.section import draw, recovery
 from kvreplay.experiments.localize.table import (
     DIRECTIONS,
-    LOCALIZE,
-    LOCALIZE_TABLE,
     SWEEPS,
     Probe,
 )
+from kvreplay.experiments.registry import outcome_sources
+from kvreplay.experiments.transplant.table import TRANSPLANT
 from kvreplay.harness.blocks import engine_of, follow_in_engine
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Arm, Panel
@@ -52,7 +52,7 @@ from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
 if TYPE_CHECKING:
-    from kvreplay.model.models import LoadedModel
+    from kvreplay.backends.hf.loading import LoadedModel
     from kvreplay.model.state import BoundaryState, Component
 
 # The probes below run in process only (they import torch when they run): the
@@ -166,12 +166,11 @@ def _decide(
 
 
 class Localize(Experiment):
-    name = LOCALIZE
-    table = LOCALIZE_TABLE
     panel = Panel((Arm("left", "replay"), Arm("prefill", "prefill")), keep_states=True)
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
-        return select_panel(self.name, "divergent", scope, rows)
+        sources = (*outcome_sources(), TRANSPLANT)  # a transplant panel's rows hold outcomes too
+        return select_panel(self.name, "divergent", scope, rows, sources)
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         both = PanelOptions.of(scope).both_directions

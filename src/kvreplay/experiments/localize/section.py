@@ -197,4 +197,4 @@ def draw(directions: Json, figures: Figures) -> Path:
     return path
 
 
-LOCALIZE = Section((LOCALIZE_TABLE,), _claims, _summary, report=_report)
+LOCALIZE = Section("localize", (LOCALIZE_TABLE,), _claims, _summary, report=_report, paper_order=8)

@@ -16,4 +16,7 @@ DECLARATION = Declaration(
     served_table=SERVED_MATCHED_TABLE,
     options="kvreplay.experiments.matched.screen:MatchedOptions",
     section=SECTION,
+    check="greedy",
+    judged=True,
+    outcome_rank=2,
 )

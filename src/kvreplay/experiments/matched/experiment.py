@@ -11,7 +11,6 @@ from typing import Any
 from kvreplay.core.items import Item
 from kvreplay.experiments.matched.screen import WINDOW, MatchedOptions, ranked, screen_row
 from kvreplay.experiments.matrix.panel import matrix_panel, run_matrix
-from kvreplay.experiments.matrix.table import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Panel
 from kvreplay.harness.scope import Scope, Selection
@@ -25,9 +24,7 @@ class Matched(Experiment):
     screens candidates (:mod:`kvreplay.experiments.matched.screen`) and the rows run for the most
     fragile, riskiest first."""
 
-    name = MATCHED
     panel = matrix_panel("live")
-    table = MATCHED_TABLE
     phases = 2  # the screens of --select fragile (none otherwise), then the rows
 
     def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
@@ -98,7 +95,6 @@ class ServedMatched(Matched):
             ServedArm("batched", "hit", replica="none", companions=True),
         )
     )
-    table = SERVED_MATCHED_TABLE
 
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]

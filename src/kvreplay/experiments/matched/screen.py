@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.options import option
 from kvreplay.core.stages import StagePlan
 from kvreplay.core.trajectory import Trajectory
-from kvreplay.harness.declaration import option
 from kvreplay.harness.prefixes import prefix_record, prompt_ids
 from kvreplay.harness.scope import Scope, own_options
 from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench

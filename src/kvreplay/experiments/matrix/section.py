@@ -550,6 +550,7 @@ def _figure_layer_drift(page: Page) -> tuple[Path | None, str]:
 
 
 MATRIX = Section(
+    "matrix",
     (MATCHED_TABLE, SERVED_MATCHED_TABLE, FIXED_PREFIX_TABLE),
     _claims,
     _summary,

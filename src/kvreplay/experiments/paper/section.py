@@ -63,5 +63,7 @@ def _stock_summary(claims: Json) -> list[str]:
     return [f"{STOCK_SECTION}: singleton vs pair tokens exact {exact}"]
 
 
-HISTORICAL = Section((HISTORICAL_TABLE,), _historical, _historical_summary)
-STOCK = Section((STOCK_TABLE,), _stock, _stock_summary)
+HISTORICAL = Section(
+    "historical", (HISTORICAL_TABLE,), _historical, _historical_summary, paper_order=3
+)
+STOCK = Section("stock", (STOCK_TABLE,), _stock, _stock_summary, paper_order=6)

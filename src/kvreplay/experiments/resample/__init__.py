@@ -17,4 +17,6 @@ DECLARATION = Declaration(
     options=f"{__name__}.experiment:ResampleOptions",
     temperature=0.7,
     section=SECTION,
+    check="faithful",
+    judged=True,
 )

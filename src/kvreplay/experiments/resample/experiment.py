@@ -21,9 +21,8 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
+from kvreplay.core.options import option
 from kvreplay.core.sampler import Sampler
-from kvreplay.experiments.resample.table import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
-from kvreplay.harness.declaration import option
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Arm, Panel, Samples
 from kvreplay.harness.rows import PanelRow
@@ -79,9 +78,7 @@ class ResampleOptions:
 
 
 class Resample(Experiment):
-    name = RESAMPLE
     panel = Panel((Arm("live", "live"), Arm("prefill", "prefill")))
-    table = RESAMPLE_TABLE
 
     def prompt_pool(self, items: list[Item], n: int) -> list[Item]:
         return items[:n]
@@ -153,7 +150,6 @@ class ServedResample(Resample):
     served = True
 
     panel = Panel((ServedArm("live", "hit"), ServedArm("prefill", "miss")))
-    table = SERVED_RESAMPLE_TABLE
 
     def run_row(
         self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples

@@ -222,4 +222,11 @@ def _figure(page: Page, rows: Ledger, block: Json, precision: str) -> Path:
     return page.figures.save(figure, f"resample_{precision}.png")
 
 
-RESAMPLE = Section((RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE), _claims, _summary, report=_report)
+RESAMPLE = Section(
+    "resample",
+    (RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE),
+    _claims,
+    _summary,
+    report=_report,
+    paper_order=7,
+)

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.experiments.transplant.table import SWAPS, TRANSPLANT, TRANSPLANT_TABLE
+from kvreplay.experiments.registry import outcome_sources
+from kvreplay.experiments.transplant.table import SWAPS
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Arm, Panel, Transplanted
 from kvreplay.harness.prefixes import prefix_inputs, prefix_row, prefix_unit
@@ -60,14 +61,12 @@ def _names(scope: Scope) -> Callable[[str], dict[str, str]]:
 
 
 class Transplant(Experiment):
-    name = TRANSPLANT
     panel = PANEL
     phases = 2
-    table = TRANSPLANT_TABLE
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
         panel = PanelOptions.of(scope).panel
-        return select_panel(self.name, panel, scope, rows, _names(scope))
+        return select_panel(self.name, panel, scope, rows, outcome_sources(), _names(scope))
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         return {

@@ -120,4 +120,6 @@ def _figure(page: Page, transplants: list[tuple[str, Json]]) -> Path:
     return page.figures.save(figure, "transplant_recovery.png")
 
 
-TRANSPLANT = Section((TRANSPLANT_TABLE,), _claims, _summary, _headline, _report)
+TRANSPLANT = Section(
+    "transplant", (TRANSPLANT_TABLE,), _claims, _summary, _headline, _report, paper_order=4
+)

@@ -1,0 +1,65 @@
+"""The hf backend: transformers eager in this process, with full K/V access, so every
+experiment runs on it. It is a backend like the others: its settings (the attention
+implementation, remote code) are its own, and so are transformers' loading
+(:mod:`~kvreplay.backends.hf.loading`) and its cache (:mod:`~kvreplay.backends.hf.state`);
+no other backend imports transformers to be checked or run.
+
+A contract names it like any other backend. Contracts recorded before it did (an hf run
+named no backend, and every run held the attention and remote-code settings beside the
+model) are read through :func:`kvreplay.contract.upgrade.current`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreplay.backends.base import (
+    Backend,
+    Capabilities,
+    ModelRef,
+    option,
+    trust_remote_code_setting,
+)
+
+
+@dataclass(frozen=True)
+class HfBackend(Backend):
+    name = "hf"
+    summary = "transformers eager, full K/V access (every experiment)"
+    capabilities = Capabilities(kv_access=True, seeded_sampling=True)
+    extra = "hf"
+    requires = ("torch", "transformers")
+    attn_implementation: str = field(
+        default="sdpa",
+        metadata=option("--attn", "Attention implementation passed to transformers."),
+    )
+    trust_remote_code: bool = trust_remote_code_setting()
+
+    def check_model(self, spec: str, device: str, dtypes: tuple[str, ...]) -> None:
+        """transformers must build the model from its config on the meta device with this
+        attention implementation, and its weights must fit the config."""
+        from kvreplay.backends.hf.loading import check_loadable
+
+        check_loadable(spec, self.attn_implementation, self.trust_remote_code)
+
+    def state_layout(self, spec: str, tokens: int) -> tuple[list[str], list[int]]:
+        """transformers' cache for the config; a sliding layer counts every token it saw."""
+        from kvreplay.backends.hf.state import config_layer_kinds
+        from kvreplay.model.reading import model_config
+
+        kinds = config_layer_kinds(model_config(spec, self.trust_remote_code))
+        return kinds, [tokens] * len(kinds)
+
+    def load_model(self, model: ModelRef, precision: str, device_map: str | None = None) -> Any:
+        """transformers' model for one precision, on the run's device and attention."""
+        from kvreplay.backends.hf.loading import load_model
+
+        return load_model(
+            model.spec,
+            precision,
+            model.device,
+            self.attn_implementation,
+            self.trust_remote_code,
+            device_map,
+        )

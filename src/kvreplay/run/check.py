@@ -1,0 +1,251 @@
+"""``kvreplay check``: a verdict on a stack in a minute, for people and for CI.
+
+A check is a small run of the experiment a check role names (design: check): live vs
+prefill on a backend with K/V access, a prefix-cache hit vs a miss on a served one, each
+with its replica (``matched``); the resample certificate at temperature > 0; the hit
+under traffic beside the hit alone and the miss under ``--traffic N``. Its rows are
+judged against an expectation (:mod:`kvreplay.verify.verdict`). It is itself a run
+folder, so ``kvreplay audit`` re-executes it and rerunning it resumes it. Its outputs:
+the verdict on screen, ``--json``, ``--junit``, and a repro pack for the first divergent
+item (:mod:`kvreplay.run.repro`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvreplay.backends import DEFAULT_BACKEND
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.options import arguments, option
+from kvreplay.experiments.registry import check_experiment, declared
+from kvreplay.ledger import RunLedger, parse_rows
+from kvreplay.run.outputs import check_outputs, write_outputs
+from kvreplay.run.repro import repro_pack
+from kvreplay.run.request import RunOptions, RunRequest
+from kvreplay.verify.expectation import DEFAULT_MARGIN, EXPECTATIONS, Expectation, parse_expectation
+from kvreplay.verify.render import SCHEMA, screen
+from kvreplay.verify.verdict import StopRule, Verdict, judge
+
+DEFAULT_ITEMS = 4  # items a check runs without --n or --max-rate
+DEFAULT_SAMPLES = 8  # seeded samples per item at temperature > 0
+# The shared run options whose default a check sets otherwise than a run: one precision.
+CHECK_DEFAULTS: dict[str, Any] = {"dtypes": ("bf16",)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckRequest(RunOptions):
+    """What ``kvreplay check`` was asked: the shared run options, what must hold, and
+    where the verdict goes; ``own`` holds the options of the experiment it runs that were
+    given (``--select``, ``--screen``)."""
+
+    out: Path | None = field(
+        default=None,
+        metadata=option(
+            "--out",
+            "Run folder of the check (default: kvreplay-check/<model>-<backend>-<dtypes>-"
+            "t<temperature>); rerunning resumes it, and kvreplay audit re-executes it.",
+        ),
+    )
+    expect: str | None = field(
+        default=None,
+        metadata=option(
+            "--expect",
+            "What must hold: exact (every suffix equal: the token level; the default when "
+            "greedy), max-divergent (at most --max-divergent items differ), bitwise (every "
+            "compared step's numerics bit-equal: logits or top-k logprobs, and K/V where the "
+            "backend has them; stops at the first item whose numerics part; what a gate on a "
+            "deterministic mode such as VLLM_BATCH_INVARIANT=1 wants), or faithful (the "
+            "seeded samples' certificate within --margin; the default at --temperature > 0). "
+            "Every verdict reports both levels.",
+            choices=EXPECTATIONS,
+        ),
+    )
+    max_divergent: int | None = field(
+        default=None,
+        metadata=option(
+            "--max-divergent", "Items allowed to diverge under --expect max-divergent.", minimum=0
+        ),
+    )
+    max_rate: float | None = field(
+        default=None,
+        metadata=option(
+            "--max-rate",
+            "Run as many items as a pass needs to bound the divergence rate under this rate "
+            "at 95% (e.g. 0.05: 72 items), stopping as soon as the bound is out of reach; "
+            "replaces --n.",
+        ),
+    )
+    margin: float | None = field(
+        default=None,
+        metadata=option(
+            "--margin",
+            f"Equivalence margin of --expect faithful, in (0, 1) (default {DEFAULT_MARGIN:g}).",
+        ),
+    )
+    samples: int | None = field(
+        default=None,
+        metadata=option(
+            "--samples",
+            f"Seeded samples per item at --temperature > 0 (default {DEFAULT_SAMPLES}).",
+            minimum=2,
+            maximum=4096,
+        ),
+    )
+    json_path: Path | None = field(
+        default=None,
+        metadata=option("--json", f"Write the verdict as JSON (schema {SCHEMA}).", target="file"),
+    )
+    junit_path: Path | None = field(
+        default=None,
+        metadata=option("--junit", "Write JUnit XML: one test case per item.", target="file"),
+    )
+    repro: Path | None = field(
+        default=None,
+        metadata=option(
+            "--repro",
+            "Repro pack of the first divergent item (default: <out>.repro).",
+            target="folder",
+        ),
+    )
+    own: dict[str, Any] = field(default_factory=dict)
+    command: list[str] = field(default_factory=list)
+
+    def words(self) -> list[str]:
+        """The command-line words that ask for this check (after ``kvreplay check``)."""
+        backend = self.backend
+        chosen = ["--backend", backend.name] if backend.name != DEFAULT_BACKEND else []
+        own = declared()[check_experiment("greedy")].option_fields()
+        given = [w for key, value in self.own.items() for w in own[key].words(value)]
+        return [*arguments(self), *chosen, *arguments(backend), *given]
+
+    def rerun(self, items: Path, out: Path, precision: str) -> list[str]:
+        """This check's command, narrowed to one item and precision and a new folder (no
+        outputs, no selection): what a repro pack gives back."""
+        narrowed = replace(
+            self,
+            items=str(items),
+            n=1,
+            dtypes=(precision,),
+            out=out,
+            max_rate=None,
+            json_path=None,
+            junit_path=None,
+            repro=None,
+            own={},
+        )
+        return ["kvreplay", "check", *narrowed.words()]
+
+
+def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
+    """Run (or resume) the check asked for, print its verdict, write its outputs, and
+    return the verdict. Every refusal comes before the run writes. The run stops once its
+    verdict is decided (:func:`~kvreplay.verify.verdict.decided`)."""
+    from kvreplay.experiments import get_experiment
+    from kvreplay.run.runner import run
+
+    temperature = request.sampler.temperature
+    expectation = parse_expectation(
+        request.expect, request.max_divergent, request.margin, temperature, request.max_rate
+    )
+    name, extra = _experiment(request, expectation)
+    n = _item_count(request, expectation)
+    out = request.out or default_out(request)
+    repro = request.repro or out.with_name(out.name + ".repro")
+    check_outputs(out, request.json_path, request.junit_path, repro)
+    shared = {f.name: getattr(request, f.name) for f in fields(RunOptions)}
+    run_request = RunRequest(
+        **shared | {"n": n}, experiment=name, out=out, extra=extra, command=request.command
+    )
+    _check_numerics(run_request.backend, expectation)
+    experiment = get_experiment(name, run_request.backend, require_engine=False)
+    run(run_request, quiet=True, stop=StopRule(experiment, expectation))
+    ledger = RunLedger.open_existing(out)
+    records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
+    rows = [r for r in records if r.experiment == name]
+    planned = len(request.dtypes) * n
+    verdict = judge(experiment, rows, expectation, _environment(ledger.manifest), planned)
+    echo(screen(verdict))
+    write_outputs(verdict, request.json_path, request.junit_path)
+    pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
+    if pack is not None:
+        echo(f"repro pack: {pack.folder}; reproduce the first divergence with: {pack.command}")
+    echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
+    return verdict
+
+
+def _experiment(request: CheckRequest, expectation: Expectation) -> tuple[str, dict[str, Any]]:
+    """The experiment the check runs (by its declared check role) and its own options."""
+    faithful = expectation.kind == "faithful"
+    if request.samples is not None and not faithful:
+        raise KvreplayError("--samples applies at --temperature above 0 only.")
+    traffic = request.backend.traffic_clients
+    if traffic and faithful:
+        raise KvreplayError("--traffic applies to greedy checks only.")
+    if faithful and request.own:
+        raise KvreplayError("--select and --screen apply to greedy checks only.")
+    if faithful:
+        samples = request.samples or DEFAULT_SAMPLES
+        return check_experiment("faithful"), {"samples": samples, "margin": expectation.margin}
+    return check_experiment("traffic" if traffic else "greedy"), dict(request.own)
+
+
+def default_out(request: RunOptions) -> Path:
+    """One folder per model, backend, precisions and temperature, so a rerun resumes."""
+    model = Path(request.model).name or "model"
+    dtypes = "-".join(request.dtypes)
+    name = f"{model}-{request.backend.name}-{dtypes}-t{request.sampler.temperature:g}"
+    return Path("kvreplay-check") / re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
+def _environment(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the verdict records of where it ran, from the run's contract as recorded."""
+    contract = manifest["contract"]
+    model = contract["model_info"]
+    return {
+        "kvreplay_version": manifest.get("kvreplay_version"),
+        "model": {"spec": model["spec"], "model_digest": model["model_digest"]},
+        "backend": contract["run"].get("backend") or {"name": DEFAULT_BACKEND},
+        **contract["environment"],
+    }
+
+
+def _item_count(request: CheckRequest, expectation: Expectation) -> int:
+    """How many items the check runs: ``--n`` (:data:`DEFAULT_ITEMS` by default), or under
+    ``--max-rate`` as many as a pass needs to bound the rate under it, which the item set
+    must hold."""
+    from kvreplay.core.items import load_items
+
+    needed = expectation.items_needed()
+    if needed is None:
+        return request.n if request.n is not None else DEFAULT_ITEMS
+    if request.n is not None:
+        raise KvreplayError(
+            f"--max-rate {expectation.max_rate:g} sets how many items run ({needed}); "
+            "leave out --n."
+        )
+    total = len(load_items(request.items))
+    if total < needed:
+        raise KvreplayError(
+            f"--max-rate {expectation.max_rate:g} needs {needed} items for a pass to bound "
+            f"the divergence rate under it, but the item set {request.items} holds "
+            f"{total}; give a larger --items set or a higher --max-rate."
+        )
+    return needed
+
+
+def _check_numerics(backend: Any, expectation: Expectation) -> None:
+    """A bitwise check compares numerics, which a backend reports through its logits
+    (K/V access) or its top-k logprobs; one that reports neither is refused."""
+    capabilities = backend.capabilities
+    if expectation.kind == "bitwise" and not (capabilities.kv_access or capabilities.top_logprobs):
+        raise KvreplayError(
+            f"--expect bitwise compares numerics, but the {backend.name} backend reports "
+            "neither logits nor top-k logprobs; use --expect exact."
+        )
+
+
+__all__ = ["CHECK_DEFAULTS", "DEFAULT_ITEMS", "SCHEMA", "CheckRequest", "run_check"]
