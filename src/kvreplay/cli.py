@@ -155,13 +155,19 @@ def connection_options() -> tuple[click.Option, ...]:
     )
 
 
+def _given(value: Any) -> bool:
+    """Whether an option that defaults to "not given" was given (a flag left off was not;
+    a 0 was)."""
+    return value is not None and value is not False
+
+
 def _backend(values: dict[str, Any]) -> Any:
     """The backend the options name, with the settings given for it (taken out of
     ``values``)."""
     from kvreplay.backends import make_backend, setting_options
 
     name = values.pop("backend")
-    given = {k: v for k in setting_options() if (v := values.pop(k, None)) not in (None, False)}
+    given = {k: v for k in setting_options() if _given(v := values.pop(k, None))}
     return make_backend(name, **given)
 
 
@@ -198,7 +204,7 @@ def build_request(experiment: str, values: dict[str, Any]) -> Any:
     values = dict(values)
     backend = _backend(values)
     own = EXPERIMENTS.get(experiment).option_fields()
-    extra = {k: v for k in own if (v := values.pop(k, None)) is not None and v is not False}
+    extra = {k: v for k in own if _given(v := values.pop(k, None))}
     return build(
         RunRequest, values, experiment=experiment, out=values.pop("out"), backend=backend,
         prefix_from=values.pop("prefix_from", None), extra=extra,

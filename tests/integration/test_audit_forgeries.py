@@ -73,10 +73,13 @@ def test_a_sampled_row_reexecutes_the_rows_its_inputs_come_from(fixed_prefix_run
     assert "re-executed: 3" in result.output
 
 
-def test_audit_refuses_remote_code_unless_asked(run: Path) -> None:
-    """Class 2: a contract that says trust_remote_code no longer makes audit run code."""
+@pytest.mark.parametrize("where", ["backend", "run"])
+def test_audit_refuses_remote_code_unless_asked(run: Path, where: str) -> None:
+    """Class 2: a contract that says trust_remote_code, in its backend's entry or (the
+    older layout) beside the model, no longer makes audit run code."""
     data = manifest(run)
-    data["contract"]["run"]["trust_remote_code"] = True
+    entry = data["contract"]["run"]
+    (entry["backend"] if where == "backend" else entry)["trust_remote_code"] = True
     data["contract_sha256"] = sha256_json(data["contract"])
     write_manifest(run, data)
     rechain(run, read_rows(run), data["contract_sha256"])

@@ -53,27 +53,32 @@ def check_csvs(
         if not path.exists():
             problems.append(f"{path.name}: missing although {name} has rows")
             continue
-        try:  # bytes, not read_text: that would read CRLF line endings as the run's LF
-            actual = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            problems.append(f"{path.name}: not UTF-8 text")
-            continue
-        if actual == expected:
-            continue
-        want = list(csv.DictReader(io.StringIO(expected)))
-        have = list(csv.DictReader(io.StringIO(actual)))
-        if len(want) != len(have):
-            problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
-        for a, b in zip(want, have, strict=False):
-            for column in table.header(config):
-                if a.get(column) != b.get(column):
-                    problems.append(
-                        f"{path.name} row {a.get('row_id')} ({a.get('precision', '')})"
-                        f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
-                    )
-        if not problems or not problems[-1].startswith(path.name):
-            problems.append(
-                f"{path.name}: differs byte for byte from the CSV derived from rows.jsonl "
-                "(its line endings, quoting or columns)"
-            )
+        problems += _differences(path, table.header(config), expected)
     return problems
+
+
+def _differences(path: Path, columns: list[str], expected: str) -> list[str]:
+    """How a CSV departs from the one derived from rows.jsonl: its rows and fields where
+    they differ, else its bytes (line endings, quoting, columns)."""
+    try:  # bytes, not read_text: that would read CRLF line endings as the run's LF
+        actual = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return [f"{path.name}: not UTF-8 text"]
+    if actual == expected:
+        return []
+    problems = []
+    want = list(csv.DictReader(io.StringIO(expected)))
+    have = list(csv.DictReader(io.StringIO(actual)))
+    if len(want) != len(have):
+        problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
+    for a, b in zip(want, have, strict=False):
+        for column in columns:
+            if a.get(column) != b.get(column):
+                problems.append(
+                    f"{path.name} row {a.get('row_id')} ({a.get('precision', '')})"
+                    f": field {column} is {b.get(column)!r}, rows.jsonl says {a.get(column)!r}"
+                )
+    return problems or [
+        f"{path.name}: differs byte for byte from the CSV derived from rows.jsonl "
+        "(its line endings, quoting or columns)"
+    ]

@@ -23,6 +23,7 @@ from kvreplay.harness.rows import ArmResult, PanelRow, ReplicaGate, replica_name
 from kvreplay.harness.units import Clock, Unit, Workbench
 from kvreplay.model.state import (
     BoundaryState,
+    ReplicaCheck,
     clone,
     compare,
     make_replica,
@@ -189,12 +190,43 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) ->
     }
     full = [holds_donor(transplants[t.name], states[t.donor]) for t in panel.transplants]
     left, right = panel.compared
-    comparison = compare(states[left], states[right])
     engine = engine_of(lm)
+    # What the boundary states are, before any continuation advances them.
+    comparison = compare(states[left], states[right])
     block_kv = None if engine is None else engine.coverage(states[left])
     boundary_cache_len = max(states[left].layer_lengths())
     functional = functional_state_equal([*states.values(), *transplants.values()])
     continued = {n: clone(s) for n, s in states.items()} if panel.keep_states else dict(states)
+    to_run, checks = _with_replicas(panel, continued)
+    to_run |= transplants
+    everything = list(to_run.values())
+    disjoint = all(
+        storage_disjoint(a, b) for i, a in enumerate(everything) for b in everything[i + 1 :]
+    )
+    clones = {replica_name(arm.name) for arm in panel.arms if arm.replica == "clone"}
+    continuing = {name: state for name, state in to_run.items() if name not in clones}
+    arms, samples = _continue_arms(worker, lm, unit, clock, panel, continuing)
+    row = PanelRow(
+        item_id=unit.item.id,
+        precision=unit.precision,
+        prefix=record,
+        arms=arms,
+        samples=samples,
+        replicas=_gates(panel, checks, arms, samples),
+        comparison=comparison,
+        functional_state_equal=functional,
+        all_storage_disjoint=disjoint,
+        compared=panel.compared,
+        all_layers_transplanted=all(full) if panel.transplants else None,
+        block_kv=block_kv,
+    )
+    return PanelOutcome(row, record, lm, states, boundary_cache_len)
+
+
+def _with_replicas(
+    panel: Panel[Arm], continued: dict[str, BoundaryState]
+) -> tuple[dict[str, BoundaryState], dict[str, ReplicaCheck]]:
+    """Every arm's state and, where it has one, its replica's, with each replica's check."""
     to_run: dict[str, BoundaryState] = {}
     checks = {}
     for arm in panel.arms:
@@ -202,34 +234,46 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) ->
         if arm.replica != "none":
             replica, checks[arm.name] = make_replica(continued[arm.name])
             to_run[replica_name(arm.name)] = replica
-    to_run |= transplants
-    everything = list(to_run.values())
-    disjoint = all(
-        storage_disjoint(a, b) for i, a in enumerate(everything) for b in everything[i + 1 :]
-    )
-    clones = {replica_name(arm.name) for arm in panel.arms if arm.replica == "clone"}
+    return to_run, checks
+
+
+def _continue_arms(
+    worker: Workbench,
+    lm: Any,
+    unit: Unit,
+    clock: Clock,
+    panel: Panel[Arm],
+    continuing: dict[str, BoundaryState],
+) -> tuple[dict[str, ArmResult], dict[str, list[ArmResult]]]:
+    """Each state continued greedily once, or (a sampled panel) once per seed, each seed
+    from its own copy of the state with the run's sampler reseeded."""
     reuse = unit.inputs.get("reuse", {})
-    continuing = {name: state for name, state in to_run.items() if name not in clones}
-    arms: dict[str, ArmResult] = {}
-    samples: dict[str, list[ArmResult]] = {}
     if panel.samples is None:
         arms = {
             name: run_arm(worker, lm, unit, name, state, clock, reuse.get(name))
             for name, state in continuing.items()
         }
-    else:
-        # each seed continues its own copy of the state, with the run's sampler reseeded
-        sampler = worker.config.sampler
-        samples = {
-            name: [
-                run_arm(
-                    worker, lm, unit, name, clone(state), clock, sampler=replace(sampler, seed=s)
-                )
-                for s in panel.samples.of(name)
-            ]
-            for name, state in continuing.items()
-        }
-    gates = {
+        return arms, {}
+    sampler = worker.config.sampler
+    samples = {
+        name: [
+            run_arm(worker, lm, unit, name, clone(state), clock, sampler=replace(sampler, seed=s))
+            for s in panel.samples.of(name)
+        ]
+        for name, state in continuing.items()
+    }
+    return {}, samples
+
+
+def _gates(
+    panel: Panel[Arm],
+    checks: dict[str, ReplicaCheck],
+    arms: dict[str, ArmResult],
+    samples: dict[str, list[ArmResult]],
+) -> dict[str, ReplicaGate]:
+    """Each replica's integrity gate: bit-equal to its arm and, unless it is a clone that
+    is not continued, disjoint from it and continued to the same suffix."""
+    return {
         arm.name: ReplicaGate(checks[arm.name].cache_exact, checks[arm.name].logits_exact)
         if arm.replica == "clone"
         else ReplicaGate(
@@ -241,18 +285,3 @@ def run_panel(worker: Workbench, unit: Unit, clock: Clock, panel: Panel[Arm]) ->
         for arm in panel.arms
         if arm.replica != "none"
     }
-    row = PanelRow(
-        item_id=unit.item.id,
-        precision=unit.precision,
-        prefix=record,
-        arms=arms,
-        samples=samples,
-        replicas=gates,
-        comparison=comparison,
-        functional_state_equal=functional,
-        all_storage_disjoint=disjoint,
-        compared=panel.compared,
-        all_layers_transplanted=all(full) if panel.transplants else None,
-        block_kv=block_kv,
-    )
-    return PanelOutcome(row, record, lm, states, boundary_cache_len)

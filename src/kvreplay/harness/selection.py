@@ -236,38 +236,10 @@ def select_panel(
         "precision": precision,
         "source_contract_sha256": contract,
     }
-    entries: list[dict[str, Any]] = []
     if panel == "blind":
-        prefixes = prefix_rows(rows, scope.config.backend.prefix_precision) if contract else {}
-        lengths, selection["length_basis"] = _blind_lengths(scope, prefixes)
-        n = scope.n if scope.n is not None else min(DEFAULT_BLIND_N, len(lengths))
-        if n < 1 or n > len(lengths):
-            raise KvreplayError(f"--n is {n} but {len(lengths)} rows are available for the panel.")
-        for index, item_id in enumerate(spread(lengths, n, seed)):
-            entries.append(_entry(index, item_id, "not_used", prefixes.get(item_id)))
+        entries = _blind_entries(scope, rows, seed, bool(contract), selection)
     else:
-        outcomes = outcome_rows(rows, precision, sources)
-        strata = {
-            stratum: {i: r.data["prefix_token_count"] for i, r in outcomes.items() if flag(r)}
-            for stratum, flag in (("divergent", diverges), ("exact", lambda r: not diverges(r)))
-        }
-        if panel == "divergent" and not strata["divergent"]:
-            raise KvreplayError(f"The source run has no divergent {precision} rows to localize.")
-        divergent = options.divergent
-        wanted = {
-            "divergent": (len(strata["divergent"]) if panel == "divergent" else DEFAULT_DIVERGENT)
-            if divergent is None
-            else int(divergent),
-            "exact": 0 if panel == "divergent" else int(options.controls),
-        }
-        for stratum, count in wanted.items():
-            _take(stratum, strata[stratum], count, precision)
-        if sum(wanted.values()) == 0:
-            raise KvreplayError("The panel is empty; ask for at least one row.")
-        for stratum, count in wanted.items():
-            for item_id in spread(strata[stratum], count, seed) if count else []:
-                entries.append(_entry(len(entries), item_id, stratum, outcomes[item_id]))
-        selection["available"] = {k: len(v) for k, v in strata.items()}
+        entries = _stratified_entries(panel, options, rows, precision, sources, seed, selection)
     missing = [e["item_id"] for e in entries if e["item_id"] not in by_id]
     if missing:
         raise KvreplayError(f"Item {missing[0]} of the source run is not in this run's item set.")
@@ -275,3 +247,55 @@ def select_panel(
         selection.update(names(panel))
     selection["rows"] = entries
     return Selection([by_id[e["item_id"]] for e in entries], selection)
+
+
+def _blind_entries(
+    scope: Scope, rows: dict[str, Record], seed: int, sourced: bool, selection: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """An outcome-blind panel: spread over prefix length and identifier."""
+    prefixes = prefix_rows(rows, scope.config.backend.prefix_precision) if sourced else {}
+    lengths, selection["length_basis"] = _blind_lengths(scope, prefixes)
+    n = scope.n if scope.n is not None else min(DEFAULT_BLIND_N, len(lengths))
+    if n < 1 or n > len(lengths):
+        raise KvreplayError(f"--n is {n} but {len(lengths)} rows are available for the panel.")
+    return [
+        _entry(index, item_id, "not_used", prefixes.get(item_id))
+        for index, item_id in enumerate(spread(lengths, n, seed))
+    ]
+
+
+def _stratified_entries(
+    panel: str,
+    options: PanelOptions,
+    rows: dict[str, Record],
+    precision: str,
+    sources: tuple[str, ...],
+    seed: int,
+    selection: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """A panel of the source run's divergent rows and exact controls (or, ``divergent``,
+    its divergent rows alone), each stratum spread over prefix length."""
+    outcomes = outcome_rows(rows, precision, sources)
+    strata = {
+        stratum: {i: r.data["prefix_token_count"] for i, r in outcomes.items() if flag(r)}
+        for stratum, flag in (("divergent", diverges), ("exact", lambda r: not diverges(r)))
+    }
+    if panel == "divergent" and not strata["divergent"]:
+        raise KvreplayError(f"The source run has no divergent {precision} rows to localize.")
+    divergent = options.divergent
+    wanted = {
+        "divergent": (len(strata["divergent"]) if panel == "divergent" else DEFAULT_DIVERGENT)
+        if divergent is None
+        else int(divergent),
+        "exact": 0 if panel == "divergent" else int(options.controls),
+    }
+    for stratum, count in wanted.items():
+        _take(stratum, strata[stratum], count, precision)
+    if sum(wanted.values()) == 0:
+        raise KvreplayError("The panel is empty; ask for at least one row.")
+    entries: list[dict[str, Any]] = []
+    for stratum, count in wanted.items():
+        for item_id in spread(strata[stratum], count, seed) if count else []:
+            entries.append(_entry(len(entries), item_id, stratum, outcomes[item_id]))
+    selection["available"] = {k: len(v) for k, v in strata.items()}
+    return entries

@@ -13,8 +13,8 @@ still re-derives byte for byte. Plain data and numpy, no torch."""
 from __future__ import annotations
 
 import csv
-import io
 import re
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +107,8 @@ class Table:
 
     def ledger(self, rows: list[Record], config: Mapping[str, Any]) -> Ledger:
         """The ledger analysis reads from the CSV of these rows."""
-        text = self.csv(rows, config)
-        lines = [line for line in csv.reader(io.StringIO(text)) if line]
-        return parse_ledger(self.csv_name(config), lines, self)
+        lines = csv.reader(self.csv_lines(rows, config))
+        return parse_ledger(self.csv_name(config), (line for line in lines if line), self)
 
     def _written(self, version: int) -> list[Column[Any]]:
         return [c for c in self.columns if isinstance(c, Column) and c.since <= version]
@@ -158,23 +157,36 @@ class Ledger:
             raise LedgerError(self.file, problem, str(self.row_ids[bad[0]]), column)
 
 
-_DTYPES: dict[str, type] = {
-    "bool": bool,
-    "int": np.int64,
-    "optional_int": np.float64,
-    "float": np.float64,
-    "optional_float": np.float64,
-    "text": str,
-    "sha256": str,
+# How each kind of column is held while a CSV streams in (array typecodes hold a value
+# in 8 bytes, a list a Python object), and the numpy dtype it ends as.
+_BUFFERS: dict[str, tuple[str | None, Any]] = {
+    "bool": ("b", bool),
+    "int": ("q", np.int64),
+    "optional_int": ("d", np.float64),
+    "float": ("d", np.float64),
+    "optional_float": ("d", np.float64),
+    "text": (None, str),
+    "sha256": (None, str),
 }
 
 
-def _column_array(kind: Kind, values: list[object]) -> np.ndarray:
-    if kind in _DTYPES:
-        return np.array(values, dtype=_DTYPES[kind])
-    array = np.empty(len(values), dtype=object)
-    array[:] = values
-    return array
+class _Column:
+    """One column's typed values as they stream in."""
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        code, self.dtype = _BUFFERS.get(kind, (None, object))
+        self.values: Any = array(code) if code else []
+
+    def append(self, text: str) -> None:
+        self.values.append(parse_cell(self.kind, text))
+
+    def finish(self) -> np.ndarray:
+        if self.dtype is object:
+            out = np.empty(len(self.values), dtype=object)
+            out[:] = self.values
+            return out
+        return np.array(self.values, dtype=self.dtype)
 
 
 def read_header(path: Path) -> list[str]:
@@ -187,23 +199,21 @@ def read_header(path: Path) -> list[str]:
 
 
 def read_ledger(path: Path, table: Table) -> Ledger:
-    """Parse and validate one CSV file as ``table``; any defect raises LedgerError."""
+    """Parse and validate one CSV file as ``table``, a line at a time (what it holds is
+    the typed columns, never the file's text); any defect raises LedgerError."""
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:
-            lines = [line for line in csv.reader(handle) if line]
+            lines = (line for line in csv.reader(handle) if line)
+            return parse_ledger(path.name, lines, table)
     except UnicodeDecodeError:
         raise LedgerError(path.name, "the file is not UTF-8 text") from None
     except (OSError, csv.Error) as error:
         raise LedgerError(path.name, f"the file cannot be read as CSV ({error})") from None
-    return parse_ledger(path.name, lines, table)
 
 
-def parse_ledger(name: str, lines: list[list[str]], table: Table) -> Ledger:
-    """Validate a CSV's lines as ``table``: its required columns, and its optional ones
-    where present; any defect raises LedgerError naming ``name``."""
-    if not lines:
-        raise LedgerError(name, "the file has no header row")
-    header, body = lines[0], lines[1:]
+def _header_kinds(name: str, header: list[str], table: Table) -> dict[str, Kind]:
+    """The columns a CSV is read for, by kind: every required one (refused if missing)
+    and each optional one it has; its header must name each column once."""
     required = [c.name for c in table.columns if c.use == "required"]
     for column in ["row_id", *required]:
         if column not in header:
@@ -211,19 +221,30 @@ def parse_ledger(name: str, lines: list[list[str]], table: Table) -> Ledger:
     if len(set(header)) != len(header):
         repeated = next(c for c in header if header.count(c) > 1)
         raise LedgerError(name, "the column appears twice", "header", repeated)
-    if not body:
-        raise LedgerError(name, "the ledger has a header but no rows")
     kinds = {
         c.name: c.kind
         for c in table.columns
         if c.use == "required" or (c.use == "optional" and c.name in header)
     }
     kinds.pop("row_id", None)
+    return kinds
+
+
+def parse_ledger(name: str, lines: Iterable[list[str]], table: Table) -> Ledger:
+    """Validate a CSV's lines as ``table``: its required columns, and its optional ones
+    where present; any defect raises LedgerError naming ``name``. The lines are read
+    one at a time into typed columns."""
+    lines = iter(lines)
+    header = next(lines, None)
+    if header is None:
+        raise LedgerError(name, "the file has no header row")
+    kinds = _header_kinds(name, header, table)
     index = {column: header.index(column) for column in ["row_id", *kinds]}
-    parsed: dict[str, list[object]] = {column: [] for column in kinds}
+    keys = [index[c] for c in table.key]
+    columns = {column: _Column(kind) for column, kind in kinds.items()}
     row_ids: list[str] = []
     seen: set[tuple[str, ...]] = set()
-    for line_number, cells in enumerate(body, start=2):
+    for line_number, cells in enumerate(lines, start=2):
         row_id = cells[index["row_id"]] if len(cells) > index["row_id"] else ""
         label = row_id or f"at line {line_number}"
         if len(cells) != len(header):
@@ -231,21 +252,25 @@ def parse_ledger(name: str, lines: list[list[str]], table: Table) -> Ledger:
             raise LedgerError(name, problem, label, "row_id")
         if not row_id:
             raise LedgerError(name, "the row id is empty", label, "row_id")
-        for column, kind in kinds.items():
+        for column, values in columns.items():
             try:
-                parsed[column].append(parse_cell(kind, cells[index[column]]))
+                values.append(cells[index[column]])
             except ValueError as error:
                 raise LedgerError(name, f"the value {error}", row_id, column) from None
-        key = tuple(cells[index[c]] for c in table.key)
+            except OverflowError:
+                raise LedgerError(name, "the value is too large", row_id, column) from None
+        key = tuple(cells[i] for i in keys)
         if key in seen:
             raise LedgerError(name, "the row id appears twice", row_id, "row_id")
         seen.add(key)
         row_ids.append(row_id)
+    if not row_ids:
+        raise LedgerError(name, "the ledger has a header but no rows")
     ledger = Ledger(
         name,
         table,
         np.array(row_ids, dtype=str),
-        {column: _column_array(kind, parsed[column]) for column, kind in kinds.items()},
+        {column: values.finish() for column, values in columns.items()},
     )
     for check in table.checks:
         check(ledger)

@@ -122,28 +122,10 @@ def read_rows_at(
             at, offset = offset, offset + len(line)
             if not line.endswith(b"\n"):
                 return  # the piece after the last newline is torn
-            try:
-                record = Record(**parse_json(line, finite=False))
-            except JsonError as exc:
-                problems.append(f"line {number}: does not parse as a ledger row ({exc})")
+            read = _parse_row(line, number, problems)
+            if read is None:
                 continue
-            except TypeError:
-                problems.append(f"line {number}: does not parse as a ledger row (TypeError)")
-                continue
-            wrong = [
-                name for name, kind in ROW_TYPES.items() if not typed(getattr(record, name), kind)
-            ]
-            if wrong:
-                problems.append(f"line {number}: field {wrong[0]} has the wrong type")
-                continue
-            try:
-                expected = record.expected_hash()  # canonical: refuses what is not finite
-            except ValueError:
-                problems.append(
-                    f"line {number}: does not parse as a ledger row (a number is too large "
-                    "for a float)"
-                )
-                continue
+            record, expected = read
             where = f"row {record.key} (line {number})"
             if record.hash != expected:
                 problems.append(f"{where}: field hash does not match the row's content")
@@ -155,3 +137,27 @@ def read_rows_at(
                 problems.append(f"{where}: field seq is {record.seq}, expected {number - 1}")
             prev = record.hash
             yield at, record
+
+
+def _parse_row(line: bytes, number: int, problems: list[str]) -> tuple[Record, str] | None:
+    """Line ``number`` as a row of the right types, with the hash its content gives; None
+    (the problem named) where it is not one."""
+    try:
+        record = Record(**parse_json(line, finite=False))
+    except JsonError as exc:
+        problems.append(f"line {number}: does not parse as a ledger row ({exc})")
+        return None
+    except TypeError:
+        problems.append(f"line {number}: does not parse as a ledger row (TypeError)")
+        return None
+    wrong = [name for name, kind in ROW_TYPES.items() if not typed(getattr(record, name), kind)]
+    if wrong:
+        problems.append(f"line {number}: field {wrong[0]} has the wrong type")
+        return None
+    try:
+        return record, record.expected_hash()  # canonical: refuses what is not finite
+    except ValueError:
+        problems.append(
+            f"line {number}: does not parse as a ledger row (a number is too large for a float)"
+        )
+        return None

@@ -9,10 +9,13 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvreplay.core.items import load_jsonl
 from kvreplay.harness.experiment import Experiment
+from kvreplay.harness.rows import PanelRow
 from kvreplay.ledger import ITEMS, Record
+from kvreplay.verify.outcome import ItemOutcome
 from kvreplay.verify.render import SCHEMA
 from kvreplay.verify.verdict import Verdict
 
@@ -46,14 +49,21 @@ def repro_pack(
         and r.data.get("precision") == first.precision and r.data.get("kind") != "prefix"
     )  # fmt: skip
     row = experiment.read_row(record.data)
-    left, right = row.pairs[0]
     folder.mkdir(parents=True, exist_ok=True)
     item_line = folder / "item.jsonl"
     item = next(i for i in load_jsonl(run_dir / ITEMS) if i.id == first.item_id)
     item_line.write_text(json.dumps(item.to_dict(), sort_keys=True) + "\n")
     command = rerun(item_line, folder / "rerun", first.precision)
+    pack = _pack(verdict, first, row, shlex.join(command))
+    (folder / "repro.json").write_text(json.dumps(pack, indent=2, sort_keys=True) + "\n")
+    return ReproPack(folder, pack["command"])
+
+
+def _pack(verdict: Verdict, first: ItemOutcome, row: PanelRow, command: str) -> dict[str, Any]:
+    """repro.json: what parted, where, how narrowly, and in which environment."""
+    left, right = row.pairs[0]
     prefix = row.prefix
-    pack = {
+    return {
         "schema": SCHEMA + "-repro",
         "item_id": first.item_id,
         "precision": first.precision,
@@ -77,7 +87,5 @@ def repro_pack(
             if arm.served is not None
         },
         "environment": verdict.environment,
-        "command": shlex.join(command),
+        "command": command,
     }
-    (folder / "repro.json").write_text(json.dumps(pack, indent=2, sort_keys=True) + "\n")
-    return ReproPack(folder, pack["command"])
