@@ -92,7 +92,7 @@ def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
     run: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvreplay.audit.audit
+    import kvreplay.audit.reexecute
     import kvreplay.model.reading
 
     def refuse(*args: object, **kwargs: object) -> None:
@@ -100,7 +100,7 @@ def test_a_forged_contract_hash_stops_the_audit_before_any_model_is_read(
 
     # a backend describes its model through models.describe_source (Backend.describe_model)
     monkeypatch.setattr(kvreplay.model.reading, "describe_source", refuse)
-    monkeypatch.setattr(kvreplay.audit.audit, "make_engine", refuse)
+    monkeypatch.setattr(kvreplay.audit.reexecute, "make_engine", refuse)
     data = manifest(run)
     data["contract"]["run"]["model"] = "/elsewhere"
     write_manifest(run, data)
