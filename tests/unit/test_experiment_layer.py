@@ -117,3 +117,14 @@ def test_a_row_recorded_with_the_retired_comparison_field_reads_as_it_is_written
     assert row_as_written({**data, "comparison": forged})["comparison"][RETIRED] == 3
     with pytest.raises(TypeError):
         Comparison.from_dict(forged)
+
+
+def test_the_sections_read_in_the_papers_order_then_the_rest() -> None:
+    """Each paper section states its place (``paper_order``); the report and claims read
+    them in the paper's order, then every other section in registry order."""
+    from kvreplay.analysis.sections.registry import sections
+
+    names = [s.name for s in sections()]
+    paper = ["matrix", "bridge", "historical", "transplant", "served", "stock", "resample"]
+    assert names[: len(paper) + 2] == [*paper, "localize", "flip"]
+    assert "history" in names[len(paper) + 2 :]

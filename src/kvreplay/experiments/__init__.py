@@ -1,8 +1,9 @@
-"""Experiments (design: experiments): each declared once (``declaration.py``) and registered
-by one line in ``registry.py``; a new one is one package (see ``localize/``). Experiment
+"""Experiments (design: experiments): one package each, declared once (its
+``__init__``'s ``DECLARATION``) and registered by one line in ``registry.py``, which
+also holds their tables; what they plug into is :mod:`kvreplay.harness`. Experiment
 classes run models, so the registry's names are imported on first use (PEP 562): the
-declarations, the typed rows and the CSV declarations in this package load no torch, and
-``kvreplay analyze`` reads them."""
+declarations, the typed rows and the CSV declarations load no torch, and ``kvreplay
+analyze`` reads them."""
 
 from __future__ import annotations
 

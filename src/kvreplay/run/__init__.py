@@ -1,4 +1,5 @@
-"""A run and its ledger: the runner that plans and executes units, its configuration, the
-hash-chained rows.jsonl and its one-writer lock, worker threads, the recorded
-environment and the locks it is rebuilt from, the derived CSVs, the rows' consistency
-checks, and the run summary."""
+"""The application layer: what a command does, over every layer below. ``runner`` plans a
+run and executes its units (the typed ``request`` it is asked with), ``check`` runs a
+small run and gives its verdict (with its ``repro`` pack and ``outputs``), ``env``
+rebuilds a run's environment, ``refeed`` makes cut-and-refeed items, ``summary`` prints
+a run's table."""

@@ -1,2 +1,4 @@
-"""What a user gates on and what proves a run: the check (its verdict at two levels, with
-its power) and the audit that re-executes a run folder."""
+"""Verdicts (design: verdict, level, power): what a stack was expected to do
+(``expectation``), each item judged at two levels (``outcome``), the verdict as a value
+with one definition of the items it judges (``verdict``), and its renderings: a
+sentence, JSON, JUnit and a screen (``render``)."""

@@ -556,4 +556,5 @@ MATRIX = Section(
     _summary,
     _headline,
     _report,
+    paper_order=1,
 )
