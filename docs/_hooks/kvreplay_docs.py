@@ -9,7 +9,9 @@
   must hold what kvreplay's own declarations make of it now: ``columns EXPERIMENT
   [served]`` an experiment's CSV columns (its table in
   :func:`kvreplay.experiments.registry.experiment_tables`), ``backends`` every backend's
-  capabilities, ``settings BACKEND`` a backend's options (its settings class). A block
+  capabilities, ``settings BACKEND`` a backend's options (its settings class),
+  ``options EXPERIMENT`` a run command's options, ``declared check|audit`` the options of
+  ``kvreplay check`` or ``kvreplay audit`` (their typed requests). A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
 
@@ -38,7 +40,7 @@ log = logging.getLogger("mkdocs.hooks.kvreplay_docs")
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"(!?\[[^\]\n]*\]\()([^)\s#]+)(#[^)\s]*)?\)")
 GENERATED = re.compile(
-    r"(<!-- generated: (?P<spec>[\w -]+?) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL
+    r"(<!-- generated: (?P<spec>[\w /-]+?) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL
 )
 
 
@@ -103,8 +105,9 @@ def columns_markdown(name: str, served: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def backends_markdown() -> str:
-    """Every built-in backend: its capabilities and the experiments it runs."""
+def backends_markdown(folder: str = "") -> str:
+    """Every backend: its capabilities and the experiments it runs (each linked to its
+    page, which lies in ``folder`` seen from the page that holds the table)."""
     from kvreplay.backends import BACKENDS
     from kvreplay.backends.base import Capabilities
     from kvreplay.experiments.registry import declared
@@ -117,7 +120,8 @@ def backends_markdown() -> str:
     for name, cls in BACKENDS.items():
         marks = ["yes" if getattr(cls.capabilities, n) else "" for n in names]
         runs = [e for e, declaration in declared().items() if declaration.runs_on(cls)]
-        lines.append(f"| [{name}]({name}.md) | " + " | ".join(marks) + f" | {', '.join(runs)} |")
+        link = f"[{name}]({folder}{name}.md)"
+        lines.append(f"| {link} | " + " | ".join(marks) + f" | {', '.join(runs)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +170,26 @@ def options_markdown(experiment: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def declared_markdown(command: str) -> str:
+    """The options ``kvreplay check`` (beyond the run options every run command shares)
+    or ``kvreplay audit`` takes, as their typed requests declare them."""
+    from kvreplay.audit.request import AuditRequest
+    from kvreplay.core.options import declared, every
+    from kvreplay.run.check import CheckRequest
+    from kvreplay.run.request import RunOptions
+
+    if command == "check":
+        specs = [s for s in declared(CheckRequest).values() if s.name not in declared(RunOptions)]
+    else:
+        specs = list(every(AuditRequest))
+    lines = ["| option | default | what it sets |", "|---|---|---|"]
+    for spec in specs:
+        default = "" if spec.default in (None, False, "") else f"`{spec.text(spec.default)}`"
+        text = " ".join(spec.option.help.split()).replace("|", "\\|")
+        lines.append(f"| `{spec.flag}` | {default} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
 def _default(param: click.Option) -> str:
     if param.required:
         return "required"
@@ -180,6 +204,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "backends": backends_markdown,
     "settings": settings_markdown,
     "options": options_markdown,
+    "declared": declared_markdown,
 }
 
 
