@@ -15,6 +15,7 @@ from kvreplay.analysis.flip import (
     audited_rows,
     resampled_auc,
     resampled_catch_share,
+    risk_table,
     roc_points,
     score_panel,
 )
@@ -169,7 +170,9 @@ def test_resampled_catch_share_on_the_identity_resample_is_the_point_estimate() 
 
 def test_panel_without_divergence_is_undefined_not_an_error() -> None:
     margins = [[1.0, 0.25], [2.0], [0.0, 3.0]]
-    panel = score_panel("s", "fp32", ["a", "b", "c"], margins, np.zeros(3, bool), stream=0)
+    panel = score_panel(
+        "s", "fp32", ["a", "b", "c"], risk_table(margins), np.zeros(3, bool), stream=0
+    )
     assert panel.undefined is not None and "no row diverges" in panel.undefined
     block = panel.to_json()
     assert block["auc_status"].startswith("undefined")
@@ -179,7 +182,9 @@ def test_panel_without_divergence_is_undefined_not_an_error() -> None:
 
 
 def test_panel_where_every_row_diverges_has_no_auc_but_a_catch() -> None:
-    panel = score_panel("s", "bf16", ["a", "b"], [[0.0], [1.0]], np.ones(2, bool), stream=0)
+    panel = score_panel(
+        "s", "bf16", ["a", "b"], risk_table([[0.0], [1.0]]), np.ones(2, bool), stream=0
+    )
     assert panel.undefined is not None and "every row diverges" in panel.undefined
     result = panel.results[0]
     assert result.auc is None and result.catch.share == pytest.approx(1 / 2)
@@ -189,7 +194,7 @@ def test_panel_on_a_separable_example() -> None:
     # divergent rows hold a near-tie early; exact rows never come close
     margins = [[0.0, 4.0], [3.0, 0.125], [0.25, 6.0], [5.0, 7.0], [4.0, 9.0], [8.0, 2.0]]
     labels = np.array([True, True, True, False, False, False])
-    panel = score_panel("s", "bf16", list("abcdef"), margins, labels, stream=3)
+    panel = score_panel("s", "bf16", list("abcdef"), risk_table(margins), labels, stream=3)
     by_name = {r.score.name: r for r in panel.results}
     for name in ("min_margin_k32", "min_margin_whole_suffix", "low_margin_count_k32_t0.5"):
         result = by_name[name]

@@ -17,6 +17,7 @@ rows and margins a run gives it is the flip section's (``analysis/sections/flip.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,10 +63,6 @@ class RiskScore:
             return -min(steps) if steps else -math.inf  # no decoded step: nothing can flip
         return float(sum(1 for margin in steps if margin <= self.threshold))
 
-    def risks(self, margins: Sequence[Sequence[float]]) -> np.ndarray:
-        """This score of every row, from each row's margins."""
-        return np.array([self(m) for m in margins], dtype=np.float64)
-
     @property
     def description(self) -> str:
         where = f"the first {self.window} decoded suffix steps" if self.window else "the suffix"
@@ -85,6 +82,21 @@ SCORES = (
 )
 PRIMARY_SCORE = SCORES[0].name
 """Named before any run was scored; the others are reported beside it, never instead."""
+
+
+def row_risks(margins: Sequence[float], scores: Sequence[RiskScore] = SCORES) -> array[float]:
+    """One row's risk under every score: all the predictor keeps of a row (a few doubles,
+    whatever its suffix's length)."""
+    return array("d", (score(margins) for score in scores))
+
+
+def risk_table(
+    margins: Sequence[Sequence[float]], scores: Sequence[RiskScore] = SCORES
+) -> np.ndarray:
+    """Every row's risks (a row per row, a column per score)."""
+    return np.array([row_risks(m, scores) for m in margins], dtype=np.float64).reshape(
+        len(margins), len(scores)
+    )
 
 
 def audit_order(risks: np.ndarray, row_ids: Sequence[str]) -> np.ndarray:
@@ -308,19 +320,20 @@ def score_panel(
     section: str,
     precision: str,
     row_ids: Sequence[str],
-    margins: Sequence[Sequence[float]],
+    risks_by_score: np.ndarray,
     labels: np.ndarray,
     stream: int,
     scores: Sequence[RiskScore] = SCORES,
 ) -> FlipPanel:
     """Every score's AUC and audit catch, each with a row bootstrap on one shared stream
-    (so scores are compared on the same resamples)."""
+    (so scores are compared on the same resamples); ``risks_by_score`` holds each row's
+    risks, a column per score (:func:`risk_table`)."""
     labels = np.asarray(labels, dtype=bool)
     n = len(row_ids)
     audited = audited_rows(n)
     results = []
-    for score in scores:
-        risks = score.risks(margins)
+    for column, score in enumerate(scores):
+        risks = np.ascontiguousarray(risks_by_score[:, column])
         order = audit_order(risks, row_ids)
         auc = mann_whitney_auc(risks, labels)
         catch = audit_catch(risks, order, labels, audited)

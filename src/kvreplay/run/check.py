@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.backends import DEFAULT_BACKEND
+from kvreplay.contract.upgrade import current
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import arguments, option
 from kvreplay.experiments.registry import check_experiment, declared
@@ -202,13 +203,14 @@ def default_out(request: RunOptions) -> Path:
 
 
 def _environment(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the verdict records of where it ran, from the run's contract as recorded."""
-    contract = manifest["contract"]
+    """What the verdict records of where it ran, from the run's contract (in today's
+    layout: its backend named, with its settings)."""
+    contract = current(manifest["contract"])
     model = contract["model_info"]
     return {
         "kvreplay_version": manifest.get("kvreplay_version"),
         "model": {"spec": model["spec"], "model_digest": model["model_digest"]},
-        "backend": contract["run"].get("backend") or {"name": DEFAULT_BACKEND},
+        "backend": contract["run"]["backend"],
         **contract["environment"],
     }
 

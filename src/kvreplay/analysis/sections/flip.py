@@ -6,7 +6,6 @@ the cheap risks the ROC draws, never the bootstrap."""
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from kvreplay.analysis.flip import (
     SCORES,
     FlipAnalysis,
     roc_points,
+    row_risks,
     score_panel,
 )
 from kvreplay.experiments.matrix.section import MATRIX, MATRIX_DESIGNS
@@ -44,12 +44,13 @@ SCORE_COLOURS = ("#8e44ad", "#d35400", "#27ae60")
 @dataclass(frozen=True, eq=False)
 class PanelRows:
     """One (matrix section, precision) panel as the predictor reads it: its rows in CSV
-    order, each row's left-arm margins, its suffix-divergence labels and its stream."""
+    order, each row's risks (a column per score, from its left-arm margins), its
+    suffix-divergence labels and its stream."""
 
     section: str
     precision: str
     row_ids: list[str]
-    margins: list[Sequence[float]]
+    risks: np.ndarray
     labels: np.ndarray
     stream: int
 
@@ -64,17 +65,18 @@ def _left_margins(data: Json) -> list[float] | None:
         return None
 
 
-def matrix_margins(records: Iterable[Record]) -> dict[tuple[str, str, str], Sequence[float] | None]:
-    """The left-arm margins of a run's completed matrix rows (None where a row holds
-    none), keyed by (experiment, item, precision): all the predictor keeps of a row,
-    as an array of doubles (a quarter of a list's memory, the same numbers)."""
+def matrix_risks(records: Iterable[Record]) -> dict[tuple[str, str, str], Sequence[float] | None]:
+    """Each completed matrix row's risk under every score, from its left-arm margins
+    (None where a row holds none), keyed by (experiment, item, precision): all the
+    predictor keeps of a row is a few doubles, so its memory does not grow with the
+    suffixes' length."""
     experiments = {design.table.experiment for design in MATRIX_DESIGNS}
     found: dict[tuple[str, str, str], Sequence[float] | None] = {}
     for r in records:
         if r.experiment in experiments and r.data.get("status") == "ok" and "arms" in r.data:
             margins = _left_margins(r.data)
             key = (r.experiment, r.data["item_id"], r.data["precision"])
-            found[key] = None if margins is None else array("d", margins)
+            found[key] = None if margins is None else row_risks(margins)
     return found
 
 
@@ -85,7 +87,7 @@ def panel_rows(
     rows as in the CSV, so counts match the claims; or none, and why it is skipped."""
     if runs is None:
         return [], SKIP_NO_ROWS
-    records = matrix_margins(runs)
+    records = matrix_risks(runs)
     panels = []
     for index, design in enumerate(MATRIX_DESIGNS):
         if (ledger := ledgers.get(design.table.file)) is None:
@@ -94,15 +96,15 @@ def panel_rows(
         for offset, precision in enumerate(sorted(dict.fromkeys(ledger["precision"].tolist()))):
             rows = ledger.select(ledger["precision"] == precision)
             row_ids = [str(r) for r in rows.row_ids]
-            margins = []
-            for row_id in row_ids:
+            risks = np.empty((len(row_ids), len(SCORES)))
+            for at, row_id in enumerate(row_ids):
                 found = records.get((str(experiment), row_id, precision))
                 if found is None:
                     return [], SKIP_NO_MARGINS.format(row=f"{experiment}/{row_id}/{precision}")
-                margins.append(found)
+                risks[at] = found
             stream = FLIP_STREAM_BASE + 10 * index + offset
             labels = ~rows["suffix_equal"]
-            panels.append(PanelRows(design.section, precision, row_ids, margins, labels, stream))
+            panels.append(PanelRows(design.section, precision, row_ids, risks, labels, stream))
     return panels, None
 
 
@@ -113,7 +115,7 @@ def analyze_flip(runs: Iterable[Record] | None, ledgers: Mapping[str, Ledger]) -
         return FlipAnalysis(skipped=skipped)
     return FlipAnalysis(
         tuple(
-            score_panel(p.section, p.precision, p.row_ids, p.margins, p.labels, p.stream)
+            score_panel(p.section, p.precision, p.row_ids, p.risks, p.labels, p.stream)
             for p in panels
         )
     )
@@ -256,8 +258,8 @@ def _figure_roc(page: Page, flip: Json) -> Path | None:
         ax.plot([0, 1], [0, 1], color="#999999", linewidth=0.8, linestyle=":", label="chance")
         for panel in rows:
             results = defined[(section, panel.precision)]["scores"]
-            for colour, score in zip(SCORE_COLOURS, SCORES, strict=False):
-                fpr, tpr = roc_points(score.risks(panel.margins), panel.labels)
+            for column, (colour, score) in enumerate(zip(SCORE_COLOURS, SCORES, strict=False)):
+                fpr, tpr = roc_points(np.ascontiguousarray(panel.risks[:, column]), panel.labels)
                 ax.plot(
                     fpr,
                     tpr,
