@@ -17,6 +17,7 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.core.extras import INSTALL, missing, require
 
 if TYPE_CHECKING:
+    from kvreplay.backends.rollout import RolloutStack, Scorer
     from kvreplay.backends.served import ServedModel
 
 
@@ -30,6 +31,8 @@ class Capabilities:
     top_logprobs: bool = False  # top-k logprobs of every step
     seeded_sampling: bool = False  # a per-request seed
     batch_control: bool = False  # can put requests in one batch
+    rollout: bool = False  # samples with each token's log-probability (a rollout stack)
+    scoring: bool = False  # teacher-forces token ids, each position's log-probability (a scorer)
 
     def describe(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
@@ -223,3 +226,21 @@ class Backend:
         """A served model for one precision (backends without K/V access); ``config`` is
         the run's :class:`~kvreplay.run.config.RunConfig` (not imported: it holds a backend)."""
         raise KvreplayError(f"The {self.name} backend serves no model over requests.")
+
+    def rollout_stack(self, opened: Any) -> RolloutStack:
+        """This backend as a rollout stack (design: rollout stack) over what it computes
+        with at a precision (:func:`kvreplay.backends.rollout.open_model`)."""
+        raise KvreplayError(
+            f"The {self.name} backend cannot sample with per-token log-probabilities, so it "
+            "cannot be a rollout stack."
+        )
+
+    def rollout_logprobs(self) -> tuple[str, ...]:
+        """The log-probabilities this backend's rollout stack can report (``raw``,
+        ``processed``; :mod:`kvreplay.core.rollout`), known before a run."""
+        return ()
+
+    def scorer(self, opened: Any, schedule: str = "prefill") -> Scorer:
+        """This backend as a scorer (design: scorer) in ``schedule`` (``prefill``: one
+        shot; ``replay``: the live schedule) over what it computes with at a precision."""
+        raise KvreplayError(f"The {self.name} backend cannot teacher-force token ids (score).")

@@ -19,7 +19,7 @@ from kvreplay.backends.base import Backend, Capabilities
 class HfBackend(Backend):
     name = "hf"
     summary = "transformers eager, full K/V access (every experiment)"
-    capabilities = Capabilities(kv_access=True, seeded_sampling=True)
+    capabilities = Capabilities(kv_access=True, seeded_sampling=True, rollout=True, scoring=True)
     extra = "hf"
     requires = ("torch", "transformers")
 
@@ -55,3 +55,16 @@ class HfBackend(Backend):
             config.trust_remote_code,
             device_map,
         )
+
+    def rollout_stack(self, opened: Any) -> Any:
+        from kvreplay.backends.hf_rollout import rollout_stack
+
+        return rollout_stack(opened)
+
+    def rollout_logprobs(self) -> tuple[str, ...]:
+        return ("raw", "processed")  # kvreplay samples from the logits and computes both
+
+    def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
+        from kvreplay.backends.hf_rollout import scorer
+
+        return scorer(opened, schedule)

@@ -24,6 +24,7 @@ BUILTIN: tuple[str, ...] = (
     "kvreplay.experiments.resample:DECLARATION",
     "kvreplay.experiments.localize:DECLARATION",
     "kvreplay.experiments.history:DECLARATION",
+    "kvreplay.experiments.rollout:DECLARATION",
 )
 GROUP = "kvreplay.experiments"
 
