@@ -149,7 +149,8 @@ def check_scorers(specs: list[ScorerSpec], scope: Scope) -> None:
     config = scope.config
     ours = None
     for spec in specs:
-        assert spec.backend is not None
+        if spec.backend is None:
+            continue  # the stack's own: installed with it
         make_backend(spec.backend).check_installed()
         if spec.model is None or spec.model == config.model:
             continue
@@ -182,7 +183,7 @@ class Rollout(Experiment):
             )
         options.sampling(scope).check(backend.rollout_logprobs(), backend.name)
         specs = parse_scorers(options.scorers)
-        if any(s.backend is None for s in specs):
+        if any(s.backend is None and s.schedule == "prefill" for s in specs):
             raise KvreplayError(
                 "The rollout stack's own prefill is always scored (engine); --scorers names "
                 "the others."
@@ -219,7 +220,9 @@ class Rollout(Experiment):
                 {
                     "label": spec.label,
                     **spec.to_dict(),
-                    "model_digest": scorer_digest(spec, run.model, run.trust_remote_code),
+                    "model_digest": run.model_digest
+                    if spec.backend is None
+                    else scorer_digest(spec, run.model, run.trust_remote_code),
                 }
                 for spec in parse_scorers(options.scorers)
             ],
@@ -263,7 +266,10 @@ class Rollout(Experiment):
             scorers.append(("engine", backend.scorer(opened, "prefill")))
         for entry in inputs["scorers"]:
             spec = ScorerSpec(*(entry[k] for k in ("backend", "precision", "schedule", "model")))
-            scorers.append((entry["label"], open_scorer(spec, run, entry["model_digest"])))
+            if spec.backend is None:  # the stack's own, in another schedule (engine:replay)
+                scorers.append((entry["label"], backend.scorer(opened, spec.schedule)))
+            else:
+                scorers.append((entry["label"], open_scorer(spec, run, entry["model_digest"])))
         sampling = Sampling(**inputs["sampling"])
         tokenizer = opened.tokenizer
         followups = (tuple(inputs["followup_token_ids"]),) * (inputs["turns"] - 1)

@@ -193,6 +193,20 @@ def rollout_claims(reading: Reading) -> Json:
     }
 
 
+def _ordered(mapping: Json) -> list[tuple[str, Any]]:
+    """A claims mapping in the report's order, whatever order claims.json keeps its keys
+    in: terms as :data:`TERMS` lists them, the engine first, the rest by name."""
+    order = list(TERMS)
+    return sorted(
+        mapping.items(),
+        key=lambda kv: (
+            kv[0] != ENGINE,
+            order.index(kv[0]) if kv[0] in order else len(order),
+            kv[0],
+        ),
+    )
+
+
 def _g(value: Any) -> str:
     return "—" if value is None else f"{value:.3g}"
 
@@ -206,8 +220,8 @@ def _summary(claims: Json) -> list[str]:
     if not section:
         return []
     lines = []
-    for precision, c in section.items():
-        for scorer, s in c["scorers"].items():
+    for precision, c in _ordered(section):
+        for scorer, s in _ordered(c["scorers"]):
             m = s["metrics"]
             lines.append(
                 f"rollout {precision} vs {scorer}: k3 KL {_g(m['kl_k3'])}, |dlogp| mean "
@@ -215,7 +229,7 @@ def _summary(claims: Json) -> list[str]:
                 f"{_g(m['ratio_above_cap'])} of {int(m['tokens'])} tokens, bit-equal "
                 f"{_g(m['tokens_bit_equal'])}"
             )
-        for trainer, d in c["decomposition"].items():
+        for trainer, d in _ordered(c["decomposition"]):
             lead = d["dominant"]
             terms = d["terms"]
             lines.append(
@@ -223,7 +237,7 @@ def _summary(claims: Json) -> list[str]:
                 f"{_g(terms['engine']['abs_mean'])}, cross {_g(terms['cross']['abs_mean'])}"
                 f" (the {lead['term']} term dominates{_ci(lead.get('ci95'))})"
             )
-        for control, d in c["controls"].items():
+        for control, d in _ordered(c["controls"]):
             if d.get("tokens"):
                 term = d["terms"][d["term"]]
                 lines.append(
@@ -257,7 +271,7 @@ def _report(page: Page) -> list[Block]:
         Heading("Rollout mismatch: does the trainer score the sampled tokens as the sampler did?"),
         Paragraph(METHOD),
     ]
-    for precision, c in section.items():
+    for precision, c in _ordered(section):
         blocks.append(
             Paragraph(
                 f"Rollout stack at {precision}, temperature {c['temperature']:g}: "
@@ -267,18 +281,18 @@ def _report(page: Page) -> list[Block]:
         blocks.append(
             Grid(
                 ("scorer", *HEADLINE),
-                [(s, *(_g(v["metrics"][k]) for k in HEADLINE)) for s, v in c["scorers"].items()],
+                [(s, *(_g(v["metrics"][k]) for k in HEADLINE)) for s, v in _ordered(c["scorers"])],
             )
         )
         rows = []
-        for trainer, d in c["decomposition"].items():
-            for name, term in [*d["terms"].items(), ("total", d["total"])]:
+        for trainer, d in _ordered(c["decomposition"]):
+            for name, term in [*_ordered(d["terms"]), ("total", d["total"])]:
                 rows.append(_term_row(trainer, name, term))
-        for control, d in c["controls"].items():
+        for control, d in _ordered(c["controls"]):
             if d.get("tokens"):
                 rows.append(_term_row(control, d["term"], d["terms"][d["term"]]))
-            for trainer, chain in d.get("chains", {}).items():
-                for name, term in chain["terms"].items():
+            for trainer, chain in _ordered(d.get("chains", {})):
+                for name, term in _ordered(chain["terms"]):
                     rows.append(_term_row(f"{control} -> {trainer}", name, term))
         if rows:
             blocks.append(
@@ -294,7 +308,7 @@ def _report(page: Page) -> list[Block]:
                     rows,
                 )
             )
-        for scorer, s in c["scorers"].items():
+        for scorer, s in _ordered(c["scorers"]):
             if scorer == ENGINE and len(c["scorers"]) > 1:
                 continue
             blocks.append(
