@@ -334,6 +334,13 @@ def _greedy_options() -> list[Callable[..., Any]]:
     return [own_option(k, m) for k, m in declared()[GREEDY].option_fields().items()]
 
 
+def _mismatch_options() -> list[Callable[..., Any]]:
+    """``--trainer``, its bounds and the rollout options a mismatch check takes."""
+    from kvreplay.verify.mismatch_check import check_options
+
+    return check_options(own_option)
+
+
 CHECK_OPTIONS = [
     click.option("--out", type=UserPath(path_type=Path), default=None,
                  help="Run folder of the check (default: kvreplay-check/<model>-<backend>-"
@@ -361,6 +368,7 @@ CHECK_OPTIONS = [
     click.option("--samples", type=click.IntRange(min=2, max=4096), default=None,
                  help="Seeded samples per item at --temperature > 0 (default 8)."),
     *_greedy_options(),
+    *_mismatch_options(),
     click.option("--json", "json_path", type=UserPath(path_type=Path, dir_okay=False),
                  default=None, help="Write the verdict as JSON (schema kvreplay-check-v3)."),
     click.option("--junit", "junit_path", type=UserPath(path_type=Path, dir_okay=False),

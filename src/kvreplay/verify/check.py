@@ -208,8 +208,11 @@ def run_check(
     from kvreplay.experiments import get_experiment
     from kvreplay.run.ledger import RunLedger, parse_rows
     from kvreplay.run.runner import run
+    from kvreplay.verify.mismatch_check import run_mismatch_check, without_options
 
-    options = dict(options)
+    if options.get("trainer") is not None:  # a gate on the training-inference mismatch
+        return run_mismatch_check(options, make_request, echo, command)  # type: ignore[return-value]
+    options = without_options(options)
     take = options.pop
     out, json_path, junit_path, repro = (
         take(k) for k in ("out", "json_path", "junit_path", "repro")

@@ -95,7 +95,8 @@ class SideLine:
 
 
 def side_lines(rows: Iterable[Record]) -> Iterator[SideLine]:
-    """Every side of every sampled turn of the completed rows, in ledger order."""
+    """Every side of every sampled turn of the completed rows, in ledger order (a turn's
+    scorers and controls by name: a row read back from rows.jsonl has sorted keys)."""
     for record in rows:
         if record.data["status"] != "ok":
             continue
@@ -117,7 +118,7 @@ def side_lines(rows: Iterable[Record]) -> Iterator[SideLine]:
                     turn.cached_tokens,
                     turn.finish,
                 )
-                for label, scored in entry.scores.items():
+                for label, scored in sorted(entry.scores.items()):
                     yield SideLine(
                         row,
                         seed,
@@ -130,7 +131,7 @@ def side_lines(rows: Iterable[Record]) -> Iterator[SideLine]:
                         scored.margins,
                         scored.argmax_differs,
                     )
-                for name, control in entry.controls.items():
+                for name, control in sorted(entry.controls.items()):
                     yield SideLine(
                         row,
                         seed,
