@@ -520,6 +520,61 @@ def env_command(run_dir: Path, venv: str | None) -> None:
     click.echo(f"rebuilt {venv}; re-execute the run with: {venv}/bin/kvreplay audit {run_dir}")
 
 
+@main.command("mismatch")
+@click.argument("logged", type=UserPath(path_type=Path, dir_okay=False))
+@click.option(
+    "--rescore",
+    "rescore_with",
+    default=None,
+    help="Score the responses with the rollout engine's own one-shot prefill "
+    "(BACKEND:PRECISION, e.g. vllm:bf16), splitting the total into terms.",
+)
+@click.option(
+    "--model",
+    default="smollm2-135m",
+    show_default=True,
+    help="The model that sampled the rollouts (for --rescore).",
+)
+@click.option(
+    "--expect",
+    type=click.Choice(["bitwise"]),
+    default=None,
+    help="Gate: every token's two log-probabilities the same float.",
+)
+@click.option("--max-k3-kl", type=float, default=None, help="Gate: the largest k3 KL that passes.")
+@click.option(
+    "--max-abs-logp",
+    type=float,
+    default=None,
+    help="Gate: the largest |delta log p| any token may have.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=UserPath(path_type=Path, dir_okay=False),
+    default=None,
+    help="Write the verdict (with a gate) or the claims as JSON.",
+)
+@click.option(
+    "--junit",
+    "junit_path",
+    type=UserPath(path_type=Path, dir_okay=False),
+    default=None,
+    help="Write JUnit XML: one test case per rollout.",
+)
+@threads_option
+@plain_errors
+def mismatch_command(logged: Path, threads: int, **options: Any) -> None:
+    """The training-inference mismatch of rollouts a framework logged (JSONL: prompt and
+    response ids, rollout and trainer log-probabilities; docs/experiments/rollout.md).
+    With a gate, exit 0 when it holds and 1 when not."""
+    from kvreplay.run.threads import intra_op_threads
+    from kvreplay.verify.logged import analyze_logged
+
+    with intra_op_threads(threads):
+        sys.exit(analyze_logged(logged, click.echo, **options))
+
+
 @main.group("items")
 def items_group() -> None:
     """Make item sets (JSONL for --items)."""

@@ -148,14 +148,19 @@ class Scored:
     each position's log-probability of the sampled token (raw), the top-1/top-2
     log-probability gap there, and the positions whose argmax is another token (as
     ``[position, argmax]`` pairs: at temperature 0 the first is where the scorer would
-    have decoded otherwise)."""
+    have decoded otherwise). A scorer that reports only the sampled tokens' values (a
+    callable of your own) leaves the gaps and the argmax out (None)."""
 
     logprobs: list[float]
-    margins: list[float]
-    argmax_differs: list[list[int]]
+    margins: list[float] | None = None
+    argmax_differs: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
-        check_logprobs(self.logprobs, len(self.margins), "a scorer")
+        if self.margins is not None and len(self.margins) != len(self.logprobs):
+            raise KvreplayError(
+                f"A scorer returned {len(self.margins)} top-1/top-2 gaps for "
+                f"{len(self.logprobs)} log-probabilities."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

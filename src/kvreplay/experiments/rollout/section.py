@@ -111,9 +111,8 @@ def decomposition_claims(d: Decomposition, names: Sequence[str], stream: int) ->
 
 def _scorer_claims(sequences: Sequences, scorer: str, greedy: bool) -> Json:
     pairs = sequences.pairs(scorer)
-    firsts = [
-        first_argmax_divergence(s[scorer].argmax_differs or []) for s in sequences.with_side(scorer)
-    ]
+    reported = [s[scorer].argmax_differs for s in sequences.with_side(scorer)]
+    firsts = [first_argmax_divergence(r) for r in reported if r is not None]
     parted = [f for f in firsts if f is not None]
     return {
         "metrics": {k: _json(v) for k, v in metrics(pairs, DEFAULT_CAP).items()},
@@ -121,7 +120,7 @@ def _scorer_claims(sequences: Sequences, scorer: str, greedy: bool) -> Json:
         "by_margin": [{k: _json(v) for k, v in b.items()} for b in by_margin(pairs)],
         "argmax": {
             "greedy": greedy,
-            "sequences": len(firsts),
+            "sequences": len(firsts),  # those whose scorer reported its argmax
             "sequences_parted": len(parted),
             "first_index_median": float(np.median(parted)) if parted else None,
         },

@@ -10,17 +10,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvreplay.experiments.rollout.table import PREFILL, ROLLOUT_SIDE
+from kvreplay.experiments.rollout.table import CONTROL, PREFILL, ROLLOUT_SIDE
 from kvreplay.experiments.table import Ledger
 from kvreplay.measure.mismatch import Decomposition, Pairs, decompose
 
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a sampled turn: its log-probabilities, and (a scorer's) its
-    top-1/top-2 gaps and argmax differences, or (a control's) how many leading tokens
-    are the rollout's."""
+    """One side of a sampled turn: its kind (decode, prefill, control), its
+    log-probabilities, how many leading tokens are the rollout's (a control's may be
+    fewer than its own), and where reported, a scorer's top-1/top-2 gaps and argmax
+    differences and a decode's cached prompt tokens."""
 
+    kind: str
     logprobs: list[float]
     agree: int
     margins: list[float] | None = None
@@ -39,7 +41,7 @@ class Sequences:
     def scorers(self) -> list[str]:
         """The scorers' labels, the engine's own prefill first where it was scored."""
         found = dict.fromkeys(
-            name for sides in self.sides for name, side in sides.items() if side.margins is not None
+            name for sides in self.sides for name, side in sides.items() if side.kind == PREFILL
         )
         return sorted(found, key=lambda name: (name != "engine", list(found).index(name)))
 
@@ -86,13 +88,13 @@ def read_sides(ledger: Ledger) -> dict[str, Sequences]:
             sequences.keys.append(key)
             sequences.turns.append(int(ledger["turn"][i]))
             sequences.sides.append({})
-        kind = ledger["kind"][i]
-        cached = ledger["cached_tokens"][i] if "cached_tokens" in ledger else np.nan
+        cached, margins = ledger["cached_tokens"][i], ledger["margins"][i]
         sequences.sides[index[precision, key]][str(ledger["side"][i])] = Side(
+            str(ledger["kind"][i]),
             list(ledger["logprobs"][i]),
             int(ledger["agree_tokens"][i]),
-            list(ledger["margins"][i]) if kind == PREFILL else None,
-            ledger["argmax_differs"][i] if kind == PREFILL else None,
+            None if margins is None else list(margins),
+            ledger["argmax_differs"][i],
             None if np.isnan(cached) else int(cached),
         )
     return found
@@ -105,6 +107,6 @@ def controls(sequences: Sequences) -> list[str]:
             name
             for sides in sequences.sides
             for name, side in sides.items()
-            if side.margins is None and name != ROLLOUT_SIDE
+            if side.kind == CONTROL
         )
     )
