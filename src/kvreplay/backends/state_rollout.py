@@ -48,10 +48,13 @@ def pick(
     return token, float(chosen[token]), margin
 
 
-def decode_turn(state: Any, model: Any, sampling: Sampling, eos: frozenset[int]) -> Turn:
+def decode_turn(
+    state: Any, model: Any, sampling: Sampling, eos: frozenset[int], cached: int
+) -> Turn:
     """Sample one turn from a state whose logits follow its prompt (the live schedule:
     every sampled token fed alone; the last one never, as nothing reads the state after
-    it), each turn with its own generator seeded by the sampling's seed."""
+    it), each turn with its own generator seeded by the sampling's seed; ``cached``: the
+    prompt tokens the state held before this turn's prompt was fed."""
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -67,7 +70,7 @@ def decode_turn(state: Any, model: Any, sampling: Sampling, eos: frozenset[int])
             break
         if len(tokens) < sampling.max_tokens:
             state.advance(model, [token])
-    return Turn(tokens, logprobs, margins, None, finish)
+    return Turn(tokens, logprobs, margins, cached, finish)
 
 
 class StateRollout:
@@ -98,8 +101,8 @@ class StateRollout:
 
     def _converse(self, conversation: Conversation, reuse: bool) -> list[Turn]:
         context = list(conversation.prompt_ids)
-        state = self._fresh(context)
-        turns = [decode_turn(state, self.lm.model, conversation.sampling, self.eos)]
+        state, cached = self._fresh(context), 0
+        turns = [decode_turn(state, self.lm.model, conversation.sampling, self.eos, cached)]
         for followup in conversation.followups:
             pending = [turns[-1].token_ids[-1], *followup]
             context += [*turns[-1].token_ids, *followup]
@@ -107,9 +110,8 @@ class StateRollout:
                 state.advance(self.lm.model, pending)
             else:
                 state = self._fresh(context)
-            turn = decode_turn(state, self.lm.model, conversation.sampling, self.eos)
             cached = len(context) - len(pending) if reuse else 0
-            turns.append(Turn(turn.token_ids, turn.logprobs, turn.margins, cached, turn.finish))
+            turns.append(decode_turn(state, self.lm.model, conversation.sampling, self.eos, cached))
         return turns
 
 
