@@ -9,7 +9,8 @@
   must hold what kvreplay's own declarations make of it now: ``columns EXPERIMENT
   [served]`` an experiment's CSV columns (its table in
   :data:`kvreplay.experiments.tables.EXPERIMENT_TABLES`), ``backends`` every backend's
-  capabilities, ``settings BACKEND`` a backend's options (its settings class). A block
+  capabilities, ``settings BACKEND`` a backend's options (its settings class), ``metrics``
+  the mismatch metrics (:data:`kvreplay.measure.mismatch.METRICS`). A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
 
@@ -176,11 +177,23 @@ def _default(param: click.Option) -> str:
     return f"`{value}`"
 
 
+def metrics_markdown() -> str:
+    """Every mismatch metric as :data:`kvreplay.measure.mismatch.METRICS` defines it."""
+    from kvreplay.measure.mismatch import METRICS
+
+    lines = ["| metric | definition | what RL frameworks log as |", "|---|---|---|"]
+    for m in METRICS:
+        text = m.definition.replace("|", "\\|")
+        lines.append(f"| `{m.name}` | {text} | {m.known_as or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
 GENERATORS: dict[str, Callable[..., str]] = {
     "columns": columns_markdown,
     "backends": backends_markdown,
     "settings": settings_markdown,
     "options": options_markdown,
+    "metrics": metrics_markdown,
 }
 
 

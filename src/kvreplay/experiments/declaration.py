@@ -50,11 +50,14 @@ class Declaration:
     default_n: str = "all"  # what --n is when not given, as its help says it
     section: Section | None = None  # its part of claims and report (None: listed in analysis)
     needs: str | None = None  # a backend setting it cannot run without (None: any backend)
+    capability: str | None = None  # a backend capability it cannot run without (rollout)
 
     def runs_on(self, backend_cls: Any) -> bool:
         """Whether a backend of this class runs it: it has the K/V access, the served
-        form or the setting the experiment needs."""
+        form, the setting and the capability the experiment needs."""
         if self.needs is not None and self.needs not in backend_cls.settings():
+            return False
+        if self.capability is not None and not getattr(backend_cls.capabilities, self.capability):
             return False
         return backend_cls.capabilities.kv_access or self.served is not None
 

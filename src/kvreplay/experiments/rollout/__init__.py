@@ -19,4 +19,5 @@ DECLARATION = Declaration(
     options=f"{__name__}.experiment:RolloutOptions",
     temperature=1.0,
     section=ROLLOUT_SECTION,
+    capability="rollout",
 )
