@@ -281,3 +281,26 @@ def test_your_own_sampler_returning_nan_is_refused() -> None:
 
     with pytest.raises(KvreplayError, match="not a finite number at most 0"):
         audit_own_stack([[1, 2]], lambda p, s: ([3], [math.nan]), lambda p, t: [-0.1], Sampling())
+
+
+@pytest.mark.slow
+def test_llamacpp_rollouts_scored_by_transformers(
+    tmp_path: Path, smollm2_cache: Path, items: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp (the embedded SmolLM2 GGUF as shipped) samples; its own prefill, its
+    live schedule and transformers score; the live schedule repeats its decode exactly."""
+    from kvreplay.backends.llamacpp import LlamaCppBackend
+
+    if not LlamaCppBackend().installed():
+        pytest.fail("llama.cpp is not built here; run `make setup-llamacpp`.")
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    out = tmp_path / "run"
+    result = invoke(
+        "run", "rollout", "--backend", "llamacpp", "--dtypes", "fp16", "--items", items,
+        "--n", 1, "--max-tokens", 8, "--scorers", "hf:fp32,engine:replay", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, (result.output, result.exception)
+    by = {x["side"]: json.loads(x["logprobs"]) for x in lines(out)}
+    assert set(by) == {"rollout", "engine", "engine:replay", "hf:fp32"}
+    assert by["engine:replay"] == by["rollout"]
+    assert invoke("audit", out).exit_code == 0
