@@ -82,8 +82,9 @@ def test_plain_calls_give_the_recorded_floats(
     run: Path, model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The independent check: the first turn's sampled tokens and their log-probabilities
-    from plain vLLM calls (an engine started with vLLM's own defaults for logprobs), and
-    the trainer's from a plain transformers forward, equal the run's bit for bit."""
+    from plain vLLM calls (an engine started with vLLM's own defaults for logprobs, without
+    kvreplay's logits processor), the engine's prompt log-probabilities, and the trainer's
+    from a plain transformers forward, equal the run's bit for bit."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
@@ -96,7 +97,9 @@ def test_plain_calls_give_the_recorded_floats(
         max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=8192, enforce_eager=True,
         seed=0, distributed_executor_backend="uni",
     )  # fmt: skip
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    # the hf backend loads a precision as from_pretrained(dtype) and then .to(dtype), which
+    # also casts the rotary inv_freq buffer that from_pretrained alone keeps in fp32
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(torch.bfloat16)
     for row in recorded:
         prompt = row["prompt_token_ids"]
         turn = row["rollouts"][0]["turns"][0]

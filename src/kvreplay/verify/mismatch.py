@@ -27,7 +27,7 @@ import numpy as np
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.power import percent, rate_upper_bound
-from kvreplay.experiments.rollout.section import precision_claims
+from kvreplay.experiments.rollout.section import dominance, precision_claims
 from kvreplay.experiments.rollout.sides import Sequences
 from kvreplay.experiments.rollout.table import ROLLOUT_SIDE
 from kvreplay.measure.mismatch import DEFAULT_CAP, Pairs, metrics, term_interval
@@ -301,9 +301,8 @@ class MismatchVerdict:
             if d is not None:
                 terms = d["terms"]
                 lines.append(
-                    f"  {precision}: mean |delta| engine {terms['engine']['abs_mean']:.3g} + "
-                    f"cross {terms['cross']['abs_mean']:.3g} (the {d['dominant']['term']} term "
-                    "dominates)"
+                    f"  {precision}: mean |delta| engine {terms['engine']['abs_mean']:.3g}, "
+                    f"cross {terms['cross']['abs_mean']:.3g} ({dominance(d['dominant'])})"
                 )
         for outcome in [s for s in self.sequences if not self.passes(s)][:10]:
             lines.append(f"  {outcome.key} ({outcome.precision}): {_why(outcome)}")

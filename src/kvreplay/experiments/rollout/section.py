@@ -99,6 +99,8 @@ def decomposition_claims(d: Decomposition, names: Sequence[str], stream: int) ->
             "over": ranked[1][0],
             "abs_mean_difference": math.fsum(gap.tolist()) / gap.size,
             "ci95": None if interval is None else [interval.low, interval.high],
+            # the interval of the difference lies above 0: the term does move more
+            "decided": interval is not None and interval.low > 0,
         }
     return {
         "tokens": int(d.total.size),
@@ -214,6 +216,17 @@ def _ci(interval: list[float] | None) -> str:
     return "" if interval is None else f" [{interval[0]:.3g}, {interval[1]:.3g}]"
 
 
+def dominance(lead: Json) -> str:
+    """Which term dominates, as a sentence says it: the one whose mean |delta| is larger,
+    where the paired interval of the difference lies above 0, else neither."""
+    if "over" not in lead:
+        return f"the {lead['term']} term alone"
+    by = f"{_g(lead['abs_mean_difference'])}{_ci(lead['ci95'])}"
+    if lead.get("decided"):
+        return f"the {lead['term']} term dominates by {by}"
+    return f"neither dominates: {lead['term']} exceeds {lead['over']} by {by}"
+
+
 def _summary(claims: Json) -> list[str]:
     section = claims.get(SECTION)
     if not section:
@@ -234,7 +247,7 @@ def _summary(claims: Json) -> list[str]:
             lines.append(
                 f"rollout {precision} -> {trainer}: mean |term| engine "
                 f"{_g(terms['engine']['abs_mean'])}, cross {_g(terms['cross']['abs_mean'])}"
-                f" (the {lead['term']} term dominates{_ci(lead.get('ci95'))})"
+                f" ({dominance(lead)})"
             )
         for control, d in _ordered(c["controls"]):
             if d.get("tokens"):
@@ -293,6 +306,8 @@ def _report(page: Page) -> list[Block]:
             for trainer, chain in _ordered(d.get("chains", {})):
                 for name, term in _ordered(chain["terms"]):
                     rows.append(_term_row(f"{control} -> {trainer}", name, term))
+        for trainer, d in _ordered(c["decomposition"]):
+            blocks.append(Paragraph(f"Decomposition of {trainer}: {dominance(d['dominant'])}."))
         if rows:
             blocks.append(
                 Grid(
