@@ -25,7 +25,6 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 
 LOGPROB_MODES = ("raw", "processed")
-FINISHES = ("length", "eos")
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvreplay.backends.rollout import ENGINE
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.core.paths import read_regular
 from kvreplay.core.rollout import Scored, Turn
-from kvreplay.experiments.rollout.section import ENGINE, _summary
+from kvreplay.experiments.rollout.section import summary_lines
 from kvreplay.verify.mismatch import MismatchExpectation, judge, parse_expectation
 from kvreplay.verify.own_stack import sides_of
 
@@ -121,6 +122,7 @@ def rescore(rows: list[dict[str, Any]], spec_text: str, model: str) -> None:
     from kvreplay.backends import make_backend
     from kvreplay.backends.rollout import ScorerSpec, open_scorer
     from kvreplay.core.stages import get_plan
+    from kvreplay.experiments.rollout.experiment import scorer_digest
     from kvreplay.model.models import load_tokenizer, text_config, vocabulary_size
     from kvreplay.model.sources import canonical_spec
     from kvreplay.run.config import RunConfig
@@ -145,18 +147,12 @@ def rescore(rows: list[dict[str, Any]], spec_text: str, model: str) -> None:
             f"The logged rollout {outside} has a token id outside the vocabulary of {model} "
             f"({vocabulary}); --model must be the model that sampled it."
         )
-    digest = backend.describe_model(model, False, _scheme(), tokenizer)["model_digest"]
+    digest = scorer_digest(spec, model, trust_remote_code=False)
     config = RunConfig(model=model, model_digest=digest, plan=get_plan("instruct"), backend=backend)
     scorer = open_scorer(spec, config, digest)
     for row in rows:
         turn = row["rollouts"][0]["turns"][0]
         turn["scores"][ENGINE] = scorer.score(row["prompt_token_ids"], turn["token_ids"]).to_dict()
-
-
-def _scheme() -> int:
-    from kvreplay.model.identity import IDENTITY_SCHEME
-
-    return IDENTITY_SCHEME
 
 
 def analyze_logged(
@@ -183,7 +179,7 @@ def analyze_logged(
     if rescore_with is not None:
         rescore(rows, rescore_with, model)
     verdict = judge(sides_of(rows), TRAINER, expectation, "rollout", 1.0)
-    for line in _summary({"rollout_mismatch": verdict.claims}):
+    for line in summary_lines({"rollout_mismatch": verdict.claims}):
         echo(line)
     if gate:
         echo(verdict.screen())

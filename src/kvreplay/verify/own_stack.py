@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvreplay.backends.rollout import ENGINE
 from kvreplay.core.rollout import Conversation, Sampling, Scored, Turn, check_logprobs
 from kvreplay.experiments.rollout.roll import Bench, roll
-from kvreplay.experiments.rollout.section import ENGINE
 from kvreplay.experiments.rollout.sides import Sequences, read_sides
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
 from kvreplay.run.ledger import Record
@@ -38,6 +38,7 @@ class CallableStack:
     whole (the callable reuses what it may; kvreplay cannot reset its cache)."""
 
     sample_fn: SampleFn
+    name: str = "sample()"
     batches: bool = False
 
     def reset_cache(self) -> None:
@@ -62,6 +63,7 @@ class CallableScorer:
     log-probabilities: no gaps, no argmax)."""
 
     score_fn: ScoreFn
+    name: str = "score()"
 
     def score(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> Scored:
         values = [float(v) for v in self.score_fn(list(prompt_ids), list(token_ids))]

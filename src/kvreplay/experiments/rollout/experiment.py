@@ -29,7 +29,7 @@ from kvreplay.experiments.declaration import option
 from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.rollout.roll import Bench, roll
-from kvreplay.experiments.rollout.section import _summary, rollout_claims
+from kvreplay.experiments.rollout.section import rollout_claims, summary_lines
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE, RolloutRow
 from kvreplay.experiments.rows import PanelRow
 from kvreplay.experiments.scope import Scope, Selection, own_options
@@ -301,7 +301,7 @@ class Rollout(Experiment):
             return {"experiment": self.name, "rows": 0}, "rollout: no row completed"
         ledger = self.table.ledger(done, config)
         claims = rollout_claims(Reading({ledger.file: ledger}, done))
-        return {"experiment": self.name, **claims}, "\n".join(_summary(claims))
+        return {"experiment": self.name, **claims}, "\n".join(summary_lines(claims))
 
 
 class ServedRollout(Rollout):

@@ -16,27 +16,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from kvreplay.core.rollout import Conversation, Scored, Turn
+from kvreplay.backends.rollout import RolloutStack, Scorer
+from kvreplay.core.rollout import Conversation, Turn
 
 MISS, BATCHED = "miss", "batched"
 """The controls' names, as rows and the CSV spell them."""
-
-
-class Stack(Protocol):
-    """What :func:`roll` needs of a rollout stack
-    (:class:`kvreplay.backends.rollout.RolloutStack`)."""
-
-    batches: bool
-
-    def reset_cache(self) -> None: ...
-
-    def sample(self, conversations: Sequence[Conversation], reuse: bool) -> list[list[Turn]]: ...
-
-
-class Scoring(Protocol):
-    def score(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> Scored: ...
 
 
 @dataclass(frozen=True)
@@ -44,8 +30,8 @@ class Bench:
     """A unit's stack and scorers by label (the engine's own prefill first, where the
     stack has one), and the conversations that share the batched control's batch."""
 
-    stack: Stack
-    scorers: Sequence[tuple[str, Scoring]]
+    stack: RolloutStack
+    scorers: Sequence[tuple[str, Scorer]]
     companions: Sequence[Conversation] = ()
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvreplay.backends.rollout import ENGINE
 from kvreplay.experiments.rollout.roll import MISS
 from kvreplay.experiments.rollout.sides import Sequences, controls, read_sides
 from kvreplay.experiments.rollout.table import ROLLOUT_SIDE, ROLLOUT_TABLE
@@ -39,7 +40,6 @@ from kvreplay.render.document import Block, Heading, Paragraph
 from kvreplay.render.document import Table as Grid
 
 SECTION = "rollout_mismatch"
-ENGINE = "engine"
 TERMS = {
     "engine": "engine prefill - rollout decode (the stack's own live vs prefill)",
     "cross": "trainer prefill - engine prefill (kernels, precision, stack)",
@@ -227,7 +227,7 @@ def dominance(lead: Json) -> str:
     return f"neither dominates: {lead['term']} exceeds {lead['over']} by {by}"
 
 
-def _summary(claims: Json) -> list[str]:
+def summary_lines(claims: Json) -> list[str]:
     section = claims.get(SECTION)
     if not section:
         return []
@@ -372,4 +372,4 @@ def _term_row(chain: str, name: str, term: Json) -> tuple[str, ...]:
     )
 
 
-ROLLOUT_SECTION = Section((ROLLOUT_TABLE,), rollout_claims, _summary, report=_report)
+ROLLOUT_SECTION = Section((ROLLOUT_TABLE,), rollout_claims, summary_lines, report=_report)
