@@ -138,3 +138,14 @@ def test_scorer_specs() -> None:
             ScorerSpec.parse(bad)
     with pytest.raises(KvreplayError, match="twice"):
         parse_scorers("hf:fp32,hf:fp32")
+
+
+def test_a_followup_is_what_the_chat_template_puts_between_two_answers() -> None:
+    from tiny import byte_tokenizer
+
+    from kvreplay.experiments.rollout.experiment import followup_ids
+
+    tokenizer = byte_tokenizer()
+    ids = followup_ids(tokenizer, "Again?", None)
+    assert tokenizer.decode(ids) == "\n<|user|>Again?\n<|assistant|>"
+    assert tokenizer.decode(followup_ids(tokenizer, "Again?", False)) == "\nAgain?"
