@@ -11,7 +11,8 @@
   :func:`kvreplay.experiments.registry.experiment_tables`), ``backends`` every backend's
   capabilities, ``settings BACKEND`` a backend's options (its settings class),
   ``options EXPERIMENT`` a run command's options, ``declared check|audit`` the options of
-  ``kvreplay check`` or ``kvreplay audit`` (their typed requests). A block
+  ``kvreplay check`` or ``kvreplay audit`` (their typed requests), ``metrics`` the
+  mismatch metrics (:data:`kvreplay.measure.mismatch.METRICS`). A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
 
@@ -174,12 +175,13 @@ def declared_markdown(command: str) -> str:
     """The options ``kvreplay check`` (beyond the run options every run command shares)
     or ``kvreplay audit`` takes, as their typed requests declare them."""
     from kvreplay.audit.request import AuditRequest
-    from kvreplay.core.options import declared, every
+    from kvreplay.core.options import every
     from kvreplay.run.check import CheckRequest
     from kvreplay.run.request import RunOptions
 
     if command == "check":
-        specs = [s for s in declared(CheckRequest).values() if s.name not in declared(RunOptions)]
+        shared = {s.name for s in every(RunOptions)}
+        specs = [s for s in every(CheckRequest) if s.name not in shared]
     else:
         specs = list(every(AuditRequest))
     lines = ["| option | default | what it sets |", "|---|---|---|"]
@@ -199,12 +201,24 @@ def _default(param: click.Option) -> str:
     return f"`{value}`"
 
 
+def metrics_markdown() -> str:
+    """Every mismatch metric as :data:`kvreplay.measure.mismatch.METRICS` defines it."""
+    from kvreplay.measure.mismatch import METRICS
+
+    lines = ["| metric | definition | what RL frameworks log as |", "|---|---|---|"]
+    for m in METRICS:
+        text = m.definition.replace("|", "\\|")
+        lines.append(f"| `{m.name}` | {text} | {m.known_as or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
 GENERATORS: dict[str, Callable[..., str]] = {
     "columns": columns_markdown,
     "backends": backends_markdown,
     "settings": settings_markdown,
     "options": options_markdown,
     "declared": declared_markdown,
+    "metrics": metrics_markdown,
 }
 
 

@@ -275,13 +275,11 @@ _run_commands()
 def check_request(values: dict[str, Any], command: list[str] | None = None) -> Any:
     """The typed request of ``kvreplay check`` from its parsed options; its recorded
     command is spelled from the request itself unless given."""
-    from kvreplay.experiments.registry import EXPERIMENTS, check_experiment
-    from kvreplay.run.check import CheckRequest
+    from kvreplay.run.check import CheckRequest, check_own_options
 
     values = dict(values)
     backend = _backend(values)
-    own = EXPERIMENTS.get(check_experiment("greedy")).option_fields()
-    given = {k: v for k in own if (v := values.pop(k, None)) is not None}
+    given = {k: v for k in check_own_options() if _given(v := values.pop(k, None))}
     request = build(CheckRequest, values, backend=backend, own=given)
     return replace(request, command=command or ["kvreplay", "check", *request.words()])
 
@@ -289,19 +287,16 @@ def check_request(values: dict[str, Any], command: list[str] | None = None) -> A
 def _check_options() -> list[click.Option]:
     """A check's options: the shared ones with the check's own defaults, what must hold
     and where the verdict goes, and the options of the experiment it runs greedily."""
-    from kvreplay.core.options import declared
-    from kvreplay.experiments.registry import EXPERIMENTS, check_experiment
-    from kvreplay.run.check import CHECK_DEFAULTS, DEFAULT_ITEMS, CheckRequest
+    from kvreplay.run.check import CHECK_DEFAULTS, DEFAULT_ITEMS, CheckRequest, check_own_options
     from kvreplay.run.request import RunOptions
 
-    shared = set(declared(RunOptions))
+    shared = {s.name for s in every(RunOptions)}
     helps = {"n": f"How many items (default {DEFAULT_ITEMS}; --max-rate sets it)."}
-    own = EXPERIMENTS.get(check_experiment("greedy")).option_fields().values()
-    checks = [click_option(s) for s in declared(CheckRequest).values() if s.name not in shared]
+    checks = [click_option(s) for s in every(CheckRequest) if s.name not in shared]
     return [
         *shared_options(CHECK_DEFAULTS, helps),
         *checks,
-        *(click_option(s, given_only=True) for s in own),
+        *(click_option(s, given_only=True) for s in check_own_options().values()),
     ]
 
 
@@ -443,6 +438,27 @@ def env_command(run_dir: Path, venv: str | None) -> None:
         return
     rebuild(manifest, venv, lambda line: click.echo(line, err=True))
     click.echo(f"rebuilt {venv}; re-execute the run with: {venv}/bin/kvreplay audit {run_dir}")
+
+
+def _mismatch_options() -> list[click.Parameter]:
+    from kvreplay.run.logged import LoggedRequest
+
+    logged = click.Argument(["logged"], type=UserPath(path_type=Path, dir_okay=False))
+    return [logged, *(click_option(s) for s in every(LoggedRequest))]
+
+
+@main.command("mismatch", params=_mismatch_options())
+@plain_errors
+def mismatch_command(logged: Path, **values: Any) -> None:
+    """The training-inference mismatch of rollouts a framework logged (JSONL: prompt and
+    response ids, rollout and trainer log-probabilities; docs/experiments/rollout.md).
+    With a gate, exit 0 when it holds and 1 when not."""
+    from kvreplay.engines.threads import intra_op_threads
+    from kvreplay.run.logged import LoggedRequest, analyze_logged
+
+    request = build(LoggedRequest, values)
+    with intra_op_threads(request.threads):
+        sys.exit(analyze_logged(logged, request, click.echo))
 
 
 @main.group("items")

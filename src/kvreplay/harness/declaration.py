@@ -30,10 +30,10 @@ class Declaration:
     its class and, where a backend without K/V access runs it as served panels, its
     served class and table; its own options; its section where the experiment is one
     package; the backend setting it needs where only some backends run it (history:
-    ``traffic``); the role it plays in ``kvreplay check`` (``greedy``, ``faithful``,
-    ``traffic``); whether a verdict judges its rows (``judged``: they hold a compared pair
-    of arms); and where a later panel reads prior outcomes from its rows, its rank among
-    such sources (``outcome_rank``, 1 first)."""
+    ``traffic``) or the capability (``rollout``); the role it plays in ``kvreplay check``
+    (``greedy``, ``faithful``, ``traffic``); whether a verdict judges its rows
+    (``judged``: they hold a compared pair of arms); and where a later panel reads prior
+    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first)."""
 
     name: str
     summary: str
@@ -48,16 +48,20 @@ class Declaration:
     default_n: str = "all"  # what --n is when not given, as its help says it
     section: Section | None = None  # its part of claims and report (None: listed in analysis)
     needs: str | None = None  # a backend setting it cannot run without (None: any backend)
+    capability: str | None = None  # a backend capability it cannot run without (rollout)
     check: str | None = None  # the role it plays in kvreplay check (None: none)
     judged: bool = False  # a verdict judges its rows
     outcome_rank: int | None = None  # a source of prior outcomes for panels, by preference
 
     def runs_on(self, backend_cls: type) -> bool:
         """Whether a backend of this class runs it: it has the K/V access, the served
-        form or the setting the experiment needs."""
+        form, the setting and the capability the experiment needs."""
+        capabilities = backend_cls.capabilities  # type: ignore[attr-defined]
         if self.needs is not None and self.needs not in backend_cls.settings():  # type: ignore[attr-defined]
             return False
-        return backend_cls.capabilities.kv_access or self.served is not None  # type: ignore[attr-defined]
+        if self.capability is not None and not getattr(capabilities, self.capability):
+            return False
+        return capabilities.kv_access or self.served is not None
 
     def option_fields(self) -> dict[str, Declared]:
         """Each own option (those it takes) by field name."""

@@ -102,6 +102,13 @@ class Experiment(ABC):
         another row are checked by the audit itself (their ``source``)."""
         return {}
 
+    def run_summary(
+        self, rows: list[Record], config: dict[str, Any]
+    ) -> tuple[dict[str, Any], str] | None:
+        """What a run of an experiment whose rows are not panels returns and prints at
+        its end (its summary and the text); None: the panel summary and verdict."""
+        return None
+
     def figures(self, run_dir: Path, rows: Iterable[Record]) -> list[Path]:
         """Figures drawn from the rows after each run; most experiments draw none."""
         return []

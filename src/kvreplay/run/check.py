@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.backends import DEFAULT_BACKEND
-from kvreplay.contract.upgrade import current
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.options import arguments, option
+from kvreplay.core.options import Declared, arguments, option
 from kvreplay.experiments.registry import check_experiment, declared
 from kvreplay.ledger import RunLedger, parse_rows
-from kvreplay.run.outputs import check_outputs, write_outputs
+from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.repro import repro_pack
 from kvreplay.run.request import RunOptions, RunRequest
 from kvreplay.verify.expectation import DEFAULT_MARGIN, EXPECTATIONS, Expectation, parse_expectation
-from kvreplay.verify.render import SCHEMA, screen
+from kvreplay.verify.mismatch import MismatchBounds
+from kvreplay.verify.render import SCHEMA, junit, screen, to_json
 from kvreplay.verify.verdict import StopRule, Verdict, judge
 
 DEFAULT_ITEMS = 4  # items a check runs without --n or --max-rate
@@ -40,8 +40,8 @@ CHECK_DEFAULTS: dict[str, Any] = {"dtypes": ("bf16",)}
 @dataclass(frozen=True, kw_only=True)
 class CheckRequest(RunOptions):
     """What ``kvreplay check`` was asked: the shared run options, what must hold, and
-    where the verdict goes; ``own`` holds the options of the experiment it runs that were
-    given (``--select``, ``--screen``)."""
+    where the verdict goes; ``own`` holds the options given of the experiment it runs
+    (``--select``, ``--screen``; a ``--trainer`` check's rollout options)."""
 
     out: Path | None = field(
         default=None,
@@ -112,6 +112,16 @@ class CheckRequest(RunOptions):
             target="folder",
         ),
     )
+    trainer: str | None = field(
+        default=None,
+        metadata=option(
+            "--trainer",
+            "Gate the training-inference mismatch instead: the backend under test samples "
+            "rollouts, this scorer (BACKEND:PRECISION[:SCHEDULE][@MODEL], e.g. hf:fp32, or "
+            "engine:replay) teacher-forces them; see docs/experiments/rollout.md.",
+        ),
+    )
+    bounds: MismatchBounds = field(default_factory=MismatchBounds)
     own: dict[str, Any] = field(default_factory=dict)
     command: list[str] = field(default_factory=list)
 
@@ -119,7 +129,7 @@ class CheckRequest(RunOptions):
         """The command-line words that ask for this check (after ``kvreplay check``)."""
         backend = self.backend
         chosen = ["--backend", backend.name] if backend.name != DEFAULT_BACKEND else []
-        own = declared()[check_experiment("greedy")].option_fields()
+        own = check_own_options()
         given = [w for key, value in self.own.items() for w in own[key].words(value)]
         return [*arguments(self), *chosen, *arguments(backend), *given]
 
@@ -146,8 +156,12 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     return the verdict. Every refusal comes before the run writes. The run stops once its
     verdict is decided (:func:`~kvreplay.verify.verdict.decided`)."""
     from kvreplay.experiments import get_experiment
+    from kvreplay.run.mismatch_check import refuse_without_trainer, run_mismatch_check
     from kvreplay.run.runner import run
 
+    if request.trainer is not None:  # a gate on the training-inference mismatch
+        return run_mismatch_check(request, echo, (DEFAULT_ITEMS, default_out(request)))  # type: ignore[return-value]
+    refuse_without_trainer(request)
     temperature = request.sampler.temperature
     expectation = parse_expectation(
         request.expect, request.max_divergent, request.margin, temperature, request.max_rate
@@ -168,9 +182,9 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
     rows = [r for r in records if r.experiment == name]
     planned = len(request.dtypes) * n
-    verdict = judge(experiment, rows, expectation, _environment(ledger.manifest), planned)
+    verdict = judge(experiment, rows, expectation, recorded_environment(ledger.manifest), planned)
     echo(screen(verdict))
-    write_outputs(verdict, request.json_path, request.junit_path)
+    write_outputs((to_json(verdict), junit(verdict)), request.json_path, request.junit_path)
     pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
     if pack is not None:
         echo(f"repro pack: {pack.folder}; reproduce the first divergence with: {pack.command}")
@@ -202,17 +216,14 @@ def default_out(request: RunOptions) -> Path:
     return Path("kvreplay-check") / re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
 
-def _environment(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the verdict records of where it ran, from the run's contract (in today's
-    layout: its backend named, with its settings)."""
-    contract = current(manifest["contract"])
-    model = contract["model_info"]
-    return {
-        "kvreplay_version": manifest.get("kvreplay_version"),
-        "model": {"spec": model["spec"], "model_digest": model["model_digest"]},
-        "backend": contract["run"]["backend"],
-        **contract["environment"],
-    }
+def check_own_options() -> dict[str, Declared]:
+    """The options of the experiments a check runs that it takes: the greedy one's
+    (``--select``, ``--screen``) and the rollout options a ``--trainer`` check takes."""
+    from kvreplay.run.mismatch_check import ROLLOUT, TAKEN
+
+    greedy = declared()[check_experiment("greedy")].option_fields()
+    rollout = declared()[ROLLOUT].option_fields()
+    return {**greedy, **{key: rollout[key] for key in TAKEN}}
 
 
 def _item_count(request: CheckRequest, expectation: Expectation) -> int:

@@ -1,21 +1,26 @@
 """Where a check writes its verdict (``--json``, ``--junit``) and its repro pack
-(``--repro``): each target checked before the run writes anything, written after."""
+(``--repro``): each target checked before the run writes anything, written after; and
+what a verdict records of the environment it ran in."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+from kvreplay.contract.upgrade import current
 from kvreplay.core.errors import KvreplayError
-from kvreplay.verify.render import junit, to_json
-from kvreplay.verify.verdict import Verdict
 
 
-def write_outputs(verdict: Verdict, json_path: Path | None, junit_path: Path | None) -> None:
+def write_outputs(
+    rendered: tuple[dict[str, Any], str], json_path: Path | None, junit_path: Path | None
+) -> None:
+    """A verdict's JSON and JUnit XML (``rendered``), each where it was asked for."""
+    data, xml = rendered
     for path, text in (
-        (json_path, json.dumps(to_json(verdict), indent=2, sort_keys=True) + "\n"),
-        (junit_path, junit(verdict)),
+        (json_path, json.dumps(data, indent=2, sort_keys=True) + "\n"),
+        (junit_path, xml),
     ):
         if path is None:
             continue
@@ -71,3 +76,16 @@ def _check_folder_target(path: Path) -> None:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise KvreplayError(f"Cannot write the repro pack {path}: {existing} is not writable.")
+
+
+def recorded_environment(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the verdict records of where it ran, from the run's contract (in today's
+    layout: its backend named, with its settings)."""
+    contract = current(manifest["contract"])
+    model = contract["model_info"]
+    return {
+        "kvreplay_version": manifest.get("kvreplay_version"),
+        "model": {"spec": model["spec"], "model_digest": model["model_digest"]},
+        "backend": contract["run"]["backend"],
+        **contract["environment"],
+    }

@@ -279,6 +279,11 @@ def _run_prepared(
     csv_text = experiment.table.csv(rows, config)
     write_text_atomic(request.out / experiment.table.csv_name(config), csv_text)
     experiment.figures(request.out, rows)
+    own = experiment.run_summary(rows, config)
+    if own is not None:
+        if not quiet:
+            print(own[1])
+        return own[0]
     summary = summarize(experiment, rows)
     if not quiet:
         print(format_summary(experiment, summary))

@@ -27,7 +27,7 @@ from kvreplay.backends.base import (
 class HfBackend(Backend):
     name = "hf"
     summary = "transformers eager, full K/V access (every experiment)"
-    capabilities = Capabilities(kv_access=True, seeded_sampling=True)
+    capabilities = Capabilities(kv_access=True, seeded_sampling=True, rollout=True, scoring=True)
     extra = "hf"
     requires = ("torch", "transformers")
     attn_implementation: str = field(
@@ -63,3 +63,16 @@ class HfBackend(Backend):
             self.trust_remote_code,
             device_map,
         )
+
+    def rollout_stack(self, opened: Any) -> Any:
+        from kvreplay.backends.hf.rollout import rollout_stack
+
+        return rollout_stack(opened)
+
+    def rollout_logprobs(self) -> tuple[str, ...]:
+        return ("raw", "processed")  # kvreplay samples from the logits and computes both
+
+    def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
+        from kvreplay.backends.hf.rollout import scorer
+
+        return scorer(opened, schedule)

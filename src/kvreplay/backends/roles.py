@@ -1,0 +1,41 @@
+"""The two roles a backend may play in the rollout experiment (design: rollout stack,
+scorer), as protocols: sampling with each token's log-probability, and teacher-forcing
+token ids. A backend says it can play them through its capabilities and returns one from
+``Backend.rollout_stack`` / ``Backend.scorer``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvreplay.core.rollout import Conversation, Scored, Turn
+
+
+class RolloutStack(Protocol):
+    """A backend that samples with log-probabilities."""
+
+    name: str  # e.g. "vllm:bf16": the stack as a sentence names it
+    reports: tuple[str, ...]  # the log-probabilities it can report: raw, processed
+    batches: bool  # whether conversations sampled together share the engine's batches
+
+    def reset_cache(self) -> None:
+        """Forget every prompt computed so far (a prefix cache's blocks), so that the next
+        request is computed afresh."""
+
+    def sample(self, conversations: Sequence[Conversation], reuse: bool) -> list[list[Turn]]:
+        """Each conversation's turns, sampled together. With ``reuse`` a later turn's
+        prompt continues from what its earlier turns computed (a serving engine's
+        prefix-cache hit over the blocks prefill and decode wrote; in process, the live
+        decoder state); without, every turn's whole prompt is computed afresh."""
+        ...
+
+
+class Scorer(Protocol):
+    """A backend that teacher-forces token ids."""
+
+    name: str  # e.g. "hf:fp32 prefill"
+
+    def score(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> Scored:
+        """Each of ``token_ids``' log-probabilities (raw) after the prompt and the tokens
+        before it, computed in this scorer's schedule."""
+        ...

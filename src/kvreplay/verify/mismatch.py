@@ -1,0 +1,386 @@
+"""The mismatch verdict (design: check, level, power, mismatch): a rollout stack's
+log-probabilities of the tokens it sampled, judged against a trainer's teacher-forced
+ones, at two levels.
+
+The *bits* level asks whether every token's two log-probabilities are the same float
+(what a bitwise-aligned pair of stacks promises: its KL is exactly 0); the *numbers*
+level asks whether the mismatch stays within what the expectation allows: the k3 KL
+estimator at most ``max_k3_kl`` and no token's |delta log p| above ``max_abs_logp``
+(:mod:`kvreplay.measure.mismatch` defines both). A verdict names the level it holds at,
+reports the other, and states its power: at the bits level the exact 95% upper bound on
+the rate of sequences whose log-probabilities part (0 of n rules out no more than
+that), at the numbers level the 95% upper bound of the k3 KL over resampled sequences
+and of the rate of tokens beyond ``max_abs_logp``. Exit 0 holds, 1 does not, 2 refused;
+JSON (schema ``kvreplay-mismatch-v1``) and JUnit carry the rest. The verdict is a value
+of its own beside :mod:`kvreplay.verify.verdict` (the live vs prefill check's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from xml.etree import ElementTree
+
+import numpy as np
+
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.options import option
+from kvreplay.core.power import percent, rate_upper_bound
+from kvreplay.experiments.rollout.section import dominance, precision_claims
+from kvreplay.experiments.rollout.sides import Sequences
+from kvreplay.experiments.rollout.table import ROLLOUT_SIDE
+from kvreplay.measure.mismatch import DEFAULT_CAP, Pairs, metrics, term_interval
+
+SCHEMA = "kvreplay-mismatch-v1"
+DEFAULT_MAX_K3_KL = 1e-3
+"""The numbers level's default: RL practice reads a k3 KL around 1e-3 as a healthy
+dense-model pair and 1e-2 as significantly off-policy."""
+HOLDS, FAILS = 0, 1
+
+
+@dataclass(frozen=True)
+class MismatchBounds:
+    """The bounds a mismatch gate is given (``check --trainer``, ``kvreplay mismatch``),
+    each option declared once here."""
+
+    max_k3_kl: float | None = field(
+        default=None,
+        metadata=option(
+            "--max-k3-kl",
+            "A mismatch gate: the largest k3 KL estimate that passes "
+            f"(default {DEFAULT_MAX_K3_KL:g}).",
+        ),
+    )
+    max_abs_logp: float | None = field(
+        default=None,
+        metadata=option(
+            "--max-abs-logp", "A mismatch gate: the largest |delta log p| any token may have."
+        ),
+    )
+
+    @property
+    def given(self) -> bool:
+        return self.max_k3_kl is not None or self.max_abs_logp is not None
+
+
+@dataclass(frozen=True)
+class MismatchExpectation:
+    """What the pair should do: ``bitwise`` (the bits level), or stay within
+    ``max_k3_kl`` and ``max_abs_logp`` (the numbers level; None: not asked)."""
+
+    bitwise: bool = False
+    max_k3_kl: float | None = DEFAULT_MAX_K3_KL
+    max_abs_logp: float | None = None
+
+    @property
+    def level(self) -> str:
+        return "bits" if self.bitwise else "numbers"
+
+    def describe(self) -> str:
+        if self.bitwise:
+            return "every token's log-probability the same float"
+        bounds = []
+        if self.max_k3_kl is not None:
+            bounds.append(f"k3 KL at most {self.max_k3_kl:g}")
+        if self.max_abs_logp is not None:
+            bounds.append(f"every |delta log p| at most {self.max_abs_logp:g}")
+        return " and ".join(bounds)
+
+
+def parse_expectation(expect: str | None, bounds: MismatchBounds) -> MismatchExpectation:
+    """The expectation of a mismatch check: ``--expect bitwise``, or bounds (the k3 KL at
+    most :data:`DEFAULT_MAX_K3_KL` when none is given); bad values and combinations
+    refused in one sentence."""
+    max_k3_kl, max_abs_logp = bounds.max_k3_kl, bounds.max_abs_logp
+    if expect not in (None, "bitwise"):
+        raise KvreplayError(
+            f"--expect {expect} judges live vs prefill continuations; a --trainer check takes "
+            "--expect bitwise, --max-k3-kl or --max-abs-logp."
+        )
+    for flag, value in (("--max-k3-kl", max_k3_kl), ("--max-abs-logp", max_abs_logp)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise KvreplayError(f"{flag} must be a finite number of at least 0; got {value:g}.")
+    if expect == "bitwise":
+        if max_k3_kl is not None or max_abs_logp is not None:
+            raise KvreplayError(
+                "--expect bitwise asks for equal floats; --max-k3-kl and --max-abs-logp bound "
+                "a mismatch instead: give one or the other."
+            )
+        return MismatchExpectation(bitwise=True, max_k3_kl=None)
+    if max_k3_kl is None and max_abs_logp is None:
+        return MismatchExpectation()
+    return MismatchExpectation(False, max_k3_kl, max_abs_logp)
+
+
+@dataclass(frozen=True)
+class SequenceOutcome:
+    """One sampled turn, judged: its tokens, the first whose two log-probabilities
+    differ (None: every one is the same float), its k3 KL and largest |delta log p|."""
+
+    key: str
+    precision: str
+    tokens: int
+    first_differs: int | None
+    kl_k3: float
+    abs_logp_max: float
+
+    @property
+    def bits_equal(self) -> bool:
+        return self.first_differs is None
+
+
+@dataclass
+class MismatchVerdict:
+    """A mismatch check's outcome: both levels, the power, each sequence, and the
+    section's claims per precision (metrics, decomposition, controls)."""
+
+    expectation: MismatchExpectation
+    rollout: str
+    trainer: str
+    sequences: list[SequenceOutcome]
+    kl_k3: float
+    kl_k3_upper: float | None
+    abs_logp_max: float
+    claims: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.sequences)
+
+    @property
+    def parted(self) -> list[SequenceOutcome]:
+        return [s for s in self.sequences if not s.bits_equal]
+
+    @property
+    def bits_hold(self) -> bool:
+        return bool(self.sequences) and not self.parted
+
+    @property
+    def beyond(self) -> int:
+        """Sequences with a token beyond ``max_abs_logp`` (0 when it is not asked)."""
+        bound = self.expectation.max_abs_logp
+        return 0 if bound is None else sum(s.abs_logp_max > bound for s in self.sequences)
+
+    @property
+    def numbers_hold(self) -> bool:
+        e = self.expectation
+        k3 = e.max_k3_kl is None or self.kl_k3 <= e.max_k3_kl
+        return bool(self.sequences) and k3 and self.beyond == 0
+
+    @property
+    def holds(self) -> bool:
+        return self.bits_hold if self.expectation.bitwise else self.numbers_hold
+
+    @property
+    def exit_code(self) -> int:
+        return HOLDS if self.holds else FAILS
+
+    def levels(self) -> dict[str, Any]:
+        n = len(self.sequences)
+        first = self.parted[0] if self.parted else None
+        e = self.expectation
+        return {
+            "bits": {
+                "holds": self.bits_hold,
+                "sequences": n,
+                "differ": len(self.parted),
+                "first": None if first is None else {
+                    "sequence": first.key, "token": first.first_differs,
+                    "precision": first.precision,
+                },
+                "rate_upper_95": rate_upper_bound(len(self.parted), n),
+            },
+            "numbers": {
+                "holds": self.numbers_hold,
+                "tokens": self.tokens,
+                "kl_k3": self.kl_k3,
+                "kl_k3_upper_95": self.kl_k3_upper,
+                "max_k3_kl": e.max_k3_kl,
+                "abs_logp_max": self.abs_logp_max,
+                "max_abs_logp": e.max_abs_logp,
+                "sequences_beyond": self.beyond,
+                "rate_beyond_upper_95": rate_upper_bound(self.beyond, n)
+                if e.max_abs_logp is not None
+                else None,
+            },
+        }  # fmt: skip
+
+    def sentence(self) -> str:
+        word = "HOLDS" if self.holds else "FAILS"
+        where = "bitwise" if self.expectation.bitwise else "at the numbers level"
+        head = f"{word} {where} ({self.expectation.describe()}): "
+        if not self.sequences:
+            return head + "no rollout was sampled, so nothing was compared."
+        pair = f"{self.rollout} decode vs {self.trainer}"
+        n = len(self.sequences)
+        numbers = (
+            f"k3 KL {self.kl_k3:.3g}"
+            + (f" (95% upper bound {self.kl_k3_upper:.3g})" if self.kl_k3_upper is not None else "")
+            + f", largest |delta log p| {self.abs_logp_max:.3g}"
+        )
+        if self.expectation.max_abs_logp is not None:
+            numbers += (
+                f", {self.beyond} of {n} sequence(s) with a token beyond "
+                f"{self.expectation.max_abs_logp:g}"
+            )
+        if self.parted:
+            first = self.parted[0]
+            bits = (
+                f"log-probabilities differ on {len(self.parted)} of {n} sequence(s), first at "
+                f"{first.key} ({first.precision}) token {first.first_differs}"
+            )
+        else:
+            bits = f"every token's log-probability is the same float on {n} of {n} sequence(s)"
+        bound = percent(rate_upper_bound(len(self.parted), n))
+        power = f", so the rate of sequences that part may still be up to {bound} (95% upper bound)"
+        if self.expectation.bitwise:
+            return head + f"{pair}: {bits}" + (power if not self.parted else "") + f"; {numbers}."
+        not_bitwise = "NOT bitwise: " if self.parted else "bitwise too: "
+        return head + f"{pair} over {self.tokens} tokens: {numbers}; {not_bitwise}{bits}."
+
+    def to_json(self) -> dict[str, Any]:
+        levels = self.levels()
+        return {
+            "schema": SCHEMA,
+            "verdict": "holds" if self.holds else "fails",
+            "exit_code": self.exit_code,
+            "sentence": self.sentence(),
+            "level": self.expectation.level,
+            "levels": levels,
+            "power": {
+                "level": self.expectation.level,
+                "sequences": len(self.sequences),
+                "tokens": self.tokens,
+                "rate_upper_95": levels["bits"]["rate_upper_95"],
+                "kl_k3_upper_95": self.kl_k3_upper,
+            },
+            "expectation": asdict(self.expectation),
+            "rollout": self.rollout,
+            "trainer": self.trainer,
+            "sequences": [{**asdict(s), "bits_equal": s.bits_equal} for s in self.sequences],
+            "claims": self.claims,
+            "environment": self.environment,
+        }
+
+    def passes(self, outcome: SequenceOutcome) -> bool:
+        """Whether one sequence meets what can be judged of it alone (bits, or its
+        largest |delta log p|)."""
+        if self.expectation.bitwise:
+            return outcome.bits_equal
+        bound = self.expectation.max_abs_logp
+        return bound is None or outcome.abs_logp_max <= bound
+
+    def junit(self) -> str:
+        """JUnit XML: one test case per sampled turn (failed where it breaks what a
+        sequence alone can break), and one for the pooled k3 KL at the numbers level."""
+        cases = [(s.key, s.precision, self.passes(s), s) for s in self.sequences]
+        bound = None if self.expectation.bitwise else self.expectation.max_k3_kl
+        pooled_fails = bound is not None and self.kl_k3 > bound
+        failures = sum(not ok for _, _, ok, _ in cases) + pooled_fails
+        suite = ElementTree.Element(
+            "testsuite", name="kvreplay check --trainer",
+            tests=str(len(cases) + (bound is not None)), failures=str(failures),
+        )  # fmt: skip
+        properties = ElementTree.SubElement(suite, "properties")
+        for name, value in (
+            ("verdict", "holds" if self.holds else "fails"),
+            ("level", self.expectation.level),
+            ("bits", "holds" if self.bits_hold else "fails"),
+            ("numbers", "holds" if self.numbers_hold else "fails"),
+            ("kl_k3", f"{self.kl_k3:.6g}"),
+            ("abs_logp_max", f"{self.abs_logp_max:.6g}"),
+        ):
+            ElementTree.SubElement(properties, "property", name=name, value=value)
+        for key, precision, ok, outcome in cases:
+            case = ElementTree.SubElement(
+                suite, "testcase", classname=f"kvreplay.mismatch.{precision}", name=key
+            )
+            if not ok:
+                failure = ElementTree.SubElement(case, "failure", message=_why(outcome))
+                failure.text = json.dumps(asdict(outcome), sort_keys=True)
+        if bound is not None:
+            case = ElementTree.SubElement(
+                suite, "testcase", classname="kvreplay.mismatch", name="kl_k3"
+            )
+            if pooled_fails:
+                message = f"k3 KL {self.kl_k3:.3g} above {bound:g}"
+                ElementTree.SubElement(case, "failure", message=message)
+        ElementTree.SubElement(suite, "system-out").text = self.sentence()
+        return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+    def screen(self) -> str:
+        levels = self.levels()
+        lines = [self.sentence(), ""]
+        bits = levels["bits"]
+        lines.append(f"  bits: {'equal' if bits['holds'] else 'differ'} "
+                     f"({bits['differ']} of {bits['sequences']} sequences differ)")  # fmt: skip
+        numbers = levels["numbers"]
+        lines.append(
+            f"  numbers: {'within' if numbers['holds'] else 'beyond'} (k3 KL "
+            f"{numbers['kl_k3']:.3g}, largest |delta log p| {numbers['abs_logp_max']:.3g})"
+        )
+        for precision, c in self.claims.items():
+            d = c["decomposition"].get(self.trainer)
+            if d is not None:
+                terms = d["terms"]
+                lines.append(
+                    f"  {precision}: mean |delta| engine {terms['engine']['abs_mean']:.3g}, "
+                    f"cross {terms['cross']['abs_mean']:.3g} ({dominance(d['dominant'])})"
+                )
+        for outcome in [s for s in self.sequences if not self.passes(s)][:10]:
+            lines.append(f"  {outcome.key} ({outcome.precision}): {_why(outcome)}")
+        return "\n".join(lines)
+
+
+def _why(outcome: SequenceOutcome) -> str:
+    if outcome.bits_equal:
+        return f"every token bit-equal; largest |delta log p| {outcome.abs_logp_max:.3g}"
+    return (
+        f"log-probabilities differ from token {outcome.first_differs}; largest |delta log p| "
+        f"{outcome.abs_logp_max:.3g}, k3 KL {outcome.kl_k3:.3g}"
+    )
+
+
+def judge(
+    by_precision: dict[str, Sequences],
+    trainer: str,
+    expectation: MismatchExpectation,
+    rollout: str,
+    temperature: float,
+    environment: dict[str, Any] | None = None,
+) -> MismatchVerdict:
+    """The verdict of every precision's sequences: the rollout's log-probabilities
+    against the trainer's (a scorer's label), pooled over precisions."""
+    outcomes: list[SequenceOutcome] = []
+    rollout_sides: list[list[float]] = []
+    trainer_sides: list[list[float]] = []
+    for precision, sequences in by_precision.items():
+        for key, sides in zip(sequences.keys, sequences.sides, strict=True):
+            if trainer not in sides:
+                continue
+            r, t = sides[ROLLOUT_SIDE].logprobs, sides[trainer].logprobs
+            delta = np.asarray(t) - np.asarray(r)
+            parted = np.flatnonzero(delta != 0)
+            outcomes.append(
+                SequenceOutcome(
+                    key, precision, len(r), int(parted[0]) if parted.size else None,
+                    float(np.mean(np.expm1(delta) - delta)), float(np.max(np.abs(delta))),
+                )
+            )  # fmt: skip
+            rollout_sides.append(r)
+            trainer_sides.append(t)
+    if not outcomes:
+        return MismatchVerdict(expectation, rollout, trainer, [], math.nan, None, math.nan)
+    pairs = Pairs.of(rollout_sides, trainer_sides)
+    pooled = metrics(pairs, DEFAULT_CAP)
+    k3 = np.expm1(pairs.delta) - pairs.delta
+    interval = term_interval(k3, pairs.sequence, 0)
+    claims = {p: precision_claims(s, temperature, p) for p, s in by_precision.items()}
+    return MismatchVerdict(
+        expectation, rollout, trainer, outcomes, float(pooled["kl_k3"] or 0.0),
+        None if interval is None else interval.high, float(pooled["abs_logp_max"] or 0.0),
+        claims, environment or {},
+    )  # fmt: skip
