@@ -158,15 +158,15 @@ class Ledger:
 
 
 # How each kind of column is held while a CSV streams in (array typecodes hold a value
-# in 8 bytes, a list a Python object), and the numpy dtype it ends as.
+# in 8 bytes, a list a Python object), and the numpy dtype it ends as. Text stays Python
+# strings in an object array: a fixed-width string array would hold every value at the
+# longest one's width, four bytes a character (256 bytes a digest).
 _BUFFERS: dict[str, tuple[str | None, Any]] = {
     "bool": ("b", bool),
     "int": ("q", np.int64),
     "optional_int": ("d", np.float64),
     "float": ("d", np.float64),
     "optional_float": ("d", np.float64),
-    "text": (None, str),
-    "sha256": (None, str),
 }
 
 
@@ -183,10 +183,14 @@ class _Column:
 
     def finish(self) -> np.ndarray:
         if self.dtype is object:
-            out = np.empty(len(self.values), dtype=object)
-            out[:] = self.values
-            return out
+            return self.strings(self.values)
         return np.array(self.values, dtype=self.dtype)
+
+    @staticmethod
+    def strings(values: list[Any]) -> np.ndarray:
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out
 
 
 def read_header(path: Path) -> list[str]:
@@ -269,7 +273,7 @@ def parse_ledger(name: str, lines: Iterable[list[str]], table: Table) -> Ledger:
     ledger = Ledger(
         name,
         table,
-        np.array(row_ids, dtype=str),
+        _Column.strings(row_ids),
         {column: values.finish() for column, values in columns.items()},
     )
     for check in table.checks:
