@@ -20,6 +20,7 @@ from helpers import one_thread
 pytest.importorskip("ray")
 
 from kvreplay.audit.audit import audit  # noqa: E402
+from kvreplay.audit.request import AuditRequest  # noqa: E402
 from kvreplay.cli import main  # noqa: E402
 from kvreplay.contract.config import RunConfig  # noqa: E402
 from kvreplay.core.errors import KvreplayError  # noqa: E402
@@ -126,7 +127,7 @@ def test_ray_run_survives_a_dead_worker(
     for a, b in zip(_rows(runs["local"]), rows, strict=True):
         assert a["data"] == b["data"], a["key"]
     # Re-execution is the data comparison above; the audit adds the chain, duplicates, CSV.
-    result = audit(out, sample=0)
+    result = audit(out, AuditRequest(sample=0))
     assert result.passed, result.problems
 
 

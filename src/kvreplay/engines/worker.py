@@ -6,13 +6,15 @@ every engine runs the same code."""
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvreplay.backends.hf.loading import LoadedModel
 from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError
 from kvreplay.experiments import get_experiment
 from kvreplay.harness.units import Clock, Unit
+
+if TYPE_CHECKING:
+    from kvreplay.backends.hf.loading import LoadedModel
 
 
 class Worker:
