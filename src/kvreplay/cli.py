@@ -367,6 +367,9 @@ CHECK_OPTIONS = [
                  default=None, help="Write JUnit XML: one test case per item."),
     click.option("--repro", type=UserPath(path_type=Path, file_okay=False), default=None,
                  help="Repro pack of the first divergent item (default: <out>.repro)."),
+    click.option("-v", "--verbose", is_flag=True, default=False,
+                 help="Show the engine's own log here instead of writing it to the run "
+                      "folder's engine.log."),
 ]  # fmt: skip
 
 

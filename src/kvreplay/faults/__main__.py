@@ -24,8 +24,7 @@ def main(argv: list[str]) -> None:
 
     try:
         with planted(argv[0]):
-            sys.argv = ["kvreplay", *argv[2:]]
-            kvreplay()
+            kvreplay(args=argv[2:], prog_name="kvreplay")
     except KvreplayError as exc:
         exit_plainly(str(exc))
 

@@ -389,6 +389,30 @@ def rows_of(records: Iterable[Record], experiment: str) -> Iterable[Record]:
     return [r for r in records if r.experiment == experiment]
 
 
+FAULT_KEY = re.compile(r"(^|_)faults?($|_)", re.IGNORECASE)
+FAULT_SETTING = "KVREPLAY_FAULT"  # kvreplay.faults.ENV, which the run path never imports
+
+
+def names_fault(value: Any, path: str = "") -> str | None:
+    """Where a manifest names a planted fault (design: fault): a key such as ``fault``, or
+    the setting that enables one; None where it names none, as every run's manifest."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if FAULT_KEY.search(str(key)) or FAULT_SETTING in str(key):
+                return f"field {where}"
+            found = names_fault(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        return next(
+            (f for i, item in enumerate(value) if (f := names_fault(item, f"{path}[{i}]"))), None
+        )
+    elif isinstance(value, str) and FAULT_SETTING in value:
+        return f"field {path}"
+    return None
+
+
 class RunLedger:
     """Owns a run directory's manifest and rows; the only writer of rows.jsonl."""
 
@@ -428,6 +452,12 @@ class RunLedger:
             raise KvreplayError(
                 f"{run_dir}/manifest.json: field contract.scheme is {str(scheme)[:20]!r}, not a "
                 f"scheme this kvreplay knows (1 to {CONTRACT_SCHEME})."
+            )
+        named = names_fault(manifest)
+        if named is not None:
+            raise KvreplayError(
+                f"{run_dir}/manifest.json names a planted fault ({named}); kvreplay neither "
+                "resumes nor audits a run that does, since no run folder may turn a fault on."
             )
         for name, entry in manifest["experiments"].items():
             if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):

@@ -52,6 +52,7 @@ from kvreplay.run.ledger import (
 )
 from kvreplay.run.lock import check_libraries, valid_pin
 from kvreplay.run.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+from kvreplay.verify.enginelog import ENGINE_LOG
 
 if TYPE_CHECKING:
     from kvreplay.experiments.experiment import Experiment
@@ -657,7 +658,9 @@ def check_header(ledger: RunLedger, holding: str | None) -> list[str]:
 
 
 # What a run folder holds besides its experiments' CSVs and what the audit re-derives.
-RUN_FILES = (MANIFEST, ITEMS, ROWS, ".kvreplay.lock", "claims.json", "report.md", "report.html")
+RUN_FILES = (
+    MANIFEST, ITEMS, ROWS, ".kvreplay.lock", "claims.json", "report.md", "report.html", ENGINE_LOG,
+)  # fmt: skip
 TORN = re.compile(r"rows\.torn-\d+\.jsonl")  # a torn last line a resume set aside
 
 

@@ -21,6 +21,7 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import load_jsonl
 from kvreplay.experiments.experiment import Experiment
 from kvreplay.run.ledger import ITEMS, Record
+from kvreplay.verify.enginelog import ENGINE_LOG, engine_log
 from kvreplay.verify.verdict import SCHEMA, Expectation, StopRule, Verdict, judge, parse_expectation
 
 # The experiments a check runs: live vs prefill greedily, or the resample certificate
@@ -211,8 +212,8 @@ def run_check(
 
     options = dict(options)
     take = options.pop
-    out, json_path, junit_path, repro = (
-        take(k) for k in ("out", "json_path", "junit_path", "repro")
+    out, json_path, junit_path, repro, verbose = (
+        take(k) for k in ("out", "json_path", "junit_path", "repro", "verbose")
     )
     expectation = parse_expectation(
         take("expect"), take("max_divergent"), take("margin"), options["temperature"],
@@ -237,7 +238,8 @@ def run_check(
     request = make_request(name, out, options)
     _check_numerics(request.backend, expectation)
     experiment = get_experiment(name, request.backend, require_engine=False)
-    run(request, quiet=True, stop=StopRule(experiment, expectation))
+    with engine_log(out, verbose):
+        run(request, quiet=True, stop=StopRule(experiment, expectation))
     ledger = RunLedger.open_existing(out)
     records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
     rows = [r for r in records if r.experiment == name]
@@ -249,7 +251,9 @@ def run_check(
     if pack is not None:
         command = json.loads((pack / "repro.json").read_text())["command"]
         echo(f"repro pack: {pack}; reproduce the first divergence with: {command}")
-    echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
+    log = out / ENGINE_LOG
+    said = f"; the engine's own log is {log}" if log.is_file() and not verbose else ""
+    echo(f"check run: {out} (kvreplay audit {out} re-executes it{said})")
     return verdict
 
 

@@ -26,7 +26,13 @@ from kvreplay.experiments.experiment import Experiment, planned_keys
 from kvreplay.experiments.history.table import HISTORY, HISTORY_TABLE
 from kvreplay.experiments.panel import Panel
 from kvreplay.experiments.scope import Scope, Selection
-from kvreplay.experiments.served import ServedArm, run_served_panel
+from kvreplay.experiments.served import (
+    EVERY_STAGE,
+    MISS,
+    ServedArm,
+    miss_input,
+    run_served_panel,
+)
 from kvreplay.experiments.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.run.ledger import Record
 
@@ -54,7 +60,11 @@ class History(Experiment):
         return items[:n]
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
-        return {"dtypes": list(scope.dtypes), "item_ids": [item.id for item in selection.items]}
+        return {
+            "dtypes": list(scope.dtypes),
+            "item_ids": [item.id for item in selection.items],
+            MISS: EVERY_STAGE,
+        }
 
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
@@ -71,7 +81,8 @@ class History(Experiment):
     def derived_inputs(
         self, config: dict[str, Any], run: Any, items: dict[str, Item]
     ) -> dict[str, dict[str, Any]]:
-        """The next items of the selection, in turn, as the prompts traffic sends."""
+        """The next items of the selection, in turn, as the prompts traffic sends, and how
+        the miss arm serves later stages."""
         selected = [items[i] for i in config["item_ids"]]
         k = min(TRAFFIC_PROMPTS, len(selected) - 1)
         return {
@@ -79,7 +90,8 @@ class History(Experiment):
                 "traffic": [
                     {"item_id": other.id, "prompt": other.prompt}
                     for other in (selected[(i + step) % len(selected)] for step in range(1, k + 1))
-                ]
+                ],
+                **miss_input(config),
             }
             for dtype in config["dtypes"]
             for i, item in enumerate(selected)
