@@ -2,8 +2,8 @@
 
 transformers' ``DynamicLayer.update`` appends a forward's new K/V to the layer and
 returns the whole of it for that forward's attention. The hook keeps that return as it
-is and stores the layer rounded to bfloat16, as a lossy cache (a quantized or offloaded
-one) would: a chunk attends to its own K/V unrounded and to earlier chunks' rounded, so a
+is and stores the layer rounded to 8-bit floats (e4m3), as a lossy cache (an fp8 or
+quantized one) would: a chunk attends to its own K/V unrounded and to earlier chunks' rounded, so a
 one-shot prefill and a token-by-token decode of the same prefix read different numbers.
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from kvreplay.faults.numerics import lossy
 from kvreplay.faults.patches import Patch
 
 
@@ -23,9 +22,7 @@ def lossy_cache() -> list[Patch]:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def update(self: Any, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
             keys, values = original(self, key_states, value_states, *args, **kwargs)
-            if keys.element_size() > torch.finfo(torch.bfloat16).bits // 8:
-                self.keys = keys.to(torch.bfloat16).to(keys.dtype)
-                self.values = values.to(torch.bfloat16).to(values.dtype)
+            self.keys, self.values = lossy(keys), lossy(values)
             return keys, values
 
         return update

@@ -133,9 +133,9 @@ FAULTS: tuple[Fault, ...] = (
         "hf",
         "a KV cache that stores lossily what the chunk itself attended to in full "
         "(quantized caches; LMCache #717)",
-        "transformers DynamicLayer.update: the stored K/V rounded to bfloat16 while the "
-        "current forward attends to them unrounded",
-        "a cache wider than bfloat16 (fp32), on every forward",
+        "transformers DynamicLayer.update: the stored K/V rounded to 8-bit floats (e4m3) "
+        "while the current forward attends to them unrounded",
+        "every forward (a prefill's chunk reads itself unrounded, a decode step reads rounded K/V)",
     ),
 )
 

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
+from kvreplay.faults.numerics import lossy, one_ulp_up
 from kvreplay.faults.patches import Patch
-
-E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -55,12 +54,6 @@ def caches(runner: Any) -> list[torch.Tensor]:
 
 def block_size(runner: Any) -> int:
     return int(runner.cache_config.block_size)
-
-
-def one_ulp_up(tensor: torch.Tensor) -> None:
-    """Move every element of ``tensor`` one unit in the last place (its bits + 1)."""
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
-    tensor.view(bits).add_(1)
 
 
 def key_value(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,12 +225,6 @@ def second_hit_lossy() -> list[Patch]:
                         cache[block].copy_(lossy(cache[block]))
 
     return [step_hook(before)]
-
-
-def lossy(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` stored as 8-bit floats (e4m3) and read back."""
-    clamped = tensor.float().clamp(-E4M3_MAX, E4M3_MAX)
-    return clamped.to(torch.float8_e4m3fn).to(tensor.dtype)
 
 
 def hit_temperature() -> list[Patch]:
