@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import PLAN, PROMPT_POOL, invoke, write_items
 
-from kvreplay.faults import FAULTS, ENGINE_MODULES, planted
+from kvreplay.faults import ENGINE_MODULES, FAULTS, planted
 from kvreplay.faults.plugin import ENTRY, GROUP, register, write_plugin_folder
 from kvreplay.faults.registry import ENV
 
