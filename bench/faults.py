@@ -226,7 +226,8 @@ def vllm_serve(model_folder: str, fault: str | None, log: Path) -> Iterator[str]
     command = [
         VPY, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
         "--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--block-size", "32", "--max-model-len", "2048", "--host", "127.0.0.1",
+        "--block-size", "32", "--max-model-len", str(min(2048, context(model_folder))),
+        "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip
     with log.open("w") as out:
@@ -250,6 +251,12 @@ def vllm_serve(model_folder: str, fault: str | None, log: Path) -> Iterator[str]
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def context(folder: str) -> int:
+    """The model's context window, from its config."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
 
 
 def model_folder(model: str) -> str:

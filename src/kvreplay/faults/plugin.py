@@ -10,6 +10,7 @@ a process whose ``PYTHONPATH`` holds that folder loads it. A user's vLLM never r
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from kvreplay.core.errors import KvreplayError
@@ -32,6 +33,7 @@ def register() -> None:
     if fault.engine != "vllm":
         raise KvreplayError(f"{ENV}={name} is a {fault.engine} fault, not a vLLM one.")
     install(hooks(fault)())
+    print(f"kvreplay: planted the fault {name} in process {os.getpid()}", file=sys.stderr)
 
 
 def write_plugin_folder(folder: Path) -> Path:
