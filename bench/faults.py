@@ -190,8 +190,17 @@ def history_outcome(out: Path, done: subprocess.CompletedProcess) -> dict:
         if parted or broken:
             failing.append((n, parted, broken))
     first = failing[0] if failing else None
+    numerics = {  # per arm: rows whose first-step logprobs are not the miss's, bit for bit
+        name: sum(
+            row["arms"][name]["logits_fingerprint"] != row["arms"]["miss"]["logits_fingerprint"]
+            for row in rows
+            if name in row["arms"]
+        )
+        for name in ("hit", "warm", "evicted", "traffic")
+    }
     return {
         "caught": bool(failing),
+        "bits_differ_from_miss": numerics,
         "items_run": len(rows),
         "first_fail_at": first[0] if first else None,
         "why": f"arms parting from the miss: {first[1]}; broken replicas: {first[2]}"
