@@ -75,7 +75,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "vllm-concurrent-race",
         "vllm",
-        "a write race between requests batched in one step (vLLM #42245's class)",
+        "a write race between requests batched in one step",
         "model runner, after a step that batches a hit's first forward with another "
         "request: the hit's first recomputed block takes the other request's first block",
         "a hit scheduled in the same step as another request",
