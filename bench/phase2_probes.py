@@ -57,7 +57,11 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=4)
     parser.add_argument("--faults", default=",".join(f.name for f in FAULTS if f.engine == "vllm"))
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--table", action="store_true", help="print PATH's results as Markdown")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.path.read_text())), end="")
+        return
 
     from vllm import LLM, SamplingParams
 
@@ -182,6 +186,26 @@ def main() -> None:
         )
         + "\n"
     )
+
+
+def table(data: dict) -> str:
+    """Per fault (and clean), on how many items each probe's continuation differed."""
+    results = data["results"]
+    probes = list(dict.fromkeys(r["probe"] for r in results))
+    faults = list(dict.fromkeys(r["fault"] for r in results))
+    lines = [
+        "| fault | " + " | ".join(probes) + " | mean s per item (all probes) |",
+        "|---|" + "---|" * (len(probes) + 1),
+    ]
+    for fault in faults:
+        mine = [r for r in results if r["fault"] == fault]
+        items = {r["item"] for r in mine}
+        cells = [
+            f"{sum(r['differs'] for r in mine if r['probe'] == p)}/{len(items)}" for p in probes
+        ]
+        seconds = sum(r["seconds"] for r in mine) / len(items)
+        lines.append(f"| {fault or 'clean'} | " + " | ".join(cells) + f" | {seconds:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
