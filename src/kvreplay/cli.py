@@ -304,7 +304,13 @@ def _check_command() -> None:
     def check(**values: Any) -> None:
         """Is replay faithful on this stack? Live vs prefill (a prefix-cache hit vs a miss
         on a served backend) on a few items, with replicas. Exit 0 when the expectation
-        holds, 1 when it does not, 2 on error."""
+        holds, 1 when it does not, 2 on error.
+
+        Which faults it catches (docs/benchmarks/faults.md): the default, faults that
+        change tokens on a hit or restore; --expect bitwise, numerics-only faults where
+        the clean engine is bit-exact (llama.cpp with a q8_0 cache, not vLLM on CPU);
+        --select fragile, nudges near a tie; --traffic N, faults that need another
+        request's blocks or a batch."""
         from kvreplay.run.check import run_check
 
         sys.exit(run_check(check_request(values, list(sys.argv)), click.echo).exit_code)

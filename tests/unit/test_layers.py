@@ -20,6 +20,7 @@ LAYERS = (
     "kvreplay",  # the public surface (__init__: names imported on first use)
     "kvreplay.__main__",  # python -m kvreplay
     "kvreplay.testing",  # the pytest helper users import
+    "kvreplay.faults",  # engine faults planted on purpose, and their launcher (never a run)
     "kvreplay.cli",  # the command line: options made from the typed requests
     "kvreplay.demo",  # make demo
     "kvreplay.run",  # the application: run, check, env, cut-and-refeed items

@@ -14,6 +14,7 @@ from kvreplay.core.paths import open_regular
 from kvreplay.experiments import recorded_experiment
 from kvreplay.experiments.registry import recorded_table
 from kvreplay.ledger import (
+    ENGINE_LOG,
     ITEMS,
     MANIFEST,
     ROWS,
@@ -22,7 +23,9 @@ from kvreplay.ledger import (
 )
 
 # What a run folder holds besides its experiments' CSVs and what the audit re-derives.
-RUN_FILES = (MANIFEST, ITEMS, ROWS, ".kvreplay.lock", "claims.json", "report.md", "report.html")
+RUN_FILES = (
+    MANIFEST, ITEMS, ROWS, ".kvreplay.lock", "claims.json", "report.md", "report.html", ENGINE_LOG,
+)  # fmt: skip
 
 
 TORN = re.compile(r"rows\.torn-\d+\.jsonl")  # a torn last line a resume set aside

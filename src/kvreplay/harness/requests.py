@@ -25,10 +25,14 @@ def serve_stages(
     sampler: Sampler,
     first_opener_fed: bool,
     companions: Sequence[list[int]] = (),
+    reset: bool = False,
 ) -> tuple[list[Segment], ServedReport]:
     """Serve ``stages`` in order from ``context``, one request per stage, each sharing
     its batch with a request per companion prompt: their segments, and the report of
-    the cached tokens per request and the first step's top logprobs."""
+    the cached tokens per request and the first step's top logprobs. With ``reset``
+    every request after the first is served from a reset cache too (a miss at every
+    stage: a one-shot prefill of its whole context), not from the blocks the requests
+    before it wrote."""
     from kvreplay.backends.served import Request
 
     segments: list[Segment] = []
@@ -37,6 +41,8 @@ def serve_stages(
         forced = opener_ids(served.tokenizer, stage)
         if not (index == 0 and first_opener_fed):
             context = context + forced
+        if reset and index:
+            served.reset_cache()
         requests = [Request(context, stage, sampler, tuple(forced))]
         requests += [Request(list(c), stage, sampler) for c in companions]
         result = served.serve(requests)[0]

@@ -52,7 +52,9 @@ class ServedReport:
     overwrote part of P (``evicted_tokens`` of them), or beside background traffic,
     reads what survived, at most what was written: ``read`` names how much. ``load`` is
     what was in flight while an arm under background traffic ran
-    (:class:`~kvreplay.backends.traffic.Load`)."""
+    (:class:`~kvreplay.backends.traffic.Load`). ``stages_reset``: every request of the arm
+    was served from a reset cache (a miss at every stage), so none may read a cached
+    token."""
 
     cached_tokens: list[int]
     first_logprobs: list[list[Any]]
@@ -62,12 +64,16 @@ class ServedReport:
     blocks_read: bool | None = None
     evicted_tokens: int | None = None
     load: dict[str, Any] | None = None
+    stages_reset: bool | None = None
 
     @property
     def condition_met(self) -> bool | None:
-        """The engine served the first request as the arm's cache condition says."""
+        """The engine served the first request as the arm's cache condition says (and,
+        where every stage was served from a reset cache, every request)."""
         if self.expected_cached_tokens is None:
             return None
+        if self.stages_reset:
+            return not any(self.cached_tokens)
         if self.evicted_tokens is not None or self.load is not None:
             # after an eviction or beside traffic (which can evict too): what survived
             return 0 <= self.cached_tokens[0] <= self.expected_cached_tokens

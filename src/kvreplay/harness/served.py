@@ -19,8 +19,13 @@ steps*; only the tail block is recomputed. That is the serving form of live vs p
   prefill of P; ``evicted``, the decoding generation followed by unrelated prompts that
   overwrote part of P's blocks (the guard then records what the hit actually read).
 
-Every request of an arm after the first is served as the engine would serve a
-multi-turn conversation: from the blocks the arm itself wrote. A resampled panel serves
+Every request of a hit after the first is served as the engine would serve a
+multi-turn conversation: from the blocks the arm itself wrote. A miss is a miss at every
+stage (:data:`EVERY_STAGE`): each of its requests is served from a reset cache, a one-shot
+prefill of its whole context, so a defect that changes every hit alike cannot change
+both compared arms alike. A run recorded before that (its config names no ``miss``)
+served a miss's later stages from the blocks its first request wrote, and re-executes
+so. A resampled panel serves
 each arm once per seed (the engine's per-request seeded sampler), each from a reset
 cache. :func:`run_served_panel` is the executor; declarations are data, as for
 :func:`~kvreplay.harness.executor.run_panel`.
@@ -59,6 +64,12 @@ if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
     from kvreplay.harness.panel import Panel, Replica
 
+MISS = "miss"
+"""The key of a served experiment's config, and of its units' inputs, that says how a
+miss arm serves its stages after the first (absent in a run recorded before it)."""
+EVERY_STAGE = "every-stage"
+"""Each request of a miss arm served from a reset cache."""
+
 Condition = Literal["hit", "miss", "uninterrupted"]
 History = Literal["decode", "warm", "evicted"]
 
@@ -85,6 +96,12 @@ class ServedArm:
         if self.traffic:
             name = f"{name}-traffic"
         return f"{name}-batched" if self.companions else name
+
+
+def miss_input(config: dict[str, Any]) -> dict[str, Any]:
+    """A unit's input that says how its miss arms serve later stages, from the run's
+    recorded config (None for a run recorded before: from their own blocks)."""
+    return {MISS: config.get(MISS)}
 
 
 def straight_through(plan: StagePlan, prefix: Prefix) -> bool:
@@ -143,10 +160,12 @@ def serve_arm(
     sampler: Sampler,
     companions: Sequence[list[int]],
     restored: bool = False,
+    miss_every_stage: bool = False,
 ) -> tuple[list[Segment], ServedReport]:
     """One arm under its cache condition, from a reset cache; ``sampler`` is the arm's
     (a resampled arm's seed), the prefix rewrite uses the run's. ``restored``: a hit
-    continues from its rewritten state saved and loaded back."""
+    continues from its rewritten state saved and loaded back; ``miss_every_stage``: a
+    miss serves each stage from a reset cache."""
     served.reset_cache()
     plan = config.plan
     if arm.condition == "uninterrupted":
@@ -164,6 +183,7 @@ def serve_arm(
             evicted = served.evict(computed_tokens(prefix), str(config.sampler.seed))
         if restored:
             served.round_trip()
+    reset = arm.condition == "miss" and miss_every_stage
     segments, report = serve_stages(
         served,
         prefix.token_ids,
@@ -171,8 +191,10 @@ def serve_arm(
         sampler,
         first_opener_fed=True,
         companions=companions if arm.companions else (),
+        reset=reset,
     )
     report.prefix_reproduced, report.expected_cached_tokens = reproduced, expected
+    report.stages_reset = reset or None
     report.evicted_tokens = evicted
     return segments, report
 
@@ -237,6 +259,7 @@ def run_served_panel(
         for m in unit.inputs.get("traffic", [])
     ]
     clients = config.backend.traffic_clients
+    every_stage = unit.inputs.get(MISS) == EVERY_STAGE
     results: dict[str, list[ArmResult]] = {}
     for arm in panel.arms:
         if arm.condition == "uninterrupted" and not straight_through(config.plan, prefix):
@@ -258,8 +281,9 @@ def run_served_panel(
                         else None
                     )
                     run = serve_arm(
-                        served, arm, ids, prefix, config, sampler, companion_ids, restored
-                    )
+                        served, arm, ids, prefix, config, sampler, companion_ids, restored,
+                        every_stage,
+                    )  # fmt: skip
                 if traffic is not None:
                     run[1].load = traffic.load.to_dict()
                 results[name].append(

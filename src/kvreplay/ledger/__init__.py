@@ -9,6 +9,7 @@ from kvreplay.ledger.records import GENESIS, Record, TamperedLedger, parse_rows,
 from kvreplay.ledger.rows import RowAt, RowHead, RowsByKey, RunRows, heads, rows_of
 from kvreplay.ledger.run import (
     CONTRACT_SCHEME,
+    ENGINE_LOG,
     INFORMATIONAL,
     ITEMS,
     MANIFEST,
@@ -25,6 +26,7 @@ from kvreplay.ledger.writer import RunLock
 
 __all__ = [
     "CONTRACT_SCHEME",
+    "ENGINE_LOG",
     "GENESIS",
     "INFORMATIONAL",
     "ITEMS",

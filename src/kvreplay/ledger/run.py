@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ RUN_FORMAT = "kvreplay-run-v1"
 MANIFEST = "manifest.json"
 ROWS = "rows.jsonl"
 ITEMS = "items.jsonl"
+ENGINE_LOG = "engine.log"  # a check's engine output, kept apart from its verdict
 SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot files
 STOPPED = "stopped"  # an experiment's note: the rule that ended it early, and its last row
 # The newest contract scheme (see kvreplay.contract.environment); a contract that names none
@@ -60,6 +62,30 @@ def diff_fields(old: Any, new: Any, path: str = "") -> list[str]:
             out += diff_fields(a, b, f"{path}[{index}]")
         return out
     return [] if old == new else [path or "<root>"]
+
+
+FAULT_KEY = re.compile(r"(^|_)faults?($|_)", re.IGNORECASE)
+FAULT_SETTING = "KVREPLAY_FAULT"  # kvreplay.faults.ENV, which the run path never imports
+
+
+def names_fault(value: Any, path: str = "") -> str | None:
+    """Where a manifest names a planted fault (design: fault): a key such as ``fault``, or
+    the setting that enables one; None where it names none, as every run's manifest."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if FAULT_KEY.search(str(key)) or FAULT_SETTING in str(key):
+                return f"field {where}"
+            found = names_fault(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        return next(
+            (f for i, item in enumerate(value) if (f := names_fault(item, f"{path}[{i}]"))), None
+        )
+    elif isinstance(value, str) and FAULT_SETTING in value:
+        return f"field {path}"
+    return None
 
 
 class RunLedger:
@@ -101,6 +127,12 @@ class RunLedger:
             raise KvreplayError(
                 f"{run_dir}/manifest.json: field contract.scheme is {str(scheme)[:20]!r}, not a "
                 f"scheme this kvreplay knows (1 to {CONTRACT_SCHEME})."
+            )
+        named = names_fault(manifest)
+        if named is not None:
+            raise KvreplayError(
+                f"{run_dir}/manifest.json names a planted fault ({named}); kvreplay neither "
+                "resumes nor audits a run that does, since no run folder may turn a fault on."
             )
         for name, entry in manifest["experiments"].items():
             if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):

@@ -22,7 +22,8 @@ from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import Declared, arguments, option
 from kvreplay.experiments.registry import check_experiment, declared
-from kvreplay.ledger import RunLedger, parse_rows
+from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
+from kvreplay.run.enginelog import engine_log
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.repro import repro_pack
 from kvreplay.run.request import RunOptions, RunRequest
@@ -121,6 +122,13 @@ class CheckRequest(RunOptions):
             "engine:replay) teacher-forces them; see docs/experiments/rollout.md.",
         ),
     )
+    verbose: bool = field(
+        default=False,
+        metadata=option(
+            "--verbose",
+            "Show the engine's own log here instead of writing it to the run folder's engine.log.",
+        ),
+    )
     bounds: MismatchBounds = field(default_factory=MismatchBounds)
     own: dict[str, Any] = field(default_factory=dict)
     command: list[str] = field(default_factory=list)
@@ -146,6 +154,7 @@ class CheckRequest(RunOptions):
             json_path=None,
             junit_path=None,
             repro=None,
+            verbose=False,
             own={},
         )
         return ["kvreplay", "check", *narrowed.words()]
@@ -177,7 +186,8 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     )
     _check_numerics(run_request.backend, expectation)
     experiment = get_experiment(name, run_request.backend, require_engine=False)
-    run(run_request, quiet=True, stop=StopRule(experiment, expectation))
+    with engine_log(out, request.verbose):
+        run(run_request, quiet=True, stop=StopRule(experiment, expectation))
     ledger = RunLedger.open_existing(out)
     records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
     rows = [r for r in records if r.experiment == name]
@@ -188,7 +198,9 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
     if pack is not None:
         echo(f"repro pack: {pack.folder}; reproduce the first divergence with: {pack.command}")
-    echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
+    log = out / ENGINE_LOG
+    said = f"; the engine's own log is {log}" if log.is_file() and not request.verbose else ""
+    echo(f"check run: {out} (kvreplay audit {out} re-executes it{said})")
     return verdict
 
 

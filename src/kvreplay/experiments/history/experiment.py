@@ -25,7 +25,7 @@ from kvreplay.core.items import Item
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Panel
 from kvreplay.harness.scope import Scope, Selection
-from kvreplay.harness.served import ServedArm, run_served_panel
+from kvreplay.harness.served import EVERY_STAGE, MISS, ServedArm, miss_input, run_served_panel
 from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
@@ -51,7 +51,11 @@ class History(Experiment):
         return items[:n]
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
-        return {"dtypes": list(scope.dtypes), "item_ids": [item.id for item in selection.items]}
+        return {
+            "dtypes": list(scope.dtypes),
+            "item_ids": [item.id for item in selection.items],
+            MISS: EVERY_STAGE,
+        }
 
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
@@ -68,7 +72,8 @@ class History(Experiment):
     def derived_inputs(
         self, config: dict[str, Any], run: Any, items: dict[str, Item]
     ) -> dict[str, dict[str, Any]]:
-        """The next items of the selection, in turn, as the prompts traffic sends."""
+        """The next items of the selection, in turn, as the prompts traffic sends, and how
+        the miss arm serves later stages."""
         selected = [items[i] for i in config["item_ids"]]
         k = min(TRAFFIC_PROMPTS, len(selected) - 1)
         return {
@@ -76,7 +81,8 @@ class History(Experiment):
                 "traffic": [
                     {"item_id": other.id, "prompt": other.prompt}
                     for other in (selected[(i + step) % len(selected)] for step in range(1, k + 1))
-                ]
+                ],
+                **miss_input(config),
             }
             for dtype in config["dtypes"]
             for i, item in enumerate(selected)

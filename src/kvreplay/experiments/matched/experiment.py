@@ -14,7 +14,7 @@ from kvreplay.experiments.matrix.panel import matrix_panel, run_matrix
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Panel
 from kvreplay.harness.scope import Scope, Selection
-from kvreplay.harness.served import ServedArm, run_served_panel
+from kvreplay.harness.served import EVERY_STAGE, MISS, ServedArm, miss_input, run_served_panel
 from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
@@ -96,6 +96,9 @@ class ServedMatched(Matched):
         )
     )
 
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
+        return {**super().config(scope, selection), MISS: EVERY_STAGE}
+
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
@@ -110,11 +113,15 @@ class ServedMatched(Matched):
     def derived_inputs(
         self, config: dict[str, Any], run: Any, items: dict[str, Item]
     ) -> dict[str, dict[str, Any]]:
-        """The next items of the selection, in turn, as each unit's companions."""
+        """The next items of the selection, in turn, as each unit's companions, and how
+        its miss arm serves later stages."""
         selected = [items[i] for i in config["item_ids"]]
         k = min(run.backend.companions, len(selected) - 1)
         return {
-            str(UnitKey(self.name, item.id, dtype)): {"companions": companions(selected, i, k)}
+            str(UnitKey(self.name, item.id, dtype)): {
+                "companions": companions(selected, i, k),
+                **miss_input(config),
+            }
             for dtype in config["dtypes"]
             for i, item in enumerate(selected)
         } | {str(UnitKey.prefix(self.name, item.id)): {} for item in selected}

@@ -27,7 +27,7 @@ from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Arm, Panel, Samples
 from kvreplay.harness.rows import PanelRow
 from kvreplay.harness.scope import Scope, Selection, own_options
-from kvreplay.harness.served import ServedArm, run_served_panel
+from kvreplay.harness.served import EVERY_STAGE, MISS, ServedArm, miss_input, run_served_panel
 from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
@@ -150,6 +150,28 @@ class ServedResample(Resample):
     served = True
 
     panel = Panel((ServedArm("live", "hit"), ServedArm("prefill", "miss")))
+
+    def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
+        return {**super().config(scope, selection), MISS: EVERY_STAGE}
+
+    def units(
+        self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
+    ) -> list[Unit]:
+        """Each unit also says how its miss arm serves later stages."""
+        miss = miss_input(self.config(scope, selection))
+        return [
+            replace(unit, inputs={**unit.inputs, **miss})
+            for unit in super().units(phase, scope, selection, rows)
+        ]
+
+    def derived_inputs(
+        self, config: dict[str, Any], run: Any, items: dict[str, Item]
+    ) -> dict[str, dict[str, Any]]:
+        return {
+            str(UnitKey(self.name, item_id, dtype)): miss_input(config)
+            for dtype in config["dtypes"]
+            for item_id in config["item_ids"]
+        }
 
     def run_row(
         self, worker: Workbench, unit: Unit, clock: Clock, samples: Samples

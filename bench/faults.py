@@ -1,0 +1,417 @@
+"""The detection table (issue 43): for each planted fault (``kvreplay.faults.FAULTS``) and
+each check option, whether kvreplay catches it, after how many items and how many
+seconds (cold: a fresh process, a fresh run folder), and each option's false-alarm rate
+on the same engine without a fault.
+
+Engines and precisions are those where the clean engine is exact: fp32 at the token
+level (hf, vllm in process, a ``vllm serve``), and llama.cpp with a q8_0 KV cache and
+flash attention, bitwise too. In-process faults are planted with ``python -m
+kvreplay.faults NAME -- check ...``; a served fault with a ``vllm serve`` started here with
+``KVREPLAY_FAULT`` and the plugin folder on its path (one server per fault, stopped
+after). Every result is appended to the JSON file as it comes, and a result already there
+is not run again, so an interrupted measurement resumes.
+
+    python bench/faults.py detect OUT.json [--engines vllm,served] [--faults a,b]
+                                           [--options default,bitwise] [--model SPEC]
+    python bench/faults.py clean OUT.json --runs 20 [--engines ...] [--options ...]
+    python bench/faults.py table OUT.json            # the Markdown tables
+    PY / VPY: the hf and vLLM environments' Python (default .venv/bin/python,
+    .venv-vllm/bin/python); the engines run this tree's src.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from kvreplay.faults.plugin import write_plugin_folder  # noqa: E402
+from kvreplay.faults.registry import FAULTS, Fault  # noqa: E402
+
+PY = os.environ.get("PY", str(REPO / ".venv" / "bin" / "python"))
+VPY = os.environ.get("VPY", str(REPO / ".venv-vllm" / "bin" / "python"))
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO / "src"),
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+TIMEOUT = 3 * 3600
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where a fault is planted and how a check reaches it."""
+
+    name: str
+    family: str  # the faults' engine: vllm, llamacpp, hf
+    python: str
+    args: tuple[str, ...]
+    served: bool = False
+
+
+ENGINES = {
+    "vllm": Engine("vllm", "vllm", VPY, ("--backend", "vllm", "--dtypes", "fp32")),
+    "served": Engine("served", "vllm", VPY, ("--backend", "http", "--dtypes", "fp32"), True),
+    "llamacpp": Engine(
+        "llamacpp",
+        "llamacpp",
+        PY,
+        ("--backend", "llamacpp", "--flash-attn", "on", "--dtypes", "q8_0"),
+    ),  # fmt: skip
+    "hf": Engine("hf", "hf", PY, ("--dtypes", "fp32")),
+}
+
+# Each option: the check's arguments ("history" is a run of the history experiment).
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "bitwise": ("--expect", "bitwise"),
+    "fragile": ("--select", "fragile"),
+    "traffic": ("--traffic", "2"),
+    "history": (),
+    "max-rate": ("--max-rate", "0.05"),
+    "sampled": ("--temperature", "0.7"),
+}
+SERVED_ONLY = ("traffic", "history")
+HISTORY_ITEMS = 4
+
+
+def applies(option: str, engine: Engine) -> bool:
+    return engine.served or option not in SERVED_ONLY
+
+
+# --- one measurement ------------------------------------------------------------------
+
+
+def kvreplay(engine: Engine, fault: str | None, args: list[str]) -> list[str]:
+    """The command that runs ``kvreplay ARGS``, with ``fault`` planted in this process
+    (an in-process engine), or as is (a server carries its own fault)."""
+    if fault is None or engine.served:
+        return [engine.python, "-m", "kvreplay", *args]
+    return [engine.python, "-m", "kvreplay.faults", fault, "--", *args]
+
+
+def measure(
+    engine: Engine,
+    fault: str | None,
+    option: str,
+    folder: Path,
+    url: str | None,
+    model: str,
+    items: Path | None,
+) -> dict:
+    """One cold check (or history run): caught or not, items run, where it first failed,
+    seconds, and the verdict's first line."""
+    out = folder / "run"
+    args = [*engine.args, "--model", model, "--out", str(out)]
+    args += ["--url", url] if url else []
+    args += ["--items", str(items)] if items else []
+    if option == "history":
+        command = ["run", "history", *args, "--n", str(HISTORY_ITEMS), "--traffic", "2"]
+    else:
+        command = ["check", *args, *OPTIONS[option], "--json", str(folder / "verdict.json")]
+    began = time.monotonic()
+    done = subprocess.run(
+        kvreplay(engine, fault, command), capture_output=True, text=True, env=ENV,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    seconds = round(time.monotonic() - began, 1)
+    result = {"seconds": seconds, "exit_code": done.returncode}
+    if option == "history":
+        return result | history_outcome(out, done)
+    verdict_file = folder / "verdict.json"
+    if done.returncode not in (0, 1) or not verdict_file.is_file():
+        tail = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        return result | {"caught": None, "error": tail[:300]}
+    verdict = json.loads(verdict_file.read_text())
+    ran = [i for i in verdict["items"] if i.get("reached", True)]
+    failing = [n for n, i in enumerate(ran, 1) if not passes(verdict, i)]
+    return result | {
+        "caught": done.returncode == 1,
+        "items_run": len(ran),
+        "first_fail_at": failing[0] if failing else None,
+        "sentence": (done.stdout.strip().splitlines() or [""])[0][:400],
+        "why": next((why(i) for i in ran if not passes(verdict, i)), None),
+    }
+
+
+def why(item: dict) -> str:
+    """What made an item fail, in a few words."""
+    if not item.get("replicas_ok", True):
+        return "replicas disagreed"
+    if item.get("traffic_differs"):
+        return "the hit under traffic continued otherwise"
+    if item.get("suffix_differs"):
+        return f"suffixes part at token {item.get('first_divergence')}"
+    if item.get("seeds_changed"):
+        return f"{item['seeds_changed']} of {item.get('seeds')} seeds changed"
+    return f"numerics part from step {item.get('numeric_divergence')}"
+
+
+def passes(verdict: dict, item: dict) -> bool:
+    """Whether an item of a check's JSON meets the check's expectation."""
+    if not item.get("replicas_ok", True):
+        return False
+    if verdict["expectation"]["kind"] == "bitwise":
+        return item.get("bits") == "equal" or item.get("cache_hit_tokens") == 0
+    if verdict["expectation"]["kind"] == "faithful":
+        return not item.get("seeds_changed")
+    return not item.get("suffix_differs") and not item.get("traffic_differs")
+
+
+def history_outcome(out: Path, done: subprocess.CompletedProcess) -> dict:
+    """A history run catches a fault when an item's hit, after any history, continues
+    otherwise than its miss, or a replica gate fails."""
+    rows_file = out / "rows.jsonl"
+    if done.returncode != 0 or not rows_file.is_file():
+        tail = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        return {"caught": None, "error": tail[:300]}
+    rows = [json.loads(line)["data"] for line in rows_file.read_text().splitlines()]
+    rows = [r for r in rows if r.get("status") != "unreached"]
+    failing = []
+    for n, row in enumerate(rows, 1):
+        arms = row["arms"]
+        miss = arms["miss"]["suffix_sha256"]
+        parted = sorted(name for name, arm in arms.items() if arm["suffix_sha256"] != miss)
+        broken = sorted(name for name, gate in row["replicas"].items() if not all(gate.values()))
+        if parted or broken:
+            failing.append((n, parted, broken))
+    first = failing[0] if failing else None
+    numerics = {  # per arm: rows whose first-step logprobs are not the miss's, bit for bit
+        name: sum(
+            row["arms"][name]["logits_fingerprint"] != row["arms"]["miss"]["logits_fingerprint"]
+            for row in rows
+            if name in row["arms"]
+        )
+        for name in ("hit", "warm", "evicted", "traffic")
+    }
+    return {
+        "caught": bool(failing),
+        "bits_differ_from_miss": numerics,
+        "items_run": len(rows),
+        "first_fail_at": first[0] if first else None,
+        "why": f"arms parting from the miss: {first[1]}; broken replicas: {first[2]}"
+        if first
+        else None,
+    }
+
+
+# --- servers --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def vllm_serve(model_folder: str, fault: str | None, log: Path) -> Iterator[str]:
+    """A ``vllm serve`` of the model in fp32 (prefix caching, block size 32, dev mode),
+    with ``fault`` planted through kvreplay's vLLM plugin folder."""
+    port = free_port()
+    plugins = Path(tempfile.mkdtemp(prefix="kvreplay-fault-plugin-"))
+    env = {
+        **ENV,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": f"{write_plugin_folder(plugins)}{os.pathsep}{REPO / 'src'}",
+    }
+    if fault:
+        env["KVREPLAY_FAULT"] = fault
+    command = [
+        VPY, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
+        "--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--block-size", "32", "--max-model-len", str(min(2048, context(model_folder))),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+    ]  # fmt: skip
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 1200
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not come up (see {log})")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as answer:
+                        if answer.status == 200:
+                            break
+                except OSError:
+                    time.sleep(2)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def context(folder: str) -> int:
+    """The model's context window, from its config."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+def model_folder(model: str) -> str:
+    return subprocess.run(
+        [VPY, "-c", "import sys; from kvreplay.model.sources import resolve_source; "
+         "print(resolve_source(sys.argv[1])[0])", model],
+        capture_output=True, text=True, check=True, env=ENV,
+    ).stdout.strip()  # fmt: skip
+
+
+# --- the two measurements -------------------------------------------------------------
+
+
+def load(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def record(path: Path, result: dict) -> None:
+    path.write_text(json.dumps([*load(path), result], indent=2) + "\n")
+
+
+def key(result: dict) -> tuple:
+    return tuple(result.get(k) for k in ("kind", "fault", "engine", "option", "run", "model"))
+
+
+def sweep(
+    path: Path,
+    kind: str,
+    engines: list[Engine],
+    faults: list[Fault | None],
+    options: list[str],
+    model: str,
+    runs: int,
+) -> None:
+    done = {key(r) for r in load(path)}
+    scratch = Path(tempfile.mkdtemp(prefix=f"kvreplay-faults-{kind}-"))
+    for engine in engines:
+        for fault in faults:
+            if fault is not None and fault.engine != engine.family:
+                continue
+            name = fault.name if fault else None
+            todo = [
+                (option, run) for option in options if applies(option, engine)
+                for run in range(runs)
+                if (kind, name, engine.name, option, run, model) not in done
+            ]  # fmt: skip
+            if not todo:
+                continue
+            folder = scratch / f"{engine.name}-{name or 'clean'}"
+            serving = (
+                vllm_serve(model_folder(model), name, folder.with_suffix(".log"))
+                if engine.served
+                else nullcontext(None)
+            )
+            folder.mkdir(parents=True)
+            with serving as url:
+                for option, run in todo:
+                    where = folder / f"{option}-{run}"
+                    where.mkdir()
+                    items = window(where, run) if kind == "clean" else None
+                    result = measure(engine, name, option, where, url, model, items)
+                    result |= {"kind": kind, "fault": name, "engine": engine.name,
+                               "option": option, "run": run, "model": model}  # fmt: skip
+                    record(path, result)
+                    print(json.dumps(result), flush=True)
+
+
+def window(folder: Path, run: int) -> Path:
+    """The clean run's items: the built-in arith set turned by 4 items a run, so that
+    each run's first items (what a 4-item check runs) are items no other run starts with."""
+    from kvreplay.core.items import arith_items
+
+    items = arith_items()
+    turned = items[4 * run :] + items[: 4 * run]
+    path = folder / "items.jsonl"
+    path.write_text("".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in turned))
+    return path
+
+
+# --- the tables -----------------------------------------------------------------------
+
+
+def cell(result: dict | None, noisy: bool) -> str:
+    """A result as a cell; ``noisy``: the clean engine fails this option too."""
+    if result is None:
+        return ""
+    if result.get("caught") is None:
+        return "error"
+    if not result["caught"]:
+        return f"missed ({result.get('items_run', '?')} items, {result['seconds']:.0f} s)"
+    if noisy:
+        return f"fails, as clean does ({result['seconds']:.0f} s)"
+    return f"**caught** (item {result.get('first_fail_at')}, {result['seconds']:.0f} s)"
+
+
+def table(path: Path) -> str:
+    results = load(path)
+    detect = {(r["fault"], r["engine"], r["option"]): r for r in results if r["kind"] == "detect"}
+    clean = [r for r in results if r["kind"] == "clean"]
+    noisy = {(r["engine"], r["option"]) for r in clean if r.get("caught")}
+    options = [o for o in OPTIONS if any(k[2] == o for k in detect)]
+    lines = [
+        "| fault | engine | " + " | ".join(options) + " |",
+        "|---|---|" + "---|" * len(options),
+    ]
+    for fault in FAULTS:
+        for engine in ENGINES:
+            if not any((fault.name, engine) == k[:2] for k in detect):
+                continue
+            cells = [
+                cell(detect.get((fault.name, engine, option)), (engine, option) in noisy)
+                for option in options
+            ]
+            lines.append(f"| {fault.name} | {engine} | " + " | ".join(cells) + " |")
+    if clean:
+        lines += ["", "| engine | option | runs | false alarms | errors |", "|---|---|---|---|---|"]
+        for engine in ENGINES:
+            for option in OPTIONS:
+                group = [r for r in clean if (r["engine"], r["option"]) == (engine, option)]
+                if group:
+                    alarms = sum(r.get("caught") is True for r in group)
+                    errors = sum(r.get("caught") is None for r in group)
+                    lines.append(f"| {engine} | {option} | {len(group)} | {alarms} | {errors} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=["detect", "clean", "table"])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--faults", default=",".join(f.name for f in FAULTS))
+    parser.add_argument("--options", default=",".join(OPTIONS))
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    if args.kind == "table":
+        print(table(args.path), end="")
+        return
+    engines = [ENGINES[e] for e in args.engines.split(",")]
+    options = args.options.split(",")
+    faults: list[Fault | None] = (
+        [f for f in FAULTS if f.name in args.faults.split(",")] if args.kind == "detect" else [None]
+    )
+    sweep(args.path, args.kind, engines, faults, options, args.model, args.runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Where an engine's own log goes while a check runs: into ``engine.log`` in the check's
+run folder, so that what a CI log shows of a check is its verdict (``-v`` leaves the
+engine's log on the terminal). vLLM, llama.cpp and torch write from Python and from C
+to the process's standard output and error, so both file descriptors are redirected
+for the duration of the run; the log is kept once the run folder exists (a check refused
+before it writes leaves nothing behind)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvreplay.ledger import ENGINE_LOG, MANIFEST
+
+
+@contextmanager
+def engine_log(out: Path, verbose: bool) -> Iterator[None]:
+    """Standard output and error go to ``out/engine.log`` inside the block (appended, so
+    a resumed check keeps the log of each attempt; nothing when the engine said
+    nothing), unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    with tempfile.TemporaryFile() as log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+            if (out / MANIFEST).is_file() and log.tell():
+                log.seek(0)
+                with (out / ENGINE_LOG).open("ab") as kept:
+                    shutil.copyfileobj(log, kept)

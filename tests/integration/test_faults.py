@@ -1,0 +1,147 @@
+"""The fault suite (issue 43) on the engines that run in this environment: every declared
+fault has its hook, a fault is enabled only by what no run folder carries, a run whose
+manifest names one is refused, and the check (or the option the detection table names)
+catches each planted fault while the clean engine passes:
+
+- hf, a tiny Qwen2 in fp32: ``hf-lossy-cache`` fails the token level;
+- llama.cpp, the embedded SmolLM2 GGUF (slow): a perturbed or re-evaluated restore fails
+  the replica gate of the default check, and a one-ulp prefill logit fails ``--expect
+  bitwise`` with a q8_0 cache, which the clean engine holds bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import PLAN, PROMPT_POOL, invoke, write_items
+
+from kvreplay.faults import ENGINE_MODULES, FAULTS, planted
+from kvreplay.faults.plugin import ENTRY, GROUP, register, write_plugin_folder
+from kvreplay.faults.registry import ENV
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("fault-inputs")
+    items = write_items(root / "items.jsonl", PROMPT_POOL, "p", "1")
+    plan = root / "plan.json"
+    plan.write_text(json.dumps(PLAN.to_dict()))
+    return items, plan
+
+
+def check(model: Path, inputs: tuple[Path, Path], out: Path, *extra: object):
+    items, plan = inputs
+    return invoke("check", "--model", model, "--items", items, "--plan", plan, "--n", 16,
+                  "--dtypes", "fp32", "--out", out, *extra)  # fmt: skip
+
+
+def test_every_fault_is_declared_once_with_its_hook() -> None:
+    import importlib
+    import re
+
+    names = [fault.name for fault in FAULTS]
+    assert len(names) == len(set(names)) >= 10
+    for fault in FAULTS:
+        assert fault.name.startswith(fault.engine + "-") and fault.shaped_like and fault.fires
+        source = Path(importlib.util.find_spec(ENGINE_MODULES[fault.engine]).origin).read_text()
+        assert re.search(rf'"{fault.name}": \w+', source), fault.name  # HOOKS names it
+
+
+def test_the_vllm_plugin_does_nothing_unless_the_setting_names_a_vllm_fault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    register()  # no setting: nothing planted, vLLM never imported
+    monkeypatch.setenv(ENV, "hf-lossy-cache")
+    with pytest.raises(Exception, match="not a vLLM one"):
+        register()
+    monkeypatch.setenv(ENV, "no-such-fault")
+    with pytest.raises(Exception, match="Unknown fault 'no-such-fault'"):
+        register()
+    folder = write_plugin_folder(tmp_path)
+    entry = next(folder.glob("*.dist-info")) / "entry_points.txt"
+    assert entry.read_text() == f"[{GROUP}]\n{ENTRY} = kvreplay.faults.plugin:register\n"
+
+
+def test_hf_lossy_cache_fails_the_token_level_and_the_clean_engine_holds(
+    tiny_dirs, inputs, tmp_path: Path
+) -> None:
+    from transformers.cache_utils import DynamicLayer
+
+    update = DynamicLayer.update
+    clean = check(tiny_dirs["qwen2"], inputs, tmp_path / "clean", "--n", 3)
+    assert clean.exit_code == 0, clean.output
+    with planted("hf-lossy-cache"):
+        assert DynamicLayer.update is not update
+        faulty = check(tiny_dirs["qwen2"], inputs, tmp_path / "faulty", "--n", 3)
+    assert DynamicLayer.update is update  # off again after the block
+    assert faulty.exit_code == 1, faulty.output
+    # p2 parts at a margin of 5e-4 here: far above fp32 kernel noise, far below fp8's
+    assert faulty.output.startswith("FAILS at token level"), faulty.output
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda m: m["contract"]["run"].update(fault="hf-lossy-cache"),
+        lambda m: m.update(faults=["vllm-hit-ulp"]),
+        lambda m: m["command"].append("KVREPLAY_FAULT=vllm-hit-ulp"),
+    ],
+    ids=["contract", "header", "setting"],
+)
+def test_a_run_whose_manifest_names_a_fault_is_refused(
+    forge, tiny_dirs, inputs, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    assert check(tiny_dirs["qwen2"], inputs, out, "--n", 1).exit_code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    forge(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    for result in (invoke("audit", out), check(tiny_dirs["qwen2"], inputs, out, "--n", 1)):
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert "names a planted fault" in result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def smollm2_gguf(smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from kvreplay.backends.llamacpp import LlamaCppBackend
+
+    if not LlamaCppBackend().installed():
+        pytest.fail("llama.cpp is not built here; run `make setup-llamacpp`.")
+    monkeypatch.setenv("KVREPLAY_CACHE", str(smollm2_cache))
+    yield
+
+
+LLAMACPP = ("--backend", "llamacpp", "--plan", "short", "--n", 1)
+Q8_0 = (*LLAMACPP, "--dtypes", "q8_0", "--flash-attn", "on", "--expect", "bitwise")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["llamacpp-restore-perturbed", "llamacpp-reeval-last"])
+def test_a_faulty_llamacpp_restore_fails_the_replica_gate(
+    fault: str, smollm2_gguf: None, tmp_path: Path
+) -> None:
+    with planted(fault):
+        result = invoke("check", *LLAMACPP, "--dtypes", "fp16", "--out", tmp_path / "run")
+    assert result.exit_code == 1, result.output
+    assert "FAILS at token level (every suffix equal): replicas disagreed on 1 of 1 item(s)" in (
+        result.output
+    )
+
+
+@pytest.mark.slow
+def test_a_one_ulp_prefill_logit_fails_bitwise_where_the_clean_engine_holds(
+    smollm2_gguf: None, tmp_path: Path
+) -> None:
+    clean = invoke("check", *Q8_0, "--out", tmp_path / "clean")
+    assert clean.exit_code == 0 and clean.output.startswith("HOLDS bitwise"), clean.output
+    with planted("llamacpp-prefill-logits-ulp"):
+        faulty = invoke("check", *Q8_0, "--out", tmp_path / "faulty")
+    assert faulty.exit_code == 1, faulty.output
+    first = faulty.output.splitlines()[0]
+    assert first.startswith("FAILS bitwise") and "from step 0 (the boundary logits)" in first
+    assert "continuations differ on 0 of 1" in first  # no token moved
