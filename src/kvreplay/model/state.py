@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from kvreplay.core.comparison import Comparison
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.jsonio import JsonError, parse_json
 
 Component = Literal["kv", "k", "v"]
 STATE_FORMAT = "kvreplay-boundary-state-v1"
@@ -367,10 +368,10 @@ def read_state_metadata(path: Path) -> SavedState:
     try:
         saved = SavedState(
             construction=meta["construction"],
-            layer_lengths=json.loads(meta["layer_lengths"]),
+            layer_lengths=parse_json(meta["layer_lengths"]),
             cache_fingerprint=meta["cache_fingerprint"],
             logits_fingerprint=meta["logits_fingerprint"],
-            extra=json.loads(meta.get("extra", "{}")),
+            extra=parse_json(meta.get("extra", "{}")),
         )
     except (KeyError, ValueError) as exc:
         raise KvreplayError(
@@ -452,7 +453,10 @@ def load_state(path: Path, model: Any) -> BoundaryState:
             f"but the model has {len(layers)}."
         )
     with safe_open(str(path), framework="pt") as handle:
-        saved_kinds = json.loads((handle.metadata() or {}).get("layer_kinds", "null"))
+        try:
+            saved_kinds = parse_json((handle.metadata() or {}).get("layer_kinds", "null"))
+        except JsonError:
+            saved_kinds = None  # not a layout: refused below as another one
     if saved_kinds != layer_kinds(state.cache):
         raise KvreplayError(
             f"The snapshot {path} was saved from a model with another cache layout."
