@@ -495,7 +495,7 @@ def backends_command() -> None:
 @click.option(
     "--venv",
     default=None,
-    help="Build this virtual environment (a new or empty folder, or a venv) with the run's "
+    help="Build this virtual environment (a new or empty folder) with the run's "
     "environment (else print it).",
 )
 @plain_errors

@@ -115,3 +115,76 @@ def test_an_honest_server_with_a_key_is_not_refused(
     with Loopback(_echoing("version", lambda header: "0.32.0")) as server:
         result = invoke("probe", "--url", server.url, "--api-key-env", KEY_ENV)
     assert result.exit_code == 0, result.output
+
+
+# Family 2: code from a folder beside the run.
+def _shipped_venv(folder: Path, marker: Path) -> Path:
+    """A ready-made virtual environment whose ``.pth`` and ``pip`` would touch ``marker``."""
+    site = folder / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (folder / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n")
+    (site / "evil.pth").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).touch()\n")
+    (folder / "bin").mkdir()
+    pip = folder / "bin" / "pip"
+    pip.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    pip.chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("shape", ["venv", "empty_pyvenv", "symlink"])
+def test_env_never_runs_a_folder_it_did_not_create(
+    shape: str, run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "marker"
+    venv = tmp_path / ".venv-run"
+    if shape == "venv":
+        _shipped_venv(venv, marker)
+    elif shape == "empty_pyvenv":
+        venv.mkdir()
+        (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    else:
+        os.symlink(_shipped_venv(tmp_path / "elsewhere", marker), venv)
+    result = invoke("env", run, "--venv", venv.name)
+    assert result.exit_code == 2, result.output
+    expected = "is a symbolic link" if shape == "symlink" else "already holds files"
+    assert_one_sentence(result.stderr, expected)
+    assert "$ " not in result.output and not marker.exists()
+
+
+# Family 3: "exact pins" that are not ASCII.
+NOT_ASCII = {
+    "full_width_digits": "\uff12.\uff10.\uff11",
+    "arabic_indic_digits": "\u0662.\u0660",
+    "devanagari_digits": "\u0968.\u0966",
+    "kelvin_sign_local_label": "2.0+\u212a",
+    "long_s_post_release": "2.0.po\u017ft1",
+    "dotless_i_pre_release": "2.0b\u0131",
+    "superscript_digit": "2.0\u00b2",
+    "full_width_epoch": "\uff11!2.0",
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_ASCII))
+def test_a_pin_that_is_not_ascii_is_refused_by_env_and_failed_by_audit(
+    case: str, run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    data = json.loads((run / "manifest.json").read_text())
+    data["environment"]["distributions"]["numpy"] = NOT_ASCII[case]
+    (run / "manifest.json").write_text(json.dumps(data, indent=2))
+    for args in (["env", run], ["env", run, "--venv", tmp_path / "v"]):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert_one_sentence(result.stderr, "which is not an exact pin of a package on the index")
+        assert not (tmp_path / "v").exists()
+    audited = invoke("audit", run, "--sample", 0)
+    assert audited.exit_code == 1, audited.output
+    assert "manifest.json: field environment is malformed" in audited.stdout
+
+
+def test_an_ascii_pin_in_upper_case_is_still_a_pin(run: Path) -> None:
+    data = json.loads((run / "manifest.json").read_text())
+    data["environment"]["distributions"]["numpy"] = "2.0RC1"
+    (run / "manifest.json").write_text(json.dumps(data, indent=2))
+    assert invoke("env", run).exit_code == 0

@@ -31,17 +31,19 @@ CORE_LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "numpy
 INSTALLER = ("pip", "setuptools", "wheel", "distribute", "kvreplay")
 # Locks of no environment a run is made in: the docs site's (make docs).
 NOT_RUN_LOCKS = ("lock-docs.txt",)
-_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
+_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$", re.ASCII)
 # A distribution's name (PEP 508) and an exact version (PEP 440: a public version, and the
 # local label a CPU build of torch carries): all that may reach pip from a run folder.
-NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", re.ASCII)
+# ASCII only: a Unicode digit class or case folding would let full-width or Arabic-Indic
+# digits, a Kelvin sign or a long s through as a version, for pip alone to refuse.
 VERSION = re.compile(
-    r"v?(\d+!)?\d+(\.\d+)*"  # epoch, release
-    r"([-_.]?(a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"  # pre-release
-    r"(-\d+|[-_.]?(post|rev|r)[-_.]?\d*)?"  # post-release
-    r"([-_.]?dev[-_.]?\d*)?"  # development release
+    r"v?([0-9]+!)?[0-9]+(\.[0-9]+)*"  # epoch, release
+    r"([-_.]?(a|b|c|rc|alpha|beta|pre|preview)[-_.]?[0-9]*)?"  # pre-release
+    r"(-[0-9]+|[-_.]?(post|rev|r)[-_.]?[0-9]*)?"  # post-release
+    r"([-_.]?dev[-_.]?[0-9]*)?"  # development release
     r"(\+[a-z0-9]+([-_.][a-z0-9]+)*)?",  # local label
-    re.IGNORECASE,
+    re.ASCII | re.IGNORECASE,
 )
 MAX_PIN = 200  # characters of a name or version: longer is no distribution's
 
@@ -262,7 +264,9 @@ SYSTEM_FOLDERS = (Path("/proc"), Path("/sys"), Path("/dev"))
 def check_venv(venv: str) -> Path:
     """The folder ``kvreplay env --venv`` builds, as an absolute path; refused in one
     sentence: nothing (the current folder), an option, a name with control characters,
-    a system folder, a file, or a folder that holds something other than a venv."""
+    a system folder, a file, a symbolic link, or a folder that holds anything, a virtual
+    environment included: kvreplay runs only an environment it creates in that call (a
+    ``.pth`` file in one it did not create would run as its Python starts)."""
     if not venv.strip():
         raise KvreplayError("--venv is empty; name the folder to build, e.g. --venv .venv-run.")
     if not venv.isprintable():
@@ -277,12 +281,14 @@ def check_venv(venv: str) -> Path:
     for system in SYSTEM_FOLDERS:
         if system in (target, *target.parents, target.resolve(), *target.resolve().parents):
             raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
+    if target.is_symlink():
+        raise KvreplayError(f"{shown} is a symbolic link; name a new folder.")
     if target.exists() and not target.is_dir():
         raise KvreplayError(f"{shown} exists and is not a folder.")
-    if target.is_dir() and not (target / "pyvenv.cfg").is_file() and any(target.iterdir()):
+    if target.is_dir() and any(target.iterdir()):
         raise KvreplayError(
-            f"{shown} is a folder that holds other files and no virtual environment; "
-            "name a new folder."
+            f"{shown} is a folder that already holds files; kvreplay builds only a new or "
+            "empty folder and runs nothing it did not create there, so name a new folder."
         )
     return target
 
