@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import JsonError, parse_json
-from kvreplay.core.paths import open_regular, read_regular
+from kvreplay.core.paths import open_regular, probe_folder, read_regular, replace_file
 from kvreplay.run.environment import CONTRACT_SCHEME, INFORMATIONAL
 from kvreplay.run.runlock import RunLock
 
@@ -36,6 +36,7 @@ ROWS = "rows.jsonl"
 ITEMS = "items.jsonl"
 SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot files
 STOPPED = "stopped"  # an experiment's note: the rule that ended it early, and its last row
+MAX_ROW_BYTES = 64 * 2**20  # a row's line: rows take tens of kB, a resample row a few MB
 MANIFEST_TYPES: dict[str, type] = {
     "format": str,
     "contract": dict,
@@ -53,17 +54,12 @@ def disk_error(path: Path, exc: OSError) -> KvreplayError:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file, fsync, rename: a reader never sees half a file, and a
-    failed write leaves neither half a file nor the temporary one."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write via a new file beside it, fsync, rename (:func:`replace_file`): a reader never
+    sees half a file, a failed write leaves neither half a file nor the new one, and a
+    name that was a link is replaced, never written through."""
     try:
-        with tmp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(path)
+        replace_file(path, data)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise disk_error(path, exc) from exc
 
 
@@ -124,15 +120,24 @@ class Record:
 
     def expected_hash(self) -> str:
         """``sha256_json(self.body())``, with the row's data (nearly all of its bytes)
-        encoded once for this hash and :attr:`row_sha256` both: the body's keys sort as
-        contract, data, then the rest, so its canonical JSON is spliced around the data's."""
+        encoded once for this hash, :attr:`row_sha256` and :meth:`line_bytes`: the body's
+        keys sort as contract, data, then the rest, so its canonical JSON is spliced
+        around the data's."""
         data = canonical(self.data)
         self.__dict__["row_sha256"] = hashlib.sha256(data).hexdigest()  # the cached property
-        body = self.body()
+        self.__dict__["_data_bytes"] = data
+        return hashlib.sha256(self._spliced(data, self.body())).hexdigest()
+
+    def _spliced(self, data: bytes, body: dict[str, Any]) -> bytes:
         head = canonical({"contract": body.pop("contract")})[:-1]
         del body["data"]
-        rest = canonical(body)[1:]
-        return hashlib.sha256(head + b',"data":' + data + b"," + rest).hexdigest()
+        return head + b',"data":' + data + b"," + canonical(body)[1:]
+
+    def line_bytes(self) -> bytes:
+        """:meth:`to_line`'s bytes (after :meth:`expected_hash`, without encoding the
+        data again): what the row's line in rows.jsonl is, byte for byte."""
+        data = self.__dict__.get("_data_bytes") or canonical(self.data)
+        return self._spliced(data, {**self.body(), "hash": self.hash}) + b"\n"
 
     def to_line(self) -> str:
         return canonical({**self.body(), "hash": self.hash}).decode() + "\n"
@@ -190,8 +195,13 @@ def read_rows_at(
     prev = GENESIS
     offset = 0
     with handle:
-        for number, line in enumerate(handle, start=1):
+        for number, line in enumerate(iter(lambda: handle.readline(MAX_ROW_BYTES + 1), b""), 1):
             at, offset = offset, offset + len(line)
+            if len(line) > MAX_ROW_BYTES:
+                if not line.endswith(b"\n"):
+                    offset += _skip_line(handle)
+                problems.append(f"line {number}: longer than {MAX_ROW_BYTES} bytes (no row is)")
+                continue
             if not line.endswith(b"\n"):
                 return  # the piece after the last newline is torn
             try:
@@ -217,6 +227,13 @@ def read_rows_at(
                 )
                 continue
             where = f"row {record.key} (line {number})"
+            canonical_line = record.line_bytes()
+            del record.__dict__["_data_bytes"]  # a kept row does not hold its bytes twice
+            if line != canonical_line:
+                problems.append(
+                    f"{where}: its bytes are not the row's canonical JSON (a byte-order mark, "
+                    "a carriage return, other spacing or number spelling)"
+                )
             if record.hash != expected:
                 problems.append(f"{where}: field hash does not match the row's content")
             if record.prev != prev:
@@ -229,8 +246,22 @@ def read_rows_at(
             yield at, record
 
 
+def _skip_line(handle: Any) -> int:
+    """Read past the rest of a line a chunk at a time (nothing held); the bytes read."""
+    skipped = 0
+    while chunk := handle.readline(1 << 20):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
+
+
 def _stamp(path: Path) -> tuple[int, int, int]:
-    stat = path.stat()
+    """What tells a file changed (its inode, size, modification time); none when absent."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return 0, 0, 0
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
@@ -334,9 +365,16 @@ class RunRows:
         """These rows, in this order. Their lines passed the strict reader and the chain
         check in this very file (its stamp says so), so they are parsed by json alone,
         and their row hashes are not computed again."""
+        rows = list(rows)
+        if not rows:
+            return  # nothing to read: rows.jsonl is not opened (it may not be a file at all)
         if _stamp(self.path) != self.stamp:
             raise TamperedLedger(f"{self.path} changed after its rows were checked.")
-        with open_regular(self.path) as handle:
+        try:
+            handle = open_regular(self.path)
+        except OSError as exc:
+            raise TamperedLedger(f"{self.path} cannot be read again ({exc.strerror}).") from exc
+        with handle:
             for at in rows:
                 handle.seek(at.offset)
                 record = Record(**json.loads(handle.readline()))
@@ -440,9 +478,9 @@ class RunLedger:
     def has_rows(self) -> bool:
         """Whether rows.jsonl holds anything; a rows.jsonl that is not a regular file (a
         folder cannot be appended to, a FIFO blocks) is refused."""
-        if not self.rows_path.exists():
+        if not self.rows_path.exists() and not self.rows_path.is_symlink():
             return False
-        if not self.rows_path.is_file():
+        if self.rows_path.is_symlink() or not self.rows_path.is_file():
             raise KvreplayError(
                 f"{self.rows_path} is not a regular file; remove it or use a new --out folder."
             )
@@ -466,13 +504,10 @@ class RunLedger:
             raise
 
     def _open(self, contract: dict[str, Any], header: dict[str, Any]) -> None:
-        probe = self.run_dir / ".write-probe"
         try:
-            probe.write_text("ok")
+            probe_folder(self.run_dir)
         except OSError as exc:
             raise KvreplayError(f"The output folder {self.run_dir} is not writable.") from exc
-        finally:
-            probe.unlink(missing_ok=True)
         if self.has_rows() and not self.manifest_path.exists():
             raise KvreplayError(
                 f"{self.run_dir} holds rows.jsonl but no manifest.json; use a new --out folder."
@@ -540,7 +575,7 @@ class RunLedger:
             if raw and not raw.endswith(b"\n"):
                 cut = raw.rfind(b"\n") + 1
                 aside = self.run_dir / f"rows.torn-{int(time.time())}.jsonl"
-                aside.write_bytes(raw[cut:])
+                _write_atomic(aside, raw[cut:])
                 with self.rows_path.open("r+b") as handle:
                     handle.truncate(cut)
                     handle.flush()
@@ -582,8 +617,9 @@ class RunLedger:
             hash="",
         )
         record.hash = record.expected_hash()
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            with self.rows_path.open("ab") as handle:
+            with os.fdopen(os.open(self.rows_path, flags, 0o666), "ab") as handle:
                 handle.write(record.to_line().encode())
                 handle.flush()
                 os.fsync(handle.fileno())
