@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import random
 import unicodedata
 from collections.abc import Callable
@@ -45,6 +46,11 @@ class Item:
         else:
             data["prefix_token_ids"] = list(self.prefix_token_ids)
         return data
+
+
+def frozen_text(items: list[Item]) -> str:
+    """A run's items.jsonl as it writes it, byte for byte (an audit holds the file to it)."""
+    return "".join(json.dumps(item.to_dict(), sort_keys=True) + "\n" for item in items)
 
 
 def items_digest(items: list[Item]) -> str:

@@ -35,7 +35,8 @@ class Declaration:
     """One experiment: its name and summary (``kvreplay run NAME --help``), its class
     and, where a backend without K/V access runs it as served panels, its served class
     and table; its own options; its section where the experiment is one package; the
-    backend setting it needs where only some backends run it (history: ``traffic``)."""
+    backend setting it needs where only some backends run it (history: ``traffic``); the
+    keys and types of its manifest config."""
 
     name: str
     summary: str
@@ -50,6 +51,10 @@ class Declaration:
     default_n: str = "all"  # what --n is when not given, as its help says it
     section: Section | None = None  # its part of claims and report (None: listed in analysis)
     needs: str | None = None  # a backend setting it cannot run without (None: any backend)
+    # The keys its manifest config holds (what ``Experiment.config`` writes, besides the
+    # table's schema version) and the JSON type(s) of each: the audit names any other key
+    # or type in a recorded config (None: not declared, not checked).
+    config: dict[str, type | tuple[type, ...]] | None = None
 
     def runs_on(self, backend_cls: Any) -> bool:
         """Whether a backend of this class runs it: it has the K/V access, the served

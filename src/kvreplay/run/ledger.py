@@ -36,6 +36,14 @@ ROWS = "rows.jsonl"
 ITEMS = "items.jsonl"
 SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot files
 STOPPED = "stopped"  # an experiment's note: the rule that ended it early, and its last row
+ENGINE = "engine"  # an experiment's note: where its units ran (the engine's description)
+# Each experiment's entry in the manifest: its config, the config's hash, and its notes.
+EXPERIMENT_ENTRY: dict[str, type] = {
+    "config": dict,
+    "config_sha256": str,
+    ENGINE: dict,
+    STOPPED: dict,
+}
 MAX_ROW_BYTES = 64 * 2**20  # a row's line: rows take tens of kB, a resample row a few MB
 MANIFEST_TYPES: dict[str, type] = {
     "format": str,
@@ -61,6 +69,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
         replace_file(path, data)
     except OSError as exc:
         raise disk_error(path, exc) from exc
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """manifest.json as a run writes it, byte for byte (an audit holds the file to it)."""
+    return json.dumps(manifest, indent=2).encode()
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -537,7 +550,7 @@ class RunLedger:
             "contract_sha256": sha256_json(contract),
             "experiments": {},
         }
-        _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        _write_atomic(self.manifest_path, manifest_bytes(self.manifest))
         self.records = []
         self.fresh = True
 
@@ -554,7 +567,7 @@ class RunLedger:
                 )
             return
         experiments[name] = {"config": config, "config_sha256": sha256_json(config)}
-        _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        _write_atomic(self.manifest_path, manifest_bytes(self.manifest))
 
     def note_experiment(self, name: str, key: str, value: Any) -> None:
         """Record facts about an experiment that do not change results (engine, workers,
@@ -566,7 +579,7 @@ class RunLedger:
             del entry[key]
         else:
             entry[key] = value
-        _write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        _write_atomic(self.manifest_path, manifest_bytes(self.manifest))
 
     def recover(self) -> None:
         """Load rows; set a torn final line aside; refuse a ledger that does not chain."""

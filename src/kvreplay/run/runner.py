@@ -7,7 +7,6 @@ loses no completed row (each is fsynced) and a rerun resumes where it stopped.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -20,7 +19,14 @@ from tqdm import tqdm
 
 from kvreplay import __version__
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.items import Item, encode_prompt, is_token_ids, items_digest, load_items
+from kvreplay.core.items import (
+    Item,
+    encode_prompt,
+    frozen_text,
+    is_token_ids,
+    items_digest,
+    load_items,
+)
 from kvreplay.core.jsonio import read_json
 from kvreplay.core.paths import check_name, read_regular
 from kvreplay.core.scoring import get_extractor
@@ -35,6 +41,7 @@ from kvreplay.model.sources import canonical_spec
 from kvreplay.run.config import RunConfig, RunSettings
 from kvreplay.run.environment import CONTRACT_SCHEME, contract_scheme, environment, git_commit
 from kvreplay.run.ledger import (
+    ENGINE,
     ITEMS,
     MANIFEST,
     SNAPSHOTS_SAVED,
@@ -241,7 +248,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
 def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
     """Write items.jsonl for a new run; a resumed run's must be what its contract says."""
     path = ledger.run_dir / ITEMS
-    text = "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items)
+    text = frozen_text(items)
     if ledger.fresh or not path.exists():
         write_text_atomic(path, text)
     elif _frozen_bytes(path) != text.encode("utf-8"):
@@ -310,7 +317,7 @@ def _run_prepared(
     run = scope.config
     engine = session.engine(run, *placement) if session else make_engine(run, *placement)
     try:
-        ledger.note_experiment(experiment.name, "engine", engine.describe())
+        ledger.note_experiment(experiment.name, ENGINE, engine.describe())
         done = (lambda: stop(ledger.rows(experiment.name))) if stop else (lambda: False)
         stopped = False
         for phase in range(experiment.phases):

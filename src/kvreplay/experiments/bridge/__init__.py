@@ -15,4 +15,5 @@ DECLARATION = Declaration(
     source="Take historical prefixes from this run.",
     default_n=str(DEFAULT_N),
     section=SECTION,
+    config={"dtype": str, "item_ids": list, "selection": dict},
 )

@@ -14,4 +14,10 @@ DECLARATION = Declaration(
     table=FIXED_PREFIX_TABLE,
     source="Take prefixes from this run (default: this run's bf16 live rows).",
     section=SECTION,
+    config={
+        "dtypes": list,
+        "item_ids": list,
+        "prefix_dtype": str,
+        "prefix_from": (str, type(None)),
+    },
 )

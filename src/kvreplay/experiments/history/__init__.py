@@ -17,4 +17,5 @@ DECLARATION = Declaration(
     served_table=HISTORY_TABLE,
     section=SECTION,
     needs="traffic",  # its loopback clients: a server's experiment
+    config={"dtypes": list, "item_ids": list},
 )

@@ -16,4 +16,5 @@ DECLARATION = Declaration(
     served_table=SERVED_MATCHED_TABLE,
     options="kvreplay.experiments.matched.screen:MatchedOptions",
     section=SECTION,
+    config={"dtypes": list, "item_ids": list, "fragile": dict},
 )

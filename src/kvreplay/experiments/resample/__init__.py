@@ -17,4 +17,15 @@ DECLARATION = Declaration(
     options=f"{__name__}.experiment:ResampleOptions",
     temperature=0.7,
     section=SECTION,
+    config={
+        "dtypes": list,
+        "item_ids": list,
+        "samples": int,
+        "seeds": list,
+        "replica_samples": int,
+        "temperature": (int, float),
+        "top_p": (int, float),
+        "margin": (int, float),
+        "batching": str,
+    },
 )
