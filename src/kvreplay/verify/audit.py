@@ -52,6 +52,8 @@ from kvreplay.run.ledger import (
 )
 from kvreplay.run.lock import check_libraries, valid_pin
 from kvreplay.run.threads import DEFAULT_THREADS, check_recorded, intra_op_threads
+from kvreplay.verify.exact_bytes import byte_problems
+from kvreplay.verify.manifest_blocks import experiment_block_problems
 
 if TYPE_CHECKING:
     from kvreplay.experiments.experiment import Experiment
@@ -336,7 +338,7 @@ def check_plan(ledger: RunLedger, rows: RunRows, item_order: list[str]) -> list[
         if entry.get("config_sha256") != sha256_json(config):
             problems.append(f"{where}.config_sha256 does not match its config")
         ids = config.get("item_ids")
-        if "selection" not in config and ids != item_order[: len(ids or [])]:
+        if "selection" not in config and ids != item_order[: len(ids) if type(ids) is list else 0]:
             problems.append(f"{where}.config.item_ids is not the first items of items.jsonl")
         try:
             planned = experiment.planned(config, by_key)
@@ -460,6 +462,7 @@ def _audit(
     counts = Counter(at.key for at in rows.index)
     result.problems += [f"row {k}: appears more than once" for k in sorted(counts) if counts[k] > 1]
     result.problems += check_header(ledger, checks.holding)
+    result.problems += experiment_block_problems(ledger.manifest) + byte_problems(ledger, item_list)
     result.problems += check_plan(ledger, rows, [i.id for i in item_list or []])
     rows = rows.excluding(checks.unread)
     copy_problems, depends, result.foreign_inputs = check_copies(checks.copies, rows, items)
