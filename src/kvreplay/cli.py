@@ -578,7 +578,7 @@ def cut_refeed_command(
 
     refeed = RefeedPlan(items_source=items_source, **plan)
     refeed.check()
-    check_out(out)
+    check_out(out, (model, items_source))
     with intra_op_threads(threads):
         items = refeed_items(model, refeed, dtype)
     write_items(items, out)

@@ -188,3 +188,309 @@ def test_an_ascii_pin_in_upper_case_is_still_a_pin(run: Path) -> None:
     data["environment"]["distributions"]["numpy"] = "2.0RC1"
     (run / "manifest.json").write_text(json.dumps(data, indent=2))
     assert invoke("env", run).exit_code == 0
+
+
+# Family 5: tracebacks (the readers of a run folder).
+def _audited(run: Path) -> Any:
+    result = invoke("audit", run, "--sample", 0)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    return result
+
+
+def _named(run: Path, *needles: str) -> None:
+    result = _audited(run)
+    assert result.exit_code == 1, result.output
+    found = [line for line in result.stdout.splitlines() if all(n in line for n in needles)]
+    assert found, (needles, result.stdout)
+
+
+ROWS_NOT_A_FILE: dict[str, Callable[[Path], None]] = {
+    "fifo": lambda path: os.mkfifo(path),
+    "dev_zero": lambda path: os.symlink("/dev/zero", path),
+    "folder": lambda path: path.mkdir(),
+    "dangling_link": lambda path: os.symlink(path.parent / "nowhere", path),
+}
+
+
+@pytest.mark.parametrize("case", list(ROWS_NOT_A_FILE))
+def test_rows_jsonl_that_is_not_a_file(case: str, run: Path) -> None:
+    (run / "rows.jsonl").unlink()
+    ROWS_NOT_A_FILE[case](run / "rows.jsonl")
+    _named(run, "rows.jsonl")
+    for command in ("analyze", "report"):
+        result = invoke(command, run)
+        assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+        if result.exit_code == 2:
+            assert_one_sentence(result.stderr, "")
+
+
+CSV = "matched_live_prefill.csv"
+CSV_DAMAGE: dict[str, Callable[[Path], None]] = {
+    "cr_only": lambda path: path.write_bytes(path.read_bytes().replace(b"\n", b"\r")),
+    "crlf": lambda path: path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n")),
+    "bom": lambda path: path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes()),
+    "line_of_100_mb": lambda path: path.write_bytes(path.read_bytes() + b"x" * (100 << 20)),
+    "field_of_200_kb": lambda path: path.write_bytes(path.read_bytes() + b"y" * (200 << 10)),
+    "fifo": lambda path: (path.unlink(), os.mkfifo(path)),
+    "dev_zero": lambda path: (path.unlink(), os.symlink("/dev/zero", path)),
+    "a_folder": lambda path: (path.unlink(), path.mkdir()),
+    "not_utf8": lambda path: path.write_bytes(path.read_bytes() + b"\xff\xfe"),
+    "nul_bytes": lambda path: path.write_bytes(path.read_bytes().replace(b",", b"\0,", 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(CSV_DAMAGE))
+def test_a_damaged_csv_is_named_by_the_audit(case: str, run: Path) -> None:
+    CSV_DAMAGE[case](run / CSV)
+    _named(run, CSV)
+
+
+def _set_config(run: Path, key: str, value: Any, entry: bool = False) -> None:
+    """Set a field of matched's config (or entry) and recompute its hash, as a forger would."""
+    from kvreplay.core.canonical import sha256_json
+
+    data = json.loads((run / "manifest.json").read_text())
+    block = data["experiments"]["matched"]
+    (block if entry else block["config"])[key] = value
+    block["config_sha256"] = sha256_json(block["config"])
+    (run / "manifest.json").write_text(json.dumps(data, indent=2))
+
+
+CONFIG_TYPES: dict[str, tuple[str, Any, str]] = {
+    "item_ids_a_number": ("item_ids", 5, "config.item_ids"),
+    "item_ids_a_string": ("item_ids", "t0", "config.item_ids"),
+    "item_ids_null": ("item_ids", None, "config.item_ids"),
+    "dtypes_a_string": ("dtypes", "bf16", "config.dtypes"),
+    "dtypes_an_object": ("dtypes", {"bf16": 1}, "config.dtypes"),
+    "schema_version_a_flag": ("schema_version", True, "config.schema_version"),
+    "fragile_a_list": ("fragile", [1], "config.fragile"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_TYPES))
+def test_a_config_field_of_the_wrong_type_is_named_not_raised(case: str, run: Path) -> None:
+    key, value, named = CONFIG_TYPES[case]
+    _set_config(run, key, value)
+    _named(run, "experiments.matched", named)
+
+
+def test_a_row_whose_arms_is_a_string(run: Path) -> None:
+    from forgery import read_rows, rechain
+
+    rows = read_rows(run)
+    rows[0]["data"]["arms"] = "x"
+    rechain(run, rows, derive_csv=False)
+    _named(run, rows[0]["key"], "does not read as a matched row")
+    for command in ("analyze", "report"):
+        result = invoke(command, run)
+        assert result.exit_code == 2, result.output
+        assert_one_sentence(result.stderr, CSV)
+
+
+# Family 6: an audit that passes what it should name.
+def test_an_unknown_key_in_an_experiment_entry_is_named(run: Path) -> None:
+    _set_config(run, "verdict", "pass", entry=True)
+    _named(run, "experiments.matched.verdict is not one a kvreplay run writes")
+
+
+def test_a_verdict_added_to_a_config_with_its_hash_recomputed_is_named(run: Path) -> None:
+    _set_config(run, "verdict", "pass")
+    _named(run, "experiments.matched.config.verdict is not one matched records")
+
+
+def test_an_engine_note_of_the_wrong_type_is_named(run: Path) -> None:
+    _set_config(run, "engine", "local", entry=True)
+    _named(run, "experiments.matched.engine is not an object")
+
+
+def _duplicate(line: str, key: str, value: str) -> str:
+    """A JSON object line with ``key`` named twice: a second value after the first."""
+    at = line.index(f'"{key}":')
+    return line[:at] + f'"{key}":{value},' + line[at:]
+
+
+def test_a_row_that_names_a_key_twice_is_named(run: Path) -> None:
+    lines = (run / "rows.jsonl").read_text().splitlines(keepends=True)
+    lines[0] = _duplicate(lines[0], "worker", '"elsewhere"')
+    (run / "rows.jsonl").write_text("".join(lines))
+    _named(run, "line 1", "names the key 'worker' twice")
+
+
+def test_an_item_that_names_a_key_twice_is_named(run: Path) -> None:
+    lines = (run / "items.jsonl").read_text().splitlines(keepends=True)
+    lines[0] = _duplicate(lines[0], "answer", '"999"')
+    (run / "items.jsonl").write_text("".join(lines))
+    _named(run, "items.jsonl", "names the key 'answer' twice")
+
+
+def test_a_manifest_that_names_a_key_twice_is_refused(run: Path) -> None:
+    text = (run / "manifest.json").read_text()
+    (run / "manifest.json").write_text(text.replace('"format":', '"format": "x",\n  "format":', 1))
+    result = _audited(run)
+    assert result.exit_code == 2
+    assert_one_sentence(result.stderr, "is not a kvreplay run")
+
+
+BYTES_ONLY: dict[str, tuple[str, Callable[[bytes], bytes]]] = {
+    "manifest_bom": ("manifest.json", lambda b: b"\xef\xbb\xbf" + b),
+    "manifest_crlf": ("manifest.json", lambda b: b.replace(b"\n", b"\r\n")),
+    "manifest_reindented": ("manifest.json", lambda b: json.dumps(json.loads(b)).encode()),
+    "manifest_final_newline": ("manifest.json", lambda b: b + b"\n"),
+    "items_bom": ("items.jsonl", lambda b: b"\xef\xbb\xbf" + b),
+    "items_crlf": ("items.jsonl", lambda b: b.replace(b"\n", b"\r\n")),
+    "items_blank_line": ("items.jsonl", lambda b: b + b"\n"),
+    "items_spaced": ("items.jsonl", lambda b: b.replace(b'": "', b'":  "')),
+    "rows_bom": ("rows.jsonl", lambda b: b"\xef\xbb\xbf" + b),
+    "rows_crlf": ("rows.jsonl", lambda b: b.replace(b"\n", b"\r\n")),
+    "rows_spaced": ("rows.jsonl", lambda b: b.replace(b'":', b'": ')),
+    "csv_bom": (CSV, lambda b: b"\xef\xbb\xbf" + b),
+}
+
+
+@pytest.mark.parametrize("case", list(BYTES_ONLY))
+def test_a_byte_only_change_is_named(case: str, run: Path) -> None:
+    name, change = BYTES_ONLY[case]
+    (run / name).write_bytes(change((run / name).read_bytes()))
+    _named(run, name.split(".")[0])
+
+
+# Family 4: outputs onto inputs, by other routes.
+def _check_args(tmp: Path, model: Path, *extra: object) -> tuple[list[object], Path]:
+    args, out = run_args("matched", tmp, model)
+    items = args[args.index("--items") + 1]
+    return ["check", "--model", model, "--items", items, "--plan", "short", "--dtypes",
+            "fp32", "--n", 1, "--out", out, *extra], out  # fmt: skip
+
+
+@pytest.fixture
+def checked(tmp_path: Path, tiny_dirs: dict[str, Path]) -> tuple[list[object], Path]:
+    """A check run once (its folder then exists), and its arguments to run it again."""
+    args, out = _check_args(tmp_path, tiny_dirs["qwen2"])
+    assert invoke(*args).exit_code in (0, 1)
+    return args, out
+
+
+def _refused_untouched(args: list[object], expected: str, *kept: Path) -> None:
+    before = {path: path.read_bytes() for path in kept}
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert_one_sentence(result.stderr, expected)
+    assert {path: path.read_bytes() for path in kept} == before
+
+
+def test_json_onto_a_hard_link_of_the_rows(checked: tuple, tmp_path: Path) -> None:
+    args, out = checked
+    os.link(out / "rows.jsonl", tmp_path / "verdict.json")
+    _refused_untouched([*args, "--json", tmp_path / "verdict.json"],
+                       "is another name of", out / "rows.jsonl")  # fmt: skip
+
+
+def test_junit_onto_a_symlink_to_the_manifest(checked: tuple, tmp_path: Path) -> None:
+    args, out = checked
+    os.symlink(out / "manifest.json", tmp_path / "junit.xml")
+    _refused_untouched([*args, "--junit", tmp_path / "junit.xml"],
+                       "lies inside the check's run folder", out / "manifest.json")  # fmt: skip
+
+
+def test_json_onto_the_checks_own_items(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
+    args, _ = _check_args(tmp_path, tiny_dirs["qwen2"])
+    items = Path(str(args[args.index("--items") + 1]))
+    _refused_untouched([*args, "--json", items], "is another name of", items)
+
+
+def test_json_onto_the_models_config(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
+    from helpers import copy_model
+
+    model = copy_model(tiny_dirs["qwen2"], tmp_path / "model")
+    args, out = _check_args(tmp_path, model)
+    _refused_untouched([*args, "--json", model / "config.json"], "is another name of",
+                       model / "config.json")  # fmt: skip
+    _refused_untouched([*args, "--json", model / "verdict.json"], "lies inside")
+    assert not (model / "verdict.json").exists() and not out.exists()
+
+
+def test_an_existing_repro_folder_is_never_written_through(checked: tuple) -> None:
+    args, out = checked
+    repro = out.with_name(out.name + ".repro")
+    repro.mkdir(exist_ok=True)
+    for name, target in (("item.jsonl", "items.jsonl"), ("repro.json", "rows.jsonl")):
+        (repro / name).unlink(missing_ok=True)
+        os.symlink(out / target, repro / name)
+    kept = {name: (out / name).read_bytes() for name in ("items.jsonl", "rows.jsonl")}
+    result = invoke(*args, "--expect", "bitwise")  # tiny qwen2's numerics part: a repro pack
+    assert result.exit_code == 1, result.output
+    assert {name: (out / name).read_bytes() for name in kept} == kept
+    assert not (repro / "item.jsonl").is_symlink() and (repro / "repro.json").is_file()
+
+
+@pytest.mark.parametrize("flag", ["--json", "--junit", "--repro"])
+@pytest.mark.parametrize("where", ["/proc/kvreplay-out", "/sys/kvreplay-out", "/dev/kvreplay-out"])
+def test_a_kernel_folder_is_refused_before_any_work(
+    flag: str, where: str, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    args, out = _check_args(tmp_path, tiny_dirs["qwen2"])
+    result = invoke(*args, flag, where)
+    check(result, f"lies in /{where.split('/')[1]}", out)
+    assert not out.exists()
+
+
+def test_analyze_onto_the_runs_rows(run: Path, tmp_path: Path) -> None:
+    os.link(run / "rows.jsonl", tmp_path / "claims.json")
+    for target in (run / "rows.jsonl", run / "manifest.json", tmp_path / "claims.json"):
+        _refused_untouched(["analyze", run, "-o", target], "is another name of",
+                           run / "rows.jsonl", run / "manifest.json")  # fmt: skip
+    assert invoke("analyze", run).exit_code == 0  # the default, claims.json, is its own
+
+
+def test_report_into_a_kernel_folder(run: Path) -> None:
+    result = invoke("report", run, "--out-dir", "/proc/kvreplay-report")
+    assert result.exit_code == 2
+    assert_one_sentence(result.stderr, "lies in /proc")
+
+
+def test_report_never_writes_figures_through_a_symlink(run: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, run / "figures")
+    result = invoke("report", run)
+    assert result.exit_code == 2, result.output
+    assert_one_sentence(result.stderr, "is a symbolic link")
+    assert not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("planted", [".write-probe", "manifest.json.tmp", "items.jsonl.tmp"])
+def test_a_planted_link_in_a_run_folder_is_never_written_through(
+    planted: str, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    os.symlink(victim, out / planted)
+    result = invoke(*args, *QUICK)
+    assert result.exit_code == 0, result.output
+    assert victim.read_text() == "keep me\n"
+
+
+def test_a_rows_jsonl_that_is_a_symlink_is_refused_on_resume(
+    tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
+    assert invoke(*args, *QUICK).exit_code == 0
+    (out / "rows.jsonl").rename(tmp_path / "rows.jsonl")
+    os.symlink(tmp_path / "rows.jsonl", out / "rows.jsonl")
+    kept = (tmp_path / "rows.jsonl").read_bytes()
+    result = invoke(*args, "--n", 2, "--dtypes", "fp32")
+    assert result.exit_code == 2, result.output
+    assert_one_sentence(result.stderr, "rows.jsonl is not a regular file")
+    assert (tmp_path / "rows.jsonl").read_bytes() == kept
+
+
+def test_cut_refeed_into_a_kernel_folder_is_refused_before_generating(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    result = invoke("items", "cut-refeed", "--model", tiny_dirs["qwen2"], "--sources", 1,
+                    "--cuts", 2, "--tokens", 8, "--out", "/proc/kvreplay-items.jsonl")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert_one_sentence(result.stderr, "lies in /proc")

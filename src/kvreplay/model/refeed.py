@@ -19,6 +19,7 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, load_items
+from kvreplay.core.outputs import Inputs, check_file_target
 
 # Bounds: a workload for a check, not a corpus.
 MAX_SOURCES = 64
@@ -113,19 +114,23 @@ def refeed_items(model: str, plan: RefeedPlan, dtype: str = "fp32") -> list[Item
     return items
 
 
-def check_out(out: Path) -> None:
-    """``out`` must be a new file in an existing folder (checked before any generation)."""
-    if out.exists():
+def check_out(out: Path, inputs: tuple[str, str]) -> None:
+    """``out`` must be a new file in an existing folder kvreplay can write to, and in no
+    input's folder (the model's, ``inputs``), checked before any generation."""
+    _still_new(out)
+    check_file_target("--out", out, Inputs.of(inputs))
+
+
+def _still_new(out: Path) -> None:
+    if out.exists() or out.is_symlink():
         raise KvreplayError(f"{out} already exists; choose another --out.")
-    if not out.parent.is_dir():
-        raise KvreplayError(f"The folder of {out} does not exist.")
 
 
 def write_items(items: list[Item], out: Path) -> None:
     """The items as JSONL at ``out`` (written whole, then renamed into place)."""
     from kvreplay.run.ledger import write_text_atomic
 
-    check_out(out)
+    _still_new(out)  # nothing took the name while the generations ran
     write_text_atomic(
         out, "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items)
     )
