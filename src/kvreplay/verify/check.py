@@ -19,6 +19,8 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import load_jsonl
+from kvreplay.core.outputs import Inputs, check_targets
+from kvreplay.core.paths import replace_file
 from kvreplay.experiments.experiment import Experiment
 from kvreplay.run.ledger import ITEMS, Record
 from kvreplay.verify.verdict import SCHEMA, Expectation, StopRule, Verdict, judge, parse_expectation
@@ -55,7 +57,7 @@ def repro_pack(
     folder.mkdir(parents=True, exist_ok=True)
     item_line = folder / "item.jsonl"
     item = next(i for i in load_jsonl(run_dir / ITEMS) if i.id == first.item_id)
-    item_line.write_text(json.dumps(item.to_dict(), sort_keys=True) + "\n")
+    replace_file(item_line, (json.dumps(item.to_dict(), sort_keys=True) + "\n").encode())
     rerun = _rerun_command(command, item_line, folder / "rerun", first.precision)
     prefix = row.prefix
     pack = {
@@ -84,7 +86,9 @@ def repro_pack(
         "environment": verdict.environment,
         "command": shlex.join(rerun),
     }
-    (folder / "repro.json").write_text(json.dumps(pack, indent=2, sort_keys=True) + "\n")
+    replace_file(
+        folder / "repro.json", (json.dumps(pack, indent=2, sort_keys=True) + "\n").encode()
+    )
     return folder
 
 
@@ -124,7 +128,7 @@ def write_outputs(verdict: Verdict, json_path: Path | None, junit_path: Path | N
         if path is None:
             continue
         try:
-            path.write_text(text, encoding="utf-8")
+            replace_file(path, text.encode("utf-8"))
         except OSError as exc:
             raise KvreplayError(f"Cannot write {path} ({exc.strerror or exc}).") from exc
 
@@ -234,6 +238,11 @@ def run_check(
     out = out or default_out(options)
     repro = repro or out.with_name(out.name + ".repro")
     check_outputs(out, json_path, junit_path, repro)
+    check_targets(
+        {"--json": json_path, "--junit": junit_path},
+        {"--repro": repro},
+        Inputs.of((out, options["items_source"], options["model"], options["plan"])),
+    )
     request = make_request(name, out, options)
     _check_numerics(request.backend, expectation)
     experiment = get_experiment(name, request.backend, require_engine=False)
