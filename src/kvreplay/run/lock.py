@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.outputs import in_system_folder
 from kvreplay.core.paths import check_name
 
 # Contract environment fields that are library versions, with the distributions that
@@ -257,10 +258,6 @@ def run_environment(manifest: dict[str, Any]) -> RunEnvironment:
     return RunEnvironment(pins, python, False, "only its libraries were recorded")
 
 
-# Folders a virtual environment never belongs in: the kernel's views, not storage.
-SYSTEM_FOLDERS = (Path("/proc"), Path("/sys"), Path("/dev"))
-
-
 def check_venv(venv: str) -> Path:
     """The folder ``kvreplay env --venv`` builds, as an absolute path; refused in one
     sentence: nothing (the current folder), an option, a name with control characters,
@@ -278,9 +275,9 @@ def check_venv(venv: str) -> Path:
         )
     target = check_name(Path(venv), "--venv").absolute()
     shown = f"--venv {venv[:80]!r}"
-    for system in SYSTEM_FOLDERS:
-        if system in (target, *target.parents, target.resolve(), *target.resolve().parents):
-            raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
+    system = in_system_folder(target)
+    if system is not None:
+        raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
     if target.is_symlink():
         raise KvreplayError(f"{shown} is a symbolic link; name a new folder.")
     if target.exists() and not target.is_dir():
