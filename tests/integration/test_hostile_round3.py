@@ -494,3 +494,33 @@ def test_cut_refeed_into_a_kernel_folder_is_refused_before_generating(
                     "--cuts", 2, "--tokens", 8, "--out", "/proc/kvreplay-items.jsonl")  # fmt: skip
     assert result.exit_code == 2, result.output
     assert_one_sentence(result.stderr, "lies in /proc")
+
+
+# Family 7: an honest run the audit called forged.
+EXPECTATIONS: dict[str, list[list[str]]] = {
+    "exact_then_bitwise": [[], ["--expect", "bitwise"]],
+    "bitwise_then_exact": [["--expect", "bitwise"], []],
+    "back_and_forth": [[], ["--expect", "bitwise"], [], ["--expect", "bitwise"]],
+    "max_divergent": [["--expect", "max-divergent", "--max-divergent", "0"],
+                      ["--expect", "bitwise"],
+                      ["--expect", "max-divergent", "--max-divergent", "5"]],  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(EXPECTATIONS))
+def test_an_honest_users_sequence_always_audits(
+    case: str, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    """Run, resume, change the expectation, rerun, report, audit: every step either is
+    refused up front or leaves a folder the audit passes."""
+    args, out = _check_args(tmp_path, tiny_dirs["drift_qwen2"])
+    args[args.index("--n") + 1] = 3
+    for expect in [*EXPECTATIONS[case], EXPECTATIONS[case][-1]]:  # the last one resumed
+        result = invoke(*args, *expect)
+        assert result.exit_code in (0, 1), result.output
+        audited = invoke("audit", out)
+        assert audited.exit_code == 0, (expect, audited.output)
+    assert invoke("analyze", out).exit_code == 0
+    assert invoke("report", out).exit_code == 0
+    audited = invoke("audit", out)
+    assert audited.exit_code == 0, audited.output

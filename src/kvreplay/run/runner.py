@@ -268,6 +268,14 @@ class Stop(Protocol):
     def to_json(self) -> dict[str, Any]: ...
 
 
+def decides_at_last(stop: Stop, rows: list[Record]) -> bool:
+    """Whether ``stop`` decides at the last of ``rows`` and not before, as an audit
+    requires of a recorded stop. A resumed run whose rule decided at an earlier row (a
+    check rerun with another ``--expect``) has rows past that point already: it stops
+    nowhere and runs every planned row, so that its record never claims a stop it made."""
+    return bool(rows) and stop(rows) and not stop(rows[:-1])
+
+
 def _frozen_bytes(path: Path) -> bytes:
     try:
         return read_regular(path)
@@ -318,7 +326,8 @@ def _run_prepared(
     engine = session.engine(run, *placement) if session else make_engine(run, *placement)
     try:
         ledger.note_experiment(experiment.name, ENGINE, engine.describe())
-        done = (lambda: stop(ledger.rows(experiment.name))) if stop else (lambda: False)
+        name = experiment.name
+        done = (lambda: decides_at_last(stop, ledger.rows(name))) if stop else (lambda: False)
         stopped = False
         for phase in range(experiment.phases):
             units = experiment.units(phase, scope, selection, ledger.by_key())
