@@ -524,3 +524,35 @@ def test_an_honest_users_sequence_always_audits(
     assert invoke("report", out).exit_code == 0
     audited = invoke("audit", out)
     assert audited.exit_code == 0, audited.output
+
+
+# Family 6: runs that are vacuous, or read another model's run, and exit 0.
+@pytest.mark.parametrize("experiment", ["fixed-prefix", "bridge", "transplant", "localize"])
+def test_from_a_run_of_another_model_is_refused_by_every_experiment(
+    experiment: str, run: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    out = tmp_path / "other"
+    source = json.loads((run / "manifest.json").read_text())["contract"]["items"]["source"]
+    result = invoke("run", experiment, "--model", tiny_dirs["llama"], "--items", source,
+                    "--plan", "short", "--dtypes", "bf16", "--from", run, "--out", out)  # fmt: skip
+    check(result, "(--from) ran on the model", out)
+    assert not out.exists()
+
+
+def test_from_a_run_that_records_no_model_is_refused(
+    run: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    from forgery import read_rows, rechain
+
+    from kvreplay.core.canonical import sha256_json
+
+    data = json.loads((run / "manifest.json").read_text())
+    del data["contract"]["run"]["model_digest"]
+    data["contract_sha256"] = sha256_json(data["contract"])
+    (run / "manifest.json").write_text(json.dumps(data, indent=2))
+    rechain(run, read_rows(run), data["contract_sha256"])
+    out = tmp_path / "other"
+    result = invoke("run", "bridge", "--model", tiny_dirs["qwen2"], "--items",
+                    data["contract"]["items"]["source"], "--plan", "short", "--dtypes", "bf16",
+                    "--from", run, "--out", out)  # fmt: skip
+    check(result, "does not record the model it ran on", out)

@@ -129,11 +129,24 @@ def _check_prompts(
             )
 
 
-def _source_run(path: Path | None) -> SourceRun | None:
-    """Rows of another run, read without touching it (it may still be running)."""
+def _source_run(path: Path | None, config: RunConfig) -> SourceRun | None:
+    """Rows of another run, read without touching it (it may still be running), made on
+    this run's model: its prefixes are token ids of the model it ran on."""
     if path is None:
         return None
     source = RunLedger.open_existing(path)
+    recorded = source.manifest["contract"].get("run")
+    model = recorded.get("model") if isinstance(recorded, dict) else None
+    digest = recorded.get("model_digest") if isinstance(recorded, dict) else None
+    if not (isinstance(model, str) and isinstance(digest, str)):
+        raise KvreplayError(f"The run {path} (--from) does not record the model it ran on.")
+    scheme = contract_scheme(source.manifest["contract"])
+    ours = config.backend.describe_model(config.model, config.trust_remote_code, scheme)
+    if digest != ours["model_digest"]:
+        raise KvreplayError(
+            f"The run {path} (--from) ran on the model {model[:80]!r}, not on --model "
+            f"{config.model!r}; its prefixes are that model's token ids."
+        )
     records, problems = parse_rows(source.rows_path, source.contract_hash)
     if problems:
         raise KvreplayError(f"The run {path} has a damaged ledger ({problems[0]}).")
@@ -232,7 +245,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
         "command": request.command,
         "snapshots": SNAPSHOTS_SAVED if request.save_snapshots else "fingerprints only",
     }
-    source = _source_run(request.prefix_from)
+    source = _source_run(request.prefix_from, config)
     scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
     experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
     ledger = RunLedger(request.out)
