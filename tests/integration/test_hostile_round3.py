@@ -556,3 +556,49 @@ def test_from_a_run_that_records_no_model_is_refused(
                     data["contract"]["items"]["source"], "--plan", "short", "--dtypes", "bf16",
                     "--from", run, "--out", out)  # fmt: skip
     check(result, "does not record the model it ran on", out)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dirs: dict[str, Path]) -> Iterator[TinyVllm]:
+    server = TinyVllm(tiny_dirs["qwen2"])
+    yield server
+    server.close()
+
+
+def _block(size: int) -> Callable[[str, dict], dict]:
+    def tamper(path: str, answer: dict) -> dict:
+        answer["vllm_config"]["cache_config"]["block_size"] = size
+        return answer
+
+    return tamper
+
+
+@pytest.mark.parametrize("size", [10**9, 2**31, 4096])
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_a_block_longer_than_any_prefix_is_refused_as_vacuous(
+    size: int, command: str, tiny_server: TinyVllm, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    tiny_server.tamper, tiny_server.completions = None, 0
+    tiny_server.hostile("/server_info", _block(size), -1)
+    served = ["--backend", "http", "--url", tiny_server.url, "--companions", "0"]
+    if command == "run":
+        args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
+        args += [*served, "--dtypes", "fp32"]
+    else:
+        args, out = _check_args(tmp_path, tiny_dirs["qwen2"], *served)
+    try:
+        result = invoke(*args)
+    finally:
+        tiny_server.tamper = None
+    check(result, "every hit would read no cached token", out)
+    assert not (out / "manifest.json").exists()
+
+
+def test_a_block_the_prefixes_fill_is_not_vacuous(
+    tiny_server: TinyVllm, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    tiny_server.tamper, tiny_server.completions = None, 0
+    args, out = run_args("matched", tmp_path, tiny_dirs["qwen2"])
+    result = invoke(*args, "--backend", "http", "--url", tiny_server.url, "--dtypes", "fp32",
+                    "--companions", "0", "--n", 1)  # fmt: skip
+    assert result.exit_code == 0, result.output

@@ -129,6 +129,31 @@ def _check_prompts(
             )
 
 
+def _check_hits(request: RunRequest, plan: StagePlan, items: list[Item], tokenizer: Any) -> None:
+    """A backend that caches whole blocks only (vLLM, a server) reads none of a prefix
+    shorter than a block: when every prefix these items can reach is, each hit would
+    read no cached token by construction and the run would compare a miss with a miss.
+    Refused before the manifest (``items``: those the run may choose; the prefix's
+    longest: the prompt, every prefix stage at its cap with its opener, and the next
+    stage's opener)."""
+    stages = [*plan.prefix_stages, plan.suffix_stages[0]]
+    budget = sum(len(opener_ids(tokenizer, s)) for s in stages)
+    budget += sum(s.max_new_tokens for s in plan.prefix_stages)
+    longest = max(
+        len(item.prefix_token_ids)
+        if item.prefix_token_ids is not None
+        else len(encode_prompt(tokenizer, item.prompt, request.chat)) + budget
+        for item in items
+    )
+    if request.backend.expected_hit(longest - 1) == 0:
+        raise KvreplayError(
+            f"No prefix of these items can be longer than {longest} tokens, and the "
+            f"{request.backend.name} backend caches only whole blocks, each longer than that "
+            "(--block-size, or the server's block size), so every hit would read no cached "
+            "token and compare a miss with a miss; use a smaller block size."
+        )
+
+
 def _source_run(path: Path | None, config: RunConfig) -> SourceRun | None:
     """Rows of another run, read without touching it (it may still be running), made on
     this run's model: its prefixes are token ids of the model it ran on."""
@@ -224,6 +249,8 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     prompts = [i.prompt for i in items[: experiment.count(request.n, items)] if i.prompt]
     request.backend.check_tokenization(request.model, tokenizer, prompts, request.chat)
     _check_prompts(request, plan, items, info, tokenizer)
+    pool = experiment.prompt_pool(items, experiment.count(request.n, items)) or items
+    _check_hits(request, plan, pool, tokenizer)
     config = RunConfig(
         model=request.model,
         model_digest=info["model_digest"],
