@@ -602,3 +602,49 @@ def test_a_block_the_prefixes_fill_is_not_vacuous(
     result = invoke(*args, "--backend", "http", "--url", tiny_server.url, "--dtypes", "fp32",
                     "--companions", "0", "--n", 1)  # fmt: skip
     assert result.exit_code == 0, result.output
+
+
+# Family 5, continued: a model whose numbers are not finite.
+def _set_weights(model: Path, change: Callable[[str, Any], Any]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    save_file({name: change(name, t) for name, t in weights.items()},
+              model / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+
+
+WEIGHTS: dict[str, tuple[Callable[[str, Any], Any], str]] = {
+    "all_nan": (lambda name, t: t * float("nan"), "has weights that are not finite"),
+    "one_inf": (
+        lambda name, t: t.index_fill(0, t.new_zeros(1, dtype=int), float("inf"))
+        if name == "model.norm.weight" else t,
+        "(NaN or an infinity in model.norm.weight",
+    ),
+    "overflowing_head": (
+        lambda name, t: t.clamp(min=0) * 3e38 + 3e38 if name == "lm_head.weight" else t,
+        "holds a number that is not finite",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("case", list(WEIGHTS))
+def test_numbers_that_are_not_finite_end_in_one_sentence_and_leave_no_manifest(
+    case: str, command: str, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    from helpers import copy_model
+
+    change, expected = WEIGHTS[case]
+    model = copy_model(tiny_dirs["qwen2"], tmp_path / "model")
+    _set_weights(model, change)
+    if command == "run":
+        args, out = run_args("matched", tmp_path, model)
+        args += QUICK
+    else:
+        args, out = _check_args(tmp_path, model)
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+    assert result.stderr.splitlines()[-1].startswith("kvreplay: error: ")
+    assert expected in result.stderr.splitlines()[-1]
+    assert not (out / "manifest.json").exists() and not (out / "rows.jsonl").exists()

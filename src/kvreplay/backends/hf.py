@@ -28,10 +28,15 @@ class HfBackend(Backend):
 
     def check_loadable(self, spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
         """transformers must build the model from its config on the meta device with this
-        attention implementation, and its weights must fit the config."""
+        attention implementation, and its weights must fit the config and be finite."""
         from kvreplay.model.models import check_loadable
+        from kvreplay.model.sources import resolve_source
+        from kvreplay.model.weights import check_finite_weights
 
         check_loadable(spec, attn_implementation, trust_remote_code)
+        folder, gguf_file = resolve_source(spec, trust_remote_code)
+        if gguf_file is None:
+            check_finite_weights(folder, spec)
 
     def state_layout(
         self, spec: str, trust_remote_code: bool, tokens: int

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -257,6 +258,19 @@ def read_rows_at(
                 problems.append(f"{where}: field seq is {record.seq}, expected {number - 1}")
             prev = record.hash
             yield at, record
+
+
+def _not_finite(value: Any, path: str = "data") -> str | None:
+    """The first field of ``value`` holding NaN or an infinity, as a dotted path."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if not isinstance(value, dict | list):
+        return None
+    for key, child in value.items() if isinstance(value, dict) else enumerate(value):
+        found = _not_finite(child, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}")
+        if found:
+            return found
+    return None
 
 
 def _skip_line(handle: Any) -> int:
@@ -602,6 +616,14 @@ class RunLedger:
         self.records = records
         self._keys = {r.key for r in records}
 
+    def abandon(self) -> None:
+        """Remove the manifest and items a fresh run wrote before its first row, after
+        a refusal: nothing is left that looks like a run, and the folder is as reusable
+        as before (a run with rows keeps them all, and resumes)."""
+        if self.fresh and not self.records:
+            for name in (MANIFEST, ITEMS):
+                (self.run_dir / name).unlink(missing_ok=True)
+
     def is_done(self, key: str) -> bool:
         return key in self._keys
 
@@ -629,7 +651,13 @@ class RunLedger:
             contract=self.contract_hash,
             hash="",
         )
-        record.hash = record.expected_hash()
+        try:
+            record.hash = record.expected_hash()
+        except ValueError as exc:  # canonical JSON refuses NaN and infinities
+            raise KvreplayError(
+                f"Row {key} holds a number that is not finite (at {_not_finite(data)}): the "
+                "model's numbers overflowed at this precision, so the row is not recorded."
+            ) from exc
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             with os.fdopen(os.open(self.rows_path, flags, 0o666), "ab") as handle:

@@ -343,6 +343,9 @@ def run(
         ledger, scope = prepare(request)
         try:
             return _run_prepared(request, ledger, scope, quiet, session, stop)
+        except KvreplayError:
+            ledger.abandon()  # refused before its first row: nothing half-written is left
+            raise
         finally:
             ledger.close()
 
