@@ -648,3 +648,60 @@ def test_numbers_that_are_not_finite_end_in_one_sentence_and_leave_no_manifest(
     assert result.stderr.splitlines()[-1].startswith("kvreplay: error: ")
     assert expected in result.stderr.splitlines()[-1]
     assert not (out / "manifest.json").exists() and not (out / "rows.jsonl").exists()
+
+
+# Family 8: items cut-refeed writes that no run accepts.
+REFEED_SOURCES: dict[str, tuple[dict[str, Any], list[object], str]] = {
+    "id_outside_the_vocabulary": (
+        {"id": "a", "prompt": [5, 10**6], "answer": "1"}, [], "outside the model's vocabulary"
+    ),
+    "id_beyond_64_bits": (
+        {"id": "a", "prompt": [5, 2**70], "answer": "1"}, [], "outside the model's vocabulary"
+    ),
+    "id_of_64_digits": (
+        {"id": "a", "prompt": [5, 10**63], "answer": "1"}, [], "outside the model's vocabulary"
+    ),
+    "source_id_of_198_characters": (
+        {"id": "x" * 198, "prompt": "hello", "answer": "1"}, [], "characters long (at most 200)"
+    ),
+    "source_id_of_195_characters": (
+        {"id": "y" * 195, "prompt": "hello", "answer": "1"}, [], "characters long (at most 200)"
+    ),
+    "past_the_context_window": (
+        {"id": "a", "prompt": "hello", "answer": "1"}, ["--tokens", 4000],
+        "would run past the model's context window of",
+    ),
+    "a_long_prompt_past_the_context": (
+        {"id": "a", "prompt": [i % 300 for i in range(1000)], "answer": "1"}, ["--tokens", 100],
+        "would run past the model's context window of",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFEED_SOURCES))
+def test_cut_refeed_refuses_sources_whose_items_no_run_accepts(
+    case: str, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    source, extra, expected = REFEED_SOURCES[case]
+    items = tmp_path / "sources.jsonl"
+    items.write_text(json.dumps(source) + "\n")
+    out = tmp_path / "cut.jsonl"
+    result = invoke("items", "cut-refeed", "--model", tiny_dirs["qwen2"], "--from", items,
+                    "--sources", 1, "--cuts", 2, "--tokens", 8, *extra, "--out", out)  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert_one_sentence(result.stderr, expected)
+    assert not out.exists()
+
+
+def test_cut_refeed_items_are_items_a_run_accepts(
+    tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    items = tmp_path / "sources.jsonl"
+    items.write_text(json.dumps({"id": "z" * 190, "prompt": "hello", "answer": "1"}) + "\n")
+    out = tmp_path / "cut.jsonl"
+    made = invoke("items", "cut-refeed", "--model", tiny_dirs["qwen2"], "--from", items,
+                  "--sources", 1, "--cuts", 2, "--tokens", 8, "--out", out)  # fmt: skip
+    assert made.exit_code == 0, made.output
+    args, run = run_args("matched", tmp_path, tiny_dirs["qwen2"])
+    result = invoke(*args, "--items", out, "--dtypes", "fp32")
+    assert result.exit_code == 0, result.output

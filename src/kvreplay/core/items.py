@@ -256,7 +256,7 @@ MAX_ID_LENGTH = 200
 PREFIX_KEY = "prefix"
 
 
-def _id_problem(item_id: str) -> str | None:
+def id_problem(item_id: str) -> str | None:
     """Why an id cannot be a part of a row key ``{experiment}/{item}/{precision}``, or None."""
     if len(item_id) > MAX_ID_LENGTH:
         return f"is {len(item_id)} characters long (at most {MAX_ID_LENGTH})"
@@ -274,7 +274,7 @@ def _parse_item(data: Any, path: Path, line: int) -> Item:
         raise _fail(path, line, "each line must be a JSON object")
     if not isinstance(data.get("id"), str) or not data["id"]:
         raise _fail(path, line, "missing field 'id' (a non-empty string)")
-    problem = _id_problem(data["id"])
+    problem = id_problem(data["id"])
     if problem:
         raise _fail(path, line, f"the id {data['id'][:40]!r} {problem}")
     answer = data.get("answer")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.items import Item, encode_prompt, load_items
+from kvreplay.core.items import Item, encode_prompt, id_problem, load_items
 from kvreplay.core.outputs import Inputs, check_file_target
 
 # Bounds: a workload for a check, not a corpus.
@@ -84,20 +84,56 @@ def greedy_generation(lm: Any, prompt_ids: list[int], tokens: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt_ids) :]]
 
 
+def source_prompts(model: str, plan: RefeedPlan) -> list[tuple[Item, list[int]]]:
+    """The source items and their prompts' token ids, checked as a run checks its items
+    before any model work: every token id in the model's vocabulary, a generation that
+    fits the model's context window (prompt and ``--tokens``), and ids of the items cut
+    from it that a run accepts (``{id}-cut{N}``)."""
+    from kvreplay.model.models import load_tokenizer, text_config, vocabulary_size
+
+    sources = load_items(plan.items_source)[: plan.sources]
+    tokenizer = load_tokenizer(model)
+    config = text_config(model)
+    vocabulary = vocabulary_size(config, tokenizer)
+    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    found = []
+    for source in sources:
+        if source.prompt is None:
+            raise KvreplayError(f"Item {source.id} of {plan.items_source!r} has no prompt.")
+        prompt = encode_prompt(tokenizer, source.prompt)
+        outside = [t for t in prompt if t >= vocabulary]
+        if outside:
+            raise KvreplayError(
+                f"Item {source.id} has token id {str(outside[0])[:30]} in its prompt, outside "
+                f"the model's vocabulary of {vocabulary}."
+            )
+        if context and len(prompt) + plan.tokens > context:
+            raise KvreplayError(
+                f"Item {source.id}'s prompt is {len(prompt)} tokens, so a generation of "
+                f"--tokens {plan.tokens} would run past the model's context window of "
+                f"{context}; give --tokens of at most {context - len(prompt)}."
+            )
+        longest = f"{source.id}-cut{len(prompt) + plan.tokens}"
+        problem = id_problem(longest)
+        if problem:
+            raise KvreplayError(
+                f"Item {source.id[:40]!r} would give cut items ids such as "
+                f"{longest[:40]!r}..., which {problem}; give the source a shorter id."
+            )
+        found.append((source, prompt))
+    return found
+
+
 def refeed_items(model: str, plan: RefeedPlan, dtype: str = "fp32") -> list[Item]:
     """The cut-and-refeed items of ``plan`` on ``model`` (see the module docstring)."""
     from kvreplay.model.models import load_model
 
     plan.check()
-    sources = load_items(plan.items_source)[: plan.sources]
-    if any(item.prompt is None for item in sources):
-        raise KvreplayError(f"Items {plan.items_source!r} hold an item without a prompt.")
+    sources = source_prompts(model, plan)
     lm = load_model(model, dtype)
     rng = random.Random(plan.seed)
     items = []
-    for source in sources:
-        assert source.prompt is not None
-        prompt = encode_prompt(lm.tokenizer, source.prompt)
+    for source, prompt in sources:
         whole = prompt + greedy_generation(lm, prompt, plan.tokens)
         for cut in cut_points(rng, len(prompt), len(whole), plan.cuts):
             meta = {
