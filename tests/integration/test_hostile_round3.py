@@ -501,9 +501,11 @@ EXPECTATIONS: dict[str, list[list[str]]] = {
     "exact_then_bitwise": [[], ["--expect", "bitwise"]],
     "bitwise_then_exact": [["--expect", "bitwise"], []],
     "back_and_forth": [[], ["--expect", "bitwise"], [], ["--expect", "bitwise"]],
-    "max_divergent": [["--expect", "max-divergent", "--max-divergent", "0"],
-                      ["--expect", "bitwise"],
-                      ["--expect", "max-divergent", "--max-divergent", "5"]],  # fmt: skip
+    "max_divergent": [
+        ["--expect", "max-divergent", "--max-divergent", "0"],
+        ["--expect", "bitwise"],
+        ["--expect", "max-divergent", "--max-divergent", "5"],
+    ],  # fmt: skip
 }
 
 
