@@ -707,3 +707,49 @@ def test_cut_refeed_items_are_items_a_run_accepts(
     args, run = run_args("matched", tmp_path, tiny_dirs["qwen2"])
     result = invoke(*args, "--items", out, "--dtypes", "fp32")
     assert result.exit_code == 0, result.output
+
+
+# Family 5, continued: GGUF metadata that llama.cpp or transformers' conversion rejects.
+GGUF_FIELDS: dict[str, tuple[str, int, str]] = {
+    "heads_do_not_split_the_embedding": (
+        "llama.attention.head_count", 7, "gives an embedding of 576 for 7 attention heads"
+    ),
+    "embedding_not_split_by_heads": (
+        "llama.embedding_length", 577, "gives an embedding of 577 for 9 attention heads"
+    ),
+    "kv_heads_do_not_split_heads": (
+        "llama.attention.head_count_kv", 4, "gives 9 attention heads for 4 key/value heads"
+    ),
+    "bos_outside_the_tokens": ("tokenizer.ggml.bos_token_id", 60000, "bos_token_id 60000"),
+    "eos_outside_the_tokens": ("tokenizer.ggml.eos_token_id", 2**32 - 1, "eos_token_id 4294967295"),
+    "padding_outside_the_tokens": ("tokenizer.ggml.padding_token_id", 49152, "outside its 49152"),
+    "no_attention_heads": ("llama.attention.head_count", 0, "gives 0 attention heads"),
+}
+
+
+@pytest.mark.parametrize("backend", ["hf", "llamacpp"])
+@pytest.mark.parametrize("case", list(GGUF_FIELDS))
+def test_gguf_metadata_the_runtime_rejects_is_refused_in_one_sentence(
+    case: str, backend: str, tmp_path: Path
+) -> None:
+    import shutil
+
+    from gguf import GGUFReader
+
+    from kvreplay.backends.llamacpp import LlamaCppBackend
+    from kvreplay.model.embedded import EMBEDDED
+
+    if backend == "llamacpp" and not LlamaCppBackend().installed():
+        pytest.skip("llama.cpp is not built here (make setup-llamacpp)")
+    key, value, expected = GGUF_FIELDS[case]
+    model = tmp_path / "model.gguf"
+    shutil.copy(EMBEDDED["smollm2-135m"].part_paths()[0], model)
+    fields = GGUFReader(str(model), "r+").fields
+    fields[key].parts[fields[key].data[0]][0] = value  # in place: the file is mapped
+    del fields
+    out = tmp_path / "out"
+    result = invoke("run", "matched", "--backend", backend, "--model", model, "--n", 1,
+                    "--dtypes", "fp16" if backend == "llamacpp" else "fp32", "--plan", "short",
+                    "--out", out)  # fmt: skip
+    check(result, expected, out)
+    assert not (out / "manifest.json").exists()
