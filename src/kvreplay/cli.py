@@ -561,6 +561,14 @@ def items_group() -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the cut points.")
 @click.option(
+    "--plan",
+    "run_plan",
+    default="instruct",
+    show_default=True,
+    help="The stage plan of the runs that take the items: every cut leaves it room in the "
+    "model's context window.",
+)
+@click.option(
     "--out",
     type=UserPath(path_type=Path),
     required=True,
@@ -569,7 +577,7 @@ def items_group() -> None:
 @threads_option
 @plain_errors
 def cut_refeed_command(
-    model: str, dtype: str, items_source: str, out: Path, threads: int, **plan: int
+    model: str, dtype: str, items_source: str, out: Path, threads: int, **plan: Any
 ) -> None:
     """Long greedy generations cut at seeded random points, written as items whose prompts
     are the token ids up to each cut (docs/experiments/items-and-plans.md)."""

@@ -712,13 +712,19 @@ def test_cut_refeed_items_are_items_a_run_accepts(
 # Family 5, continued: GGUF metadata that llama.cpp or transformers' conversion rejects.
 GGUF_FIELDS: dict[str, tuple[str, int, str]] = {
     "heads_do_not_split_the_embedding": (
-        "llama.attention.head_count", 7, "gives an embedding of 576 for 7 attention heads"
+        "llama.attention.head_count",
+        7,
+        "gives an embedding of 576 for 7 attention heads",
     ),
     "embedding_not_split_by_heads": (
-        "llama.embedding_length", 577, "gives an embedding of 577 for 9 attention heads"
+        "llama.embedding_length",
+        577,
+        "gives an embedding of 577 for 9 attention heads",
     ),
     "kv_heads_do_not_split_heads": (
-        "llama.attention.head_count_kv", 4, "gives 9 attention heads for 4 key/value heads"
+        "llama.attention.head_count_kv",
+        4,
+        "gives 9 attention heads for 4 key/value heads",
     ),
     "bos_outside_the_tokens": ("tokenizer.ggml.bos_token_id", 60000, "bos_token_id 60000"),
     "eos_outside_the_tokens": ("tokenizer.ggml.eos_token_id", 2**32 - 1, "eos_token_id 4294967295"),
@@ -753,3 +759,24 @@ def test_gguf_metadata_the_runtime_rejects_is_refused_in_one_sentence(
                     "--out", out)  # fmt: skip
     check(result, expected, out)
     assert not (out / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("length", [990, 1000, 1014])
+def test_cut_refeed_items_leave_room_for_the_runs_plan(
+    length: int, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    """A prompt near the tiny model's 1,024-token window: every cut leaves the plan room,
+    or the source is refused when none can (before any generation)."""
+    items = tmp_path / "sources.jsonl"
+    items.write_text(json.dumps({"id": "n", "prompt": [7] * length, "answer": "1"}) + "\n")
+    out = tmp_path / "cut.jsonl"
+    made = invoke("items", "cut-refeed", "--model", tiny_dirs["qwen2"], "--from", items,
+                  "--sources", 1, "--cuts", 2, "--tokens", 8, "--plan", "short", "--out", out)  # fmt: skip
+    if made.exit_code == 2:
+        assert_one_sentence(made.stderr, "so no cut of its generation leaves room")
+        assert not out.exists()
+        return
+    assert made.exit_code == 0, made.output
+    args, _ = run_args("matched", tmp_path, tiny_dirs["qwen2"])
+    result = invoke(*args, "--items", out, "--dtypes", "fp32")
+    assert result.exit_code == 0, result.output

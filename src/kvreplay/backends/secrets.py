@@ -7,7 +7,8 @@ so every string kvreplay reads from an answer is checked against the key and aga
 other credentials this process holds (environment variables named like a key, token,
 secret or password), in the forms an echo takes: whole, cut to a piece, upper- or
 lower-cased, with characters put between (a normalisation to letters and digits), URL-,
-base64- or hex-encoded. A value that holds one is never printed or recorded.
+base64- or hex-encoded (any :data:`PIECE` characters of an encoding). A value that holds
+one is never printed or recorded.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ def _letters(text: str) -> str:
 
 
 def _encodings(secret: str) -> list[str]:
-    """The secret as URL, hex and base64 (each alignment, the stable middle) encode it."""
+    """The secret as URL, hex and base64 encode it; base64 at each of its three
+    alignments, less the characters that also encode what stands before or after it."""
     raw = secret.encode("utf-8")
     forms = [urllib.parse.quote(secret, safe=""), raw.hex()]
     for pad in range(3):
         for encode in (base64.b64encode, base64.urlsafe_b64encode):
-            encoded = encode(b"\0" * pad + raw + b"\0" * 2).decode("ascii")
-            forms.append(encoded[4:-4])  # the characters that depend on the secret alone
+            encoded = encode(b"\0" * pad + raw).decode("ascii")
+            forms.append(encoded[4 if pad else 0 : -4])
     return [form for form in forms if len(form) >= SHORTEST]
 
 
@@ -56,7 +58,7 @@ class Secrets:
 
     plain: tuple[str, ...] = ()  # each secret as given (replaced in an error's text)
     pieces: frozenset[str] = frozenset()  # normalised pieces (see :func:`_letters`)
-    encoded: tuple[str, ...] = ()  # lower-cased encodings
+    encoded: frozenset[str] = frozenset()  # pieces of its lower-cased encodings
 
     @classmethod
     def of(cls, api_key: str | None) -> Secrets:
@@ -69,7 +71,9 @@ class Secrets:
         ]
         values = sorted(set(values), key=len, reverse=True)
         pieces = frozenset(p for value in values for p in _pieces(_letters(value)))
-        encoded = tuple(e.lower() for value in values for e in _encodings(value))
+        encoded = frozenset(
+            p for value in values for form in _encodings(value) for p in _pieces(form.lower())
+        )
         return cls(tuple(values), pieces, encoded)
 
     def holds(self, text: str) -> bool:
@@ -80,7 +84,7 @@ class Secrets:
         if any(piece in letters for piece in self.pieces if len(piece) <= len(letters)):
             return True
         lowered = text.lower()
-        return any(form in lowered for form in self.encoded)
+        return any(piece in lowered for piece in self.encoded)
 
     def redact(self, text: str) -> str:
         """``text`` with each secret replaced by ``[redacted]``; withheld whole when a

@@ -20,6 +20,7 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, id_problem, load_items
 from kvreplay.core.outputs import Inputs, check_file_target
+from kvreplay.core.stages import load_plan, plan_budget
 
 # Bounds: a workload for a check, not a corpus.
 MAX_SOURCES = 64
@@ -31,13 +32,15 @@ MAX_TOKENS = 4096
 class RefeedPlan:
     """Which generations and cuts: ``sources`` items of ``items_source`` (their first),
     each continued greedily for up to ``tokens`` tokens, cut at ``cuts`` distinct seeded
-    points inside its generation."""
+    points inside its generation, each leaving the model's context window room for the
+    stage plan ``run_plan`` of the runs that take the items."""
 
     sources: int = 4
     cuts: int = 6
     tokens: int = 256
     seed: int = 0
     items_source: str = "arith"
+    run_plan: str = "instruct"
 
     def check(self) -> None:
         for name, value, most in (
@@ -54,10 +57,12 @@ class RefeedPlan:
             )
 
 
-def cut_points(rng: random.Random, prompt_len: int, total: int, cuts: int) -> list[int]:
+def cut_points(
+    rng: random.Random, prompt_len: int, total: int, cuts: int, longest: int
+) -> list[int]:
     """Distinct cut points, ascending, each leaving at least one generated token before
-    it and one after it (so every item starts mid-generation)."""
-    inside = range(prompt_len + 1, total)
+    it and one after it (so every item starts mid-generation), none past ``longest``."""
+    inside = range(prompt_len + 1, min(total, longest + 1))
     return sorted(rng.sample(inside, min(cuts, len(inside))))
 
 
@@ -84,11 +89,12 @@ def greedy_generation(lm: Any, prompt_ids: list[int], tokens: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt_ids) :]]
 
 
-def source_prompts(model: str, plan: RefeedPlan) -> list[tuple[Item, list[int]]]:
+def source_prompts(model: str, plan: RefeedPlan) -> tuple[list[tuple[Item, list[int]]], int]:
     """The source items and their prompts' token ids, checked as a run checks its items
     before any model work: every token id in the model's vocabulary, a generation that
-    fits the model's context window (prompt and ``--tokens``), and ids of the items cut
-    from it that a run accepts (``{id}-cut{N}``)."""
+    fits the model's context window (prompt and ``--tokens``), room in it for a cut and
+    the run's plan, and ids of the items cut from it that a run accepts
+    (``{id}-cut{N}``); and the longest cut a run with the plan takes."""
     from kvreplay.model.models import load_tokenizer, text_config, vocabulary_size
 
     sources = load_items(plan.items_source)[: plan.sources]
@@ -96,6 +102,8 @@ def source_prompts(model: str, plan: RefeedPlan) -> list[tuple[Item, list[int]]]
     config = text_config(model)
     vocabulary = vocabulary_size(config, tokenizer)
     context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    budget = plan_budget(load_plan(plan.run_plan), tokenizer)
+    longest = context - budget if context else 2**63  # no window known: no bound
     found = []
     for source in sources:
         if source.prompt is None:
@@ -113,15 +121,21 @@ def source_prompts(model: str, plan: RefeedPlan) -> list[tuple[Item, list[int]]]
                 f"--tokens {plan.tokens} would run past the model's context window of "
                 f"{context}; give --tokens of at most {context - len(prompt)}."
             )
-        longest = f"{source.id}-cut{len(prompt) + plan.tokens}"
-        problem = id_problem(longest)
+        if context and len(prompt) + 1 > longest:
+            raise KvreplayError(
+                f"Item {source.id}'s prompt is {len(prompt)} tokens and --plan "
+                f"{plan.run_plan} adds up to {budget}, so no cut of its generation leaves "
+                f"room in the model's context window of {context}."
+            )
+        last_id = f"{source.id}-cut{len(prompt) + plan.tokens}"
+        problem = id_problem(last_id)
         if problem:
             raise KvreplayError(
                 f"Item {source.id[:40]!r} would give cut items ids such as "
-                f"{longest[:40]!r}..., which {problem}; give the source a shorter id."
+                f"{last_id[:40]!r}..., which {problem}; give the source a shorter id."
             )
         found.append((source, prompt))
-    return found
+    return found, longest
 
 
 def refeed_items(model: str, plan: RefeedPlan, dtype: str = "fp32") -> list[Item]:
@@ -129,13 +143,13 @@ def refeed_items(model: str, plan: RefeedPlan, dtype: str = "fp32") -> list[Item
     from kvreplay.model.models import load_model
 
     plan.check()
-    sources = source_prompts(model, plan)
+    sources, longest = source_prompts(model, plan)
     lm = load_model(model, dtype)
     rng = random.Random(plan.seed)
     items = []
     for source, prompt in sources:
         whole = prompt + greedy_generation(lm, prompt, plan.tokens)
-        for cut in cut_points(rng, len(prompt), len(whole), plan.cuts):
+        for cut in cut_points(rng, len(prompt), len(whole), plan.cuts, longest):
             meta = {
                 "set": "cut-refeed", "source": source.id, "cut": cut,
                 "generated": len(whole) - len(prompt), "prompt_tokens": len(prompt),

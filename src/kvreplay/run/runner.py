@@ -27,10 +27,9 @@ from kvreplay.core.items import (
     items_digest,
     load_items,
 )
-from kvreplay.core.jsonio import read_json
 from kvreplay.core.paths import check_name, read_regular
 from kvreplay.core.scoring import get_extractor
-from kvreplay.core.stages import StagePlan, get_plan, opener_ids
+from kvreplay.core.stages import StagePlan, load_plan, opener_ids, plan_budget
 from kvreplay.engines import EngineSession, check_engine, make_engine
 from kvreplay.experiments import get_experiment
 from kvreplay.experiments.scope import Scope, SourceRun
@@ -82,23 +81,12 @@ class RunRequest(RunSettings):
         object.__setattr__(self, "model", canonical_spec(self.model))
 
 
-def _plan(request: RunRequest) -> StagePlan:
-    path = Path(request.plan)
-    if path.suffix == ".json":
-        data = read_json(path, f"the stage plan file {path}")
-        try:
-            return StagePlan.from_dict(data)
-        except KvreplayError as exc:
-            raise KvreplayError(f"The stage plan file {path} is not a valid plan: {exc}") from exc
-    return get_plan(request.plan)
-
-
 def _check_prompts(
     request: RunRequest, plan: StagePlan, items: list[Item], info: dict[str, Any], tokenizer: Any
 ) -> None:
     """Prompts over the context window, token ids outside the vocabulary (a trace's, or
     any the tokenizer can produce) and empty openers are refused before model work."""
-    budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
+    budget = plan_budget(plan, tokenizer)
     config = text_config(request.model, request.trust_remote_code)
     vocabulary = vocabulary_size(config, tokenizer)
     largest = max(max(tokenizer.get_vocab().values()), *tokenizer.all_special_ids)
@@ -228,7 +216,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
             f"The {request.backend.name} backend's workers would share one server and reset "
             "each other's prefix cache; run it with --workers 1."
         )
-    plan = _plan(request)
+    plan = load_plan(request.plan)
     get_extractor(request.extractor)
     experiment = get_experiment(request.experiment, request.backend)
     request.backend.check_installed()  # before anything imports the backend's libraries

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvreplay.experiments.registry import declared
 from kvreplay.experiments.table import SCHEMA_VERSION
+from kvreplay.experiments.tables import recorded_table
 from kvreplay.run.ledger import EXPERIMENT_ENTRY
 
 
@@ -30,8 +31,8 @@ def _kinds(kinds: type | tuple[type, ...]) -> str:
 def experiment_block_problems(manifest: dict[str, Any]) -> list[str]:
     """Each experiment's entry: only the fields a run writes, each of its type, and a
     config holding only its experiment's declared keys (and the table's schema version),
-    each of its declared type. An experiment this kvreplay does not know is named
-    elsewhere (its CSV cannot be derived)."""
+    each of its declared type, and a schema version its CSV's table has. An experiment
+    this kvreplay does not know is named elsewhere (its CSV cannot be derived)."""
     problems = []
     experiments = declared()
     for name, entry in manifest["experiments"].items():
@@ -50,4 +51,11 @@ def experiment_block_problems(manifest: dict[str, Any]) -> list[str]:
                 problems.append(f"{where}.config.{key} is not one {name} records")
             elif not _typed(value, schema[key]):
                 problems.append(f"{where}.config.{key} is not {_kinds(schema[key])}")
+        version = entry["config"].get(SCHEMA_VERSION, 1)
+        table = recorded_table(name, manifest)
+        if table is not None and _typed(version, int) and not 1 <= version <= table.version:
+            problems.append(
+                f"{where}.config.{SCHEMA_VERSION} is {version}, not a version of its CSV's "
+                f"schema (1 to {table.version})"
+            )
     return problems
