@@ -123,8 +123,18 @@ ECHOES: dict[str, Callable[[str], str]] = {
     "zero_width": lambda h: "\u200b".join(h.removeprefix("Bearer ")),
     "in_json": lambda h: json.dumps({"authorization": h}),
 }
-VLLM_FIELDS = ("version", "model", "dtype", "cache_dtype", "seed", "mode", "cudagraph_mode",
-               "enable_prefix_caching", "enable_chunked_prefill", "tensor_parallel_size")  # fmt: skip
+VLLM_FIELDS = (
+    "version",
+    "model",
+    "dtype",
+    "cache_dtype",
+    "seed",
+    "mode",
+    "cudagraph_mode",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "tensor_parallel_size",
+)
 LLAMA_FIELDS = ("build_info", "model_path", "model_ftype")
 
 
@@ -143,10 +153,12 @@ def _vllm_answers(field: str, said: str) -> dict[str, Any]:
         "/version": {"version": said if field == "version" else "0.32.0"},
         "/v1/models": {"data": [{"id": said if field == "model" else "m", "max_model_len": 1024}]},
         "/server_info": {"vllm_config": config},
-        "/v1/completions": {"choices": [{"token_ids": [1]}],
-                            "usage": {"prompt_tokens_details": {"cached_tokens": 0}}},
+        "/v1/completions": {
+            "choices": [{"token_ids": [1]}],
+            "usage": {"prompt_tokens_details": {"cached_tokens": 0}},
+        },
         "/tokenize": {"tokens": [1]},
-    }  # fmt: skip
+    }
 
 
 def _echo_server(dialect: str, field: str, echo: Callable[[str], str]) -> Callable[[Sent], Reply]:
@@ -154,11 +166,19 @@ def _echo_server(dialect: str, field: str, echo: Callable[[str], str]) -> Callab
         said = echo(sent.headers.get("Authorization", "Bearer none"))
         path = sent.path.split("?")[0]
         if dialect == "llamacpp":
-            props = {"build_info": "b1", "model_path": "/m/x.gguf", "total_slots": 4,
-                     "model_ftype": "F16", "default_generation_settings": {"n_ctx": 8192}}
+            props = {
+                "build_info": "b1",
+                "model_path": "/m/x.gguf",
+                "total_slots": 4,
+                "model_ftype": "F16",
+                "default_generation_settings": {"n_ctx": 8192},
+            }
             props[field] = f"/m/{said}.gguf" if field == "model_path" else said
-            answers = {"/props": props, "/completion": {"timings": {"cache_n": 0}},
-                       "/tokenize": {"tokens": [1]}}  # fmt: skip
+            answers = {
+                "/props": props,
+                "/completion": {"timings": {"cache_n": 0}},
+                "/tokenize": {"tokens": [1]},
+            }
         else:
             answers = _vllm_answers(field, said)
         if path == "/reset_prefix_cache":
@@ -175,8 +195,17 @@ def secrets_family(tiny: TinyVllm, model: Path, scratch: Path) -> Family:
     cases = [("vllm", f) for f in VLLM_FIELDS] + [("llamacpp", f) for f in LLAMA_FIELDS]
     for (dialect, field), (name, echo) in itertools.product(cases, ECHOES.items()):
         with Loopback(_echo_server(dialect, field, echo)) as server:
-            result = timed("probe", "--url", server.url, "--server", dialect,
-                           "--api-key-env", KEY_ENV, "--timeout", 5)  # fmt: skip
+            result = timed(
+                "probe",
+                "--url",
+                server.url,
+                "--server",
+                dialect,
+                "--api-key-env",
+                KEY_ENV,
+                "--timeout",
+                5,
+            )
         problem = "shows the key" if shows(result.output, forms) else None
         if problem is None and result.exit_code not in (0, 2):
             problem = refusal(result)
@@ -185,11 +214,26 @@ def secrets_family(tiny: TinyVllm, model: Path, scratch: Path) -> Family:
         tiny.tamper, tiny.completions = None, 0
         tiny.hostile("/version", lambda _, a, e=echo: {"version": e(f"Bearer {SECRET}")}, -1)
         args, out = run_args("matched", made(scratch / f"run-{name}"), model)
-        result = timed(*args, "--backend", "http", "--url", tiny.url, "--dtypes", "fp32",
-                       "--companions", "0", "--api-key-env", KEY_ENV)  # fmt: skip
-        written = [p for p in out.rglob("*") if p.is_file() and shows(p.read_text("latin-1"), forms)]
+        result = timed(
+            *args,
+            "--backend",
+            "http",
+            "--url",
+            tiny.url,
+            "--dtypes",
+            "fp32",
+            "--companions",
+            "0",
+            "--api-key-env",
+            KEY_ENV,
+        )
+        written = [
+            p for p in out.rglob("*") if p.is_file() and shows(p.read_text("latin-1"), forms)
+        ]
         problem = "shows the key" if shows(result.output, forms) else refusal(result)
-        family.record(f"run, version {name}", problem or (f"wrote {written[0].name}" if written else None))
+        family.record(
+            f"run, version {name}", problem or (f"wrote {written[0].name}" if written else None)
+        )
     tiny.tamper = None
     del os.environ[KEY_ENV]
     token = "hf_probeTOKEN0123456789"
@@ -198,7 +242,9 @@ def secrets_family(tiny: TinyVllm, model: Path, scratch: Path) -> Family:
         with Loopback(_echo_server("vllm", field, lambda h: f"x-{token}")) as server:
             result = timed("probe", "--url", server.url, "--timeout", 5)
         problem = "shows HF_TOKEN" if shows(result.output, secret_forms(token)) else None
-        family.record(f"HF_TOKEN in {field}", problem or (refusal(result) if result.exit_code else None))
+        family.record(
+            f"HF_TOKEN in {field}", problem or (refusal(result) if result.exit_code else None)
+        )
     del os.environ["HF_TOKEN"]
     return family
 
@@ -245,10 +291,15 @@ def _venv(folder: Path, marker: Path, parts: tuple[str, ...]) -> Path:
 
 
 SHIPPED: dict[str, tuple[str, ...]] = {
-    "venv_pth_pip": ("cfg", "pth", "pip"), "venv_pth": ("cfg", "pth"), "cfg_only": ("cfg",),
-    "pth_no_cfg": ("pth",), "pip_only": ("pip",), "top_pth": ("top_pth",),
-    "hidden_file": ("hidden",), "empty_subfolder": ("subdir",),
-}  # fmt: skip
+    "venv_pth_pip": ("cfg", "pth", "pip"),
+    "venv_pth": ("cfg", "pth"),
+    "cfg_only": ("cfg",),
+    "pth_no_cfg": ("pth",),
+    "pip_only": ("pip",),
+    "top_pth": ("top_pth",),
+    "hidden_file": ("hidden",),
+    "empty_subfolder": ("subdir",),
+}
 
 
 def shipped_env_family(run: Path, scratch: Path) -> Family:
@@ -259,16 +310,23 @@ def shipped_env_family(run: Path, scratch: Path) -> Family:
     targets: list[tuple[str, Callable[[Path], str]]] = []
     for name, parts in SHIPPED.items():
         targets.append((name, lambda base, p=parts: str(_venv(base / "v", marker, p))))
-        targets.append((f"{name} default name", lambda base, p=parts: str(
-            _venv(base / default, marker, p).relative_to(base))))  # fmt: skip
+        targets.append(
+            (
+                f"{name} default name",
+                lambda base, p=parts: str(_venv(base / default, marker, p).relative_to(base)),
+            )
+        )
     links: dict[str, Callable[[Path], str]] = {
         "link_to_venv": lambda base: _link(base / "v", _venv(base / "t", marker, ("cfg", "pth"))),
         "link_to_empty": lambda base: _link(base / "v", made(base / "t")),
         "dangling_link": lambda base: _link(base / "v", base / "nowhere"),
         "trailing_slash": lambda base: str(_venv(base / "v", marker, ("cfg", "pth"))) + "/",
         "dot_dot": lambda base: str(_venv(base / "v", marker, ("cfg",))) + "/../v",
-        "linked_parent": lambda base: _link(base / "p", made(base / "real")) + "/v"
-        if _venv(base / "real" / "v", marker, ("cfg", "pth")) else "",
+        "linked_parent": lambda base: (
+            _link(base / "p", made(base / "real")) + "/v"
+            if _venv(base / "real" / "v", marker, ("cfg", "pth"))
+            else ""
+        ),
     }
     targets += list(links.items())
     for index, (name, make) in enumerate(targets):
@@ -283,12 +341,17 @@ def shipped_env_family(run: Path, scratch: Path) -> Family:
         if marker.exists():
             problem, _ = "the shipped .pth ran", marker.unlink()
         family.record(name, problem)
-    for name, make in {"new": lambda b: str(b / "fresh"), "empty": lambda b: str(made(b / "e"))}.items():
+    for name, make in {
+        "new": lambda b: str(b / "fresh"),
+        "empty": lambda b: str(made(b / "e")),
+    }.items():
         base = made(scratch / f"honest-{name}")
         target = make(base)
         with recorded_commands() as ran:
             timed("env", run, "--venv", target)
-        creates = ran[:1] and ran[0][1:3] == ["-m", "venv"] and ran[0][3] == str(Path(target).absolute())
+        creates = (
+            ran[:1] and ran[0][1:3] == ["-m", "venv"] and ran[0][3] == str(Path(target).absolute())
+        )
         family.record(f"honest {name} folder", None if creates else f"ran {ran[:1]}")
     return family
 
@@ -300,27 +363,53 @@ def _link(path: Path, target: Path) -> str:
 
 # Family: "exact pins" that are not ASCII.
 DIGITS = {  # each set's zero (its digits follow it)
-    "full_width": 0xFF10, "arabic_indic": 0x0660, "extended_arabic_indic": 0x06F0,
-    "devanagari": 0x0966, "bengali": 0x09E6, "gurmukhi": 0x0A66, "thai": 0x0E50,
-    "tibetan": 0x0F20, "myanmar": 0x1040, "nko": 0x07C0, "math_bold": 0x1D7CE,
-    "math_double_struck": 0x1D7D8, "superscript": None, "circled": None,
-}  # fmt: skip
+    "full_width": 0xFF10,
+    "arabic_indic": 0x0660,
+    "extended_arabic_indic": 0x06F0,
+    "devanagari": 0x0966,
+    "bengali": 0x09E6,
+    "gurmukhi": 0x0A66,
+    "thai": 0x0E50,
+    "tibetan": 0x0F20,
+    "myanmar": 0x1040,
+    "nko": 0x07C0,
+    "math_bold": 0x1D7CE,
+    "math_double_struck": 0x1D7D8,
+    "superscript": None,
+    "circled": None,
+}
 SPECIAL_DIGITS = {"superscript": "\u2070\u00b9\u00b2", "circled": "\u24ea\u2460\u2461"}
 POSITIONS = {
-    "release_major": "{2}.0.1", "release_minor": "2.{0}.1", "epoch": "{1}!2.0",
-    "pre_release": "2.0rc{1}", "post_release": "2.0.post{1}", "dev_release": "2.0.dev{1}",
+    "release_major": "{2}.0.1",
+    "release_minor": "2.{0}.1",
+    "epoch": "{1}!2.0",
+    "pre_release": "2.0rc{1}",
+    "post_release": "2.0.post{1}",
+    "dev_release": "2.0.dev{1}",
     "local_label": "2.0+cpu{1}",
-}  # fmt: skip
+}
 LETTERS = {
-    "kelvin_local": "2.0+\u212a1", "long_s_post": "2.0.po\u017ft1", "dotless_i": "2.0b\u0131",
-    "dotted_capital_i_local": "2.0+\u0130", "full_width_rc": "2.0\uff52\uff43\uff11",
-    "ligature_fi_local": "2.0+\ufb01", "cyrillic_a_alpha": "2.0\u0430lpha1",
+    "kelvin_local": "2.0+\u212a1",
+    "long_s_post": "2.0.po\u017ft1",
+    "dotless_i": "2.0b\u0131",
+    "dotted_capital_i_local": "2.0+\u0130",
+    "full_width_rc": "2.0\uff52\uff43\uff11",
+    "ligature_fi_local": "2.0+\ufb01",
+    "cyrillic_a_alpha": "2.0\u0430lpha1",
     "greek_rho_rc": "2.0\u03c1c1",
-}  # fmt: skip
-HONEST = {"upper_rc": "2.0RC1", "upper_post": "2.0.POST1", "upper_local": "2.0+CPU",
-          "plain": "2.0.1"}  # fmt: skip
-NAMES = {"cyrillic_u": "nump\u0443", "full_width_name": "\uff4e\uff55\uff4d\uff50\uff59",
-         "kelvin_name": "\u212aeras", "arabic_digit_name": "py\u0663"}  # fmt: skip
+}
+HONEST = {
+    "upper_rc": "2.0RC1",
+    "upper_post": "2.0.POST1",
+    "upper_local": "2.0+CPU",
+    "plain": "2.0.1",
+}
+NAMES = {
+    "cyrillic_u": "nump\u0443",
+    "full_width_name": "\uff4e\uff55\uff4d\uff50\uff59",
+    "kelvin_name": "\u212aeras",
+    "arabic_digit_name": "py\u0663",
+}
 
 
 def _digit(kind: str, value: int) -> str:
@@ -331,8 +420,11 @@ def _digit(kind: str, value: int) -> str:
 def pins_family(run: Path, scratch: Path) -> Family:
     family = Family("env: pins not ASCII")
     original = (run / "manifest.json").read_text()
-    cases = {f"{kind} {where}": (("numpy", template.format(*(_digit(kind, i) for i in range(3)))))
-             for kind in DIGITS for where, template in POSITIONS.items()}  # fmt: skip
+    cases = {
+        f"{kind} {where}": (("numpy", template.format(*(_digit(kind, i) for i in range(3)))))
+        for kind in DIGITS
+        for where, template in POSITIONS.items()
+    }
     cases |= {name: ("numpy", version) for name, version in LETTERS.items()}
     cases |= {name: (bad, "2.0") for name, bad in NAMES.items()}
     os.chdir(made(scratch))
@@ -363,13 +455,34 @@ def outputs_family(model: Path, scratch: Path) -> Family:
     items = scratch / "items.jsonl"
     items.write_text("".join(json.dumps(i) + "\n" for i in GOOD))
     plan = scratch / "plan.json"
-    plan.write_text(json.dumps({"stages": [{"name": "think", "max_new_tokens": 6},
-                                           {"name": "answer", "max_new_tokens": 3}]}))  # fmt: skip
+    plan.write_text(
+        json.dumps(
+            {
+                "stages": [
+                    {"name": "think", "max_new_tokens": 6},
+                    {"name": "answer", "max_new_tokens": 3},
+                ]
+            }
+        )
+    )
     own = scratch / "model"
     shutil.copytree(model, own)
     out = scratch / "check"
-    base = ["check", "--model", own, "--items", items, "--plan", plan, "--dtypes", "fp32",
-            "--n", 1, "--out", out]  # fmt: skip
+    base = [
+        "check",
+        "--model",
+        own,
+        "--items",
+        items,
+        "--plan",
+        plan,
+        "--dtypes",
+        "fp32",
+        "--n",
+        1,
+        "--out",
+        out,
+    ]
     assert timed(*base).exit_code in (0, 1)
     protected = (out, items, plan, own)
     links = made(scratch / "links")
@@ -384,8 +497,13 @@ def outputs_family(model: Path, scratch: Path) -> Family:
         before = digests(*keep)
         family.record(label, refused(timed(*args), before))
 
-    run_files = ["manifest.json", "rows.jsonl", "items.jsonl", "matched_live_prefill.csv",
-                 ".kvreplay.lock"]  # fmt: skip
+    run_files = [
+        "manifest.json",
+        "rows.jsonl",
+        "items.jsonl",
+        "matched_live_prefill.csv",
+        ".kvreplay.lock",
+    ]
     model_files = sorted(p.name for p in own.iterdir() if p.is_file())
     for flag in ("--json", "--junit"):
         for name, how in itertools.product(run_files, ("hard link", "symlink")):
@@ -395,16 +513,29 @@ def outputs_family(model: Path, scratch: Path) -> Family:
             case(f"{flag} hard link of {target.name}", [*base, flag, alias(target, "hard link")])
         case(f"{flag} new file in the model folder", [*base, flag, own / "verdict.json"])
         case(f"{flag} new file in the run folder", [*base, flag, out / "verdict.json"])
-    for flag, where in itertools.product(("--json", "--junit", "--repro"), (
-            "/proc/kv-out", "/proc/self/kv-out", "/proc/sys/vm/kv-out", "/sys/kv-out",
-            "/sys/kernel/kv-out", "/dev/kv-out", "/dev/shm/kv-out")):  # fmt: skip
+    for flag, where in itertools.product(
+        ("--json", "--junit", "--repro"),
+        (
+            "/proc/kv-out",
+            "/proc/self/kv-out",
+            "/proc/sys/vm/kv-out",
+            "/sys/kv-out",
+            "/sys/kernel/kv-out",
+            "/dev/kv-out",
+            "/dev/shm/kv-out",
+        ),
+    ):
         case(f"{flag} {where}", [*base, flag, where])
     for flag, where in (("--json", "/proc/self/comm"), ("--junit", "/dev/null")):
         case(f"{flag} {where}", [*base, flag, where])
-    for label, repro in {"the run folder": out, "inside the run": out / "r",
-                         "the model folder": own, "inside the model": own / "r",
-                         "a link to the run": Path(alias(out, "symlink")),
-                         "a link to the model": Path(alias(own, "symlink"))}.items():  # fmt: skip
+    for label, repro in {
+        "the run folder": out,
+        "inside the run": out / "r",
+        "the model folder": own,
+        "inside the model": own / "r",
+        "a link to the run": Path(alias(out, "symlink")),
+        "a link to the model": Path(alias(own, "symlink")),
+    }.items():
         case(f"--repro {label}", [*base, "--repro", repro])
     for shape in ("item", "pack", "both"):
         repro = made(scratch / f"repro-{shape}")
@@ -415,8 +546,10 @@ def outputs_family(model: Path, scratch: Path) -> Family:
         before = digests(*kept)  # a bitwise check notes its stop there
         result = timed(*base, "--expect", "bitwise", "--repro", repro)
         problem = None if digests(*kept) == before else "wrote through the repro folder"
-        family.record(f"existing repro folder linking {shape}", problem or (
-            refusal(result) if result.exit_code not in (0, 1) else None))  # fmt: skip
+        family.record(
+            f"existing repro folder linking {shape}",
+            problem or (refusal(result) if result.exit_code not in (0, 1) else None),
+        )
     assert timed("analyze", out).exit_code == 0
     for name in ("manifest.json", "rows.jsonl", "items.jsonl", "matched_live_prefill.csv"):
         for how in ("by name", "hard link", "symlink"):
@@ -437,26 +570,55 @@ def outputs_family(model: Path, scratch: Path) -> Family:
         before = digests(victim, *(p for p in scratch.iterdir() if p.suffix == ".png"))
         result = timed("report", folder)
         changed = digests(*before) != before or list(scratch.glob("*.png"))
-        family.record(f"report with a planted {planted} link",
-                      "wrote through it" if changed else (refusal(result) if result.exit_code not in (0, 2) else None))  # fmt: skip
-    for planted in (".write-probe", "manifest.json.tmp", "items.jsonl.tmp",
-                    "matched_live_prefill.csv", "matched_live_prefill.csv.tmp"):  # fmt: skip
+        family.record(
+            f"report with a planted {planted} link",
+            "wrote through it"
+            if changed
+            else (refusal(result) if result.exit_code not in (0, 2) else None),
+        )
+    for planted in (
+        ".write-probe",
+        "manifest.json.tmp",
+        "items.jsonl.tmp",
+        "matched_live_prefill.csv",
+        "matched_live_prefill.csv.tmp",
+    ):
         args, run = run_args("matched", made(scratch / f"plant{next(counter)}"), model)
         made(run)
         os.symlink(victim, run / planted)
         result = timed(*args, "--n", 1, "--dtypes", "fp32")
         changed = victim.read_text() != "keep\n"
-        family.record(f"run folder with a planted {planted} link",
-                      "wrote through it" if changed else (refusal(result) if result.exit_code else None))  # fmt: skip
+        family.record(
+            f"run folder with a planted {planted} link",
+            "wrote through it" if changed else (refusal(result) if result.exit_code else None),
+        )
     args, run = run_args("matched", made(scratch / "rows-link"), model)
     assert timed(*args, "--n", 1, "--dtypes", "fp32").exit_code == 0
     (run / "rows.jsonl").rename(scratch / "rows-elsewhere.jsonl")
     os.symlink(scratch / "rows-elsewhere.jsonl", run / "rows.jsonl")
-    case("resume through a rows.jsonl link", [*args, "--n", 2, "--dtypes", "fp32"],
-         (scratch / "rows-elsewhere.jsonl",))  # fmt: skip
+    case(
+        "resume through a rows.jsonl link",
+        [*args, "--n", 2, "--dtypes", "fp32"],
+        (scratch / "rows-elsewhere.jsonl",),
+    )
     for where in ("/proc/kv.jsonl", "/sys/kv.jsonl", "/dev/kv.jsonl", str(own / "cut.jsonl")):
-        case(f"cut-refeed --out {where}", ["items", "cut-refeed", "--model", own, "--sources", 1,
-                                           "--cuts", 2, "--tokens", 8, "--out", where])  # fmt: skip
+        case(
+            f"cut-refeed --out {where}",
+            [
+                "items",
+                "cut-refeed",
+                "--model",
+                own,
+                "--sources",
+                1,
+                "--cuts",
+                2,
+                "--tokens",
+                8,
+                "--out",
+                where,
+            ],
+        )
     return family
 
 
@@ -492,8 +654,21 @@ def _write_run_file(run: Path, name: str, shape: str) -> None:
         path.write_bytes(data + b'{"seq": 9')
 
 
-SHAPES = ("fifo", "dev_zero", "folder", "dangling_link", "empty", "line_of_100_mb", "cr_only",
-          "nul_bytes", "not_utf8", "json_array", "deep", "torn", "missing")  # fmt: skip
+SHAPES = (
+    "fifo",
+    "dev_zero",
+    "folder",
+    "dangling_link",
+    "empty",
+    "line_of_100_mb",
+    "cr_only",
+    "nul_bytes",
+    "not_utf8",
+    "json_array",
+    "deep",
+    "torn",
+    "missing",
+)
 
 
 def _clean_end(result: Result) -> str | None:
@@ -517,8 +692,13 @@ def tracebacks_family(run: Path, model: Path, scratch: Path) -> Family:
         return target
 
     assert timed("analyze", run).exit_code == 0 and timed("report", run).exit_code == 0
-    files = ("rows.jsonl", "matched_live_prefill.csv", "items.jsonl", "manifest.json",
-             "claims.json")  # fmt: skip
+    files = (
+        "rows.jsonl",
+        "matched_live_prefill.csv",
+        "items.jsonl",
+        "manifest.json",
+        "claims.json",
+    )
     for name, shape in itertools.product(files, SHAPES):
         folder = copy()
         _write_run_file(folder, name, shape)
@@ -532,22 +712,36 @@ def tracebacks_family(run: Path, model: Path, scratch: Path) -> Family:
     manifest = json.loads((run / "manifest.json").read_text())
     from kvreplay.core.canonical import sha256_json
 
-    for key, value in itertools.product(("item_ids", "dtypes", "fragile", "schema_version",
-                                         "n"), WRONG):  # fmt: skip
+    for key, value in itertools.product(
+        ("item_ids", "dtypes", "fragile", "schema_version", "n"), WRONG
+    ):
         folder = copy()
         data = json.loads(json.dumps(manifest))
         block = data["experiments"]["matched"]
         block["config"][key] = value if value == value and value not in (float("inf"),) else None
         block["config_sha256"] = sha256_json(block["config"])
         (folder / "manifest.json").write_text(json.dumps(data, indent=2))
-        family.record(f"config.{key}={_wrong(value)} audit",
-                      named(timed("audit", folder, "--sample", 0), "experiments.matched"))  # fmt: skip
+        family.record(
+            f"config.{key}={_wrong(value)} audit",
+            named(timed("audit", folder, "--sample", 0), "experiments.matched"),
+        )
     from forgery import read_rows, rechain
 
     rows = read_rows(run)
-    fields = [("arms",), ("arms", "left"), ("arms", "prefill"), ("status",), ("item_id",),
-              ("precision",), ("prefix_token_ids",), ("inputs",), ("replicas",), ("labels",),
-              ("comparison",), ("prefix_token_count",)]  # fmt: skip
+    fields = [
+        ("arms",),
+        ("arms", "left"),
+        ("arms", "prefill"),
+        ("status",),
+        ("item_id",),
+        ("precision",),
+        ("prefix_token_ids",),
+        ("inputs",),
+        ("replicas",),
+        ("labels",),
+        ("comparison",),
+        ("prefix_token_count",),
+    ]
     for path, value in itertools.product(fields, ("x", 7, [], {}, None, [1, "a"])):
         folder = copy()
         edited = json.loads(json.dumps(rows))
@@ -560,8 +754,9 @@ def tracebacks_family(run: Path, model: Path, scratch: Path) -> Family:
         rechain(folder, edited, derive_csv=False)
         for command in (["audit", folder, "--sample", 0], ["analyze", folder]):
             result = timed(*command)
-            problem = _clean_end(result) or ("passed" if result.exit_code == 0 and
-                                             command[0] == "audit" else None)  # fmt: skip
+            problem = _clean_end(result) or (
+                "passed" if result.exit_code == 0 and command[0] == "audit" else None
+            )
             family.record(f"row {'.'.join(path)}={_wrong(value)} {command[0]}", problem)
     from safetensors.torch import load_file, save_file
 
@@ -569,22 +764,41 @@ def tracebacks_family(run: Path, model: Path, scratch: Path) -> Family:
         "all_nan": lambda n, t: t * float("nan"),
         "all_inf": lambda n, t: t * 0 + float("inf"),
         "one_nan_norm": lambda n, t: t * float("nan") if n == "model.norm.weight" else t,
-        "nan_embedding_row": lambda n, t: t.index_fill(0, t.new_zeros(1, dtype=int), float("nan"))
-        if "embed" in n else t,
-        "overflowing_head": lambda n, t: t.clamp(min=0) * 3e38 + 3e38 if n == "lm_head.weight" else t,
+        "nan_embedding_row": lambda n, t: (
+            t.index_fill(0, t.new_zeros(1, dtype=int), float("nan")) if "embed" in n else t
+        ),
+        "overflowing_head": lambda n, t: (
+            t.clamp(min=0) * 3e38 + 3e38 if n == "lm_head.weight" else t
+        ),
         "negative_overflow": lambda n, t: -(t.abs() * 3e38 + 3e38) if n == "lm_head.weight" else t,
-    }  # fmt: skip
+    }
     for name, change in weights.items():
         bad = scratch / f"model-{name}"
         shutil.copytree(model, bad)
         tensors = load_file(bad / "model.safetensors")
-        save_file({n: change(n, t) for n, t in tensors.items()}, bad / "model.safetensors",
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {n: change(n, t) for n, t in tensors.items()},
+            bad / "model.safetensors",
+            metadata={"format": "pt"},
+        )
         for command in ("run", "check"):
             args, out = run_args("matched", made(scratch / f"{name}-{command}"), bad)
             if command == "check":
-                args = ["check", "--model", bad, "--items", args[args.index("--items") + 1],
-                        "--plan", "short", "--dtypes", "fp32", "--n", 1, "--out", out]  # fmt: skip
+                args = [
+                    "check",
+                    "--model",
+                    bad,
+                    "--items",
+                    args[args.index("--items") + 1],
+                    "--plan",
+                    "short",
+                    "--dtypes",
+                    "fp32",
+                    "--n",
+                    1,
+                    "--out",
+                    out,
+                ]
             else:
                 args += ["--n", 1, "--dtypes", "fp32"]
             family.record(f"weights {name} {command}", refused(timed(*args), {}, out))
@@ -592,12 +806,18 @@ def tracebacks_family(run: Path, model: Path, scratch: Path) -> Family:
     return family
 
 
-GGUF_PATCHES = [("llama.attention.head_count", 7), ("llama.attention.head_count", 0),
-                ("llama.attention.head_count", 2**31), ("llama.attention.head_count_kv", 4),
-                ("llama.attention.head_count_kv", 0), ("llama.embedding_length", 577),
-                ("tokenizer.ggml.bos_token_id", 49152), ("tokenizer.ggml.eos_token_id", 2**32 - 1),
-                ("tokenizer.ggml.unknown_token_id", 60000),
-                ("tokenizer.ggml.padding_token_id", 10**6)]  # fmt: skip
+GGUF_PATCHES = [
+    ("llama.attention.head_count", 7),
+    ("llama.attention.head_count", 0),
+    ("llama.attention.head_count", 2**31),
+    ("llama.attention.head_count_kv", 4),
+    ("llama.attention.head_count_kv", 0),
+    ("llama.embedding_length", 577),
+    ("tokenizer.ggml.bos_token_id", 49152),
+    ("tokenizer.ggml.eos_token_id", 2**32 - 1),
+    ("tokenizer.ggml.unknown_token_id", 60000),
+    ("tokenizer.ggml.padding_token_id", 10**6),
+]
 
 
 def family_gguf(family: Family, scratch: Path) -> None:
@@ -617,9 +837,22 @@ def family_gguf(family: Family, scratch: Path) -> None:
         for backend in backends:
             out = scratch / f"gguf-{backend}"
             shutil.rmtree(out, ignore_errors=True)
-            result = timed("run", "matched", "--backend", backend, "--model", model, "--n", 1,
-                           "--dtypes", "fp16" if backend == "llamacpp" else "fp32", "--plan",
-                           "short", "--out", out)  # fmt: skip
+            result = timed(
+                "run",
+                "matched",
+                "--backend",
+                backend,
+                "--model",
+                model,
+                "--n",
+                1,
+                "--dtypes",
+                "fp16" if backend == "llamacpp" else "fp32",
+                "--plan",
+                "short",
+                "--out",
+                out,
+            )
             family.record(f"gguf {key}={value} {backend}", refused(result, {}, out))
         model.unlink()
 
@@ -649,14 +882,27 @@ def audit_passes_family(run: Path, scratch: Path) -> Family:
         family.record(label, named(timed("audit", folder, "--sample", 0), needle))
 
     for key in ("verdict", "passed", "notes", "expectation", "x"):
-        manifest_edit(f"entry.{key} added", lambda d, k=key: d["experiments"]["matched"]
-                      .__setitem__(k, "pass"), f"experiments.matched.{key}")  # fmt: skip
-        manifest_edit(f"config.{key} added", lambda d, k=key: d["experiments"]["matched"]
-                      ["config"].__setitem__(k, "pass"), f"config.{key}")  # fmt: skip
-    for key, value in (("engine", "local"), ("engine", []), ("stopped", "yes"),
-                       ("config_sha256", 5)):  # fmt: skip
-        manifest_edit(f"entry.{key}={_wrong(value)}", lambda d, k=key, v=value:
-                      d["experiments"]["matched"].__setitem__(k, v), f"experiments.matched.{key}")  # fmt: skip
+        manifest_edit(
+            f"entry.{key} added",
+            lambda d, k=key: d["experiments"]["matched"].__setitem__(k, "pass"),
+            f"experiments.matched.{key}",
+        )
+        manifest_edit(
+            f"config.{key} added",
+            lambda d, k=key: d["experiments"]["matched"]["config"].__setitem__(k, "pass"),
+            f"config.{key}",
+        )
+    for key, value in (
+        ("engine", "local"),
+        ("engine", []),
+        ("stopped", "yes"),
+        ("config_sha256", 5),
+    ):
+        manifest_edit(
+            f"entry.{key}={_wrong(value)}",
+            lambda d, k=key, v=value: d["experiments"]["matched"].__setitem__(k, v),
+            f"experiments.matched.{key}",
+        )
 
     def text_edit(label: str, name: str, edit: Callable[[bytes], bytes], needle: str) -> None:
         folder = copy()
@@ -680,44 +926,70 @@ def audit_passes_family(run: Path, scratch: Path) -> Family:
         text_edit(f"items: {key} twice", "items.jsonl", twice(key, '"x"'), "items.jsonl")
     for key in ("format", "contract_sha256", "created"):
         folder = copy()
-        text = (folder / "manifest.json").read_text().replace(f'"{key}":', f'"{key}": "x",\n  "{key}":', 1)
+        text = (
+            (folder / "manifest.json")
+            .read_text()
+            .replace(f'"{key}":', f'"{key}": "x",\n  "{key}":', 1)
+        )
         (folder / "manifest.json").write_text(text)
-        family.record(f"manifest: {key} twice", named(timed("audit", folder, "--sample", 0), "manifest"))
+        family.record(
+            f"manifest: {key} twice", named(timed("audit", folder, "--sample", 0), "manifest")
+        )
     edits: dict[str, Callable[[bytes], bytes]] = {
-        "bom": lambda b: b"\xef\xbb\xbf" + b, "crlf": lambda b: b.replace(b"\n", b"\r\n"),
-        "final_blank_line": lambda b: b + b"\n", "trailing_space": lambda b: b.replace(b"\n", b" \n", 1),
-        "tab_after_separator": lambda b: b.replace(b": ", b":\t", 1) if b": " in b else b.replace(b",", b",\t", 1),
-    }  # fmt: skip
+        "bom": lambda b: b"\xef\xbb\xbf" + b,
+        "crlf": lambda b: b.replace(b"\n", b"\r\n"),
+        "final_blank_line": lambda b: b + b"\n",
+        "trailing_space": lambda b: b.replace(b"\n", b" \n", 1),
+        "tab_after_separator": lambda b: (
+            b.replace(b": ", b":\t", 1) if b": " in b else b.replace(b",", b",\t", 1)
+        ),
+    }
     for name, (label, edit) in itertools.product(
         ("manifest.json", "items.jsonl", "rows.jsonl", "matched_live_prefill.csv"), edits.items()
     ):
         text_edit(f"{name} {label}", name, edit, "line " if name == "rows.jsonl" else name)
-    text_edit("manifest.json reindented", "manifest.json",
-              lambda b: json.dumps(json.loads(b), indent=4).encode(), "manifest")  # fmt: skip
-    text_edit("items.jsonl keys unsorted", "items.jsonl", lambda b: b"".join(
-        json.dumps(dict(reversed(json.loads(line).items()))).encode() + b"\n"
-        for line in b.splitlines()), "items")  # fmt: skip
+    text_edit(
+        "manifest.json reindented",
+        "manifest.json",
+        lambda b: json.dumps(json.loads(b), indent=4).encode(),
+        "manifest",
+    )
+    text_edit(
+        "items.jsonl keys unsorted",
+        "items.jsonl",
+        lambda b: b"".join(
+            json.dumps(dict(reversed(json.loads(line).items()))).encode() + b"\n"
+            for line in b.splitlines()
+        ),
+        "items",
+    )
     for label, edit in {
         "a float respelled": lambda b: b.replace(b".0,", b".00,", 1),
         "a character escaped": lambda b: b.replace(b'"matched"', b'"m\\u0061tched"', 1),
         "keys reordered": lambda b: b"".join(
             json.dumps(dict(reversed(json.loads(line).items())), separators=(",", ":")).encode()
-            + b"\n" for line in b.splitlines()),
-    }.items():  # fmt: skip
+            + b"\n"
+            for line in b.splitlines()
+        ),
+    }.items():
         text_edit(f"rows.jsonl {label}", "rows.jsonl", edit, "canonical JSON")
     for digits in ("\u0661\u0662", "\uff11\uff12", "\u0967"):
         folder = copy()
         (folder / f"rows.torn-{digits}.jsonl").write_text("x")
-        family.record(f"planted rows.torn-{digits}.jsonl",
-                      named(timed("audit", folder, "--sample", 0), "rows.torn"))  # fmt: skip
+        family.record(
+            f"planted rows.torn-{digits}.jsonl",
+            named(timed("audit", folder, "--sample", 0), "rows.torn"),
+        )
     rows = read_rows(run)
     folder = copy()
     edited = json.loads(json.dumps(rows))
     edited[0]["data"]["verdict"] = "pass"
     rechain(folder, edited, derive_csv=True)
     for sample in ("0", "4"):  # the structure alone, and every row re-executed
-        family.record(f"a row with a verdict field, --sample {sample}",
-                      named(timed("audit", folder, "--sample", sample), rows[0]["key"]))  # fmt: skip
+        family.record(
+            f"a row with a verdict field, --sample {sample}",
+            named(timed("audit", folder, "--sample", sample), rows[0]["key"]),
+        )
     return family
 
 
@@ -748,8 +1020,19 @@ def vacuous_family(tiny: TinyVllm, models: dict[str, Path], run: Path, scratch: 
         args, out = run_args("matched", made(scratch / f"v{next(counter)}"), models["qwen2"])
         served = ["--backend", "http", "--url", tiny.url, "--companions", "0", "--dtypes", "fp32"]
         if command == "check":
-            args = ["check", "--model", models["qwen2"], "--items",
-                    args[args.index("--items") + 1], "--plan", "short", "--n", 2, "--out", out]  # fmt: skip
+            args = [
+                "check",
+                "--model",
+                models["qwen2"],
+                "--items",
+                args[args.index("--items") + 1],
+                "--plan",
+                "short",
+                "--n",
+                2,
+                "--out",
+                out,
+            ]
         result = timed(*args, *served)
         if result.exit_code == 2:
             problem = refused(result, {}, out)
@@ -760,20 +1043,38 @@ def vacuous_family(tiny: TinyVllm, models: dict[str, Path], run: Path, scratch: 
         family.record(f"block {size} {command}", problem)
     tiny.tamper = None
     source = json.loads((run / "manifest.json").read_text())["contract"]["items"]["source"]
-    for experiment, other in itertools.product(("fixed-prefix", "bridge", "transplant",
-                                                "localize"), ("llama", "gemma3", "drift_qwen2")):  # fmt: skip
+    for experiment, other in itertools.product(
+        ("fixed-prefix", "bridge", "transplant", "localize"), ("llama", "gemma3", "drift_qwen2")
+    ):
         out = scratch / f"from{next(counter)}"
-        result = timed("run", experiment, "--model", models[other], "--items", source, "--plan",
-                       "short", "--dtypes", "bf16", "--from", run, "--out", out)  # fmt: skip
+        result = timed(
+            "run",
+            experiment,
+            "--model",
+            models[other],
+            "--items",
+            source,
+            "--plan",
+            "short",
+            "--dtypes",
+            "bf16",
+            "--from",
+            run,
+            "--out",
+            out,
+        )
         family.record(f"{experiment} --from a qwen2 run on {other}", refused(result, {}, out))
     return family
 
 
 # Family: an honest user's sequence of checks, each step audited.
-CHOICES = (["--expect", "exact"], ["--expect", "bitwise"],
-           ["--expect", "max-divergent", "--max-divergent", "0"],
-           ["--expect", "max-divergent", "--max-divergent", "1"],
-           ["--expect", "max-divergent", "--max-divergent", "9"])  # fmt: skip
+CHOICES = (
+    ["--expect", "exact"],
+    ["--expect", "bitwise"],
+    ["--expect", "max-divergent", "--max-divergent", "0"],
+    ["--expect", "max-divergent", "--max-divergent", "1"],
+    ["--expect", "max-divergent", "--max-divergent", "9"],
+)
 
 
 def honest_family(model: Path, scratch: Path, sequences: int) -> Family:
@@ -781,8 +1082,21 @@ def honest_family(model: Path, scratch: Path, sequences: int) -> Family:
     rng = random.Random(45)
     for index in range(sequences):
         args, out = run_args("matched", made(scratch / f"h{index}"), model)
-        base = ["check", "--model", model, "--items", args[args.index("--items") + 1],
-                "--plan", "short", "--dtypes", "fp32", "--n", 3, "--out", out]  # fmt: skip
+        base = [
+            "check",
+            "--model",
+            model,
+            "--items",
+            args[args.index("--items") + 1],
+            "--plan",
+            "short",
+            "--dtypes",
+            "fp32",
+            "--n",
+            3,
+            "--out",
+            out,
+        ]
         steps = [rng.choice(CHOICES) for _ in range(3)]
         for step, expect in enumerate(steps):
             result = timed(*base, *expect)
@@ -793,8 +1107,10 @@ def honest_family(model: Path, scratch: Path, sequences: int) -> Family:
             family.record(f"sequence {index} step {step} {' '.join(expect)}", problem)
         ends = [timed("analyze", out), timed("report", out), timed("audit", out)]
         bad = [r for r in ends if r.exit_code != 0]
-        family.record(f"sequence {index} analyze, report, audit",
-                      f"exit {bad[0].exit_code}: {bad[0].output[-120:]!r}" if bad else None)  # fmt: skip
+        family.record(
+            f"sequence {index} analyze, report, audit",
+            f"exit {bad[0].exit_code}: {bad[0].output[-120:]!r}" if bad else None,
+        )
     return family
 
 
@@ -803,43 +1119,85 @@ def refeed_family(model: Path, scratch: Path) -> Family:
     family = Family("cut-refeed items")
     vocabulary, context = 320, 1024  # the tiny qwen2's (tests/tiny.py)
     sources: dict[str, tuple[dict[str, Any], list[object]]] = {
-        **{f"id of {n} characters": ({"id": "i" * n, "prompt": "hi", "answer": "1"}, [])
-           for n in (180, 189, 190, 192, 193, 195, 198, 200)},
-        **{f"token id {t}": ({"id": "t", "prompt": [5, t], "answer": "1"}, [])
-           for t in (vocabulary - 1, vocabulary, 10**6, 2**31, 2**63 - 1, 2**63, 2**64, 10**63)},
-        **{f"prompt of {n} with --tokens 8": ({"id": "p", "prompt": [7] * n, "answer": "1"}, [])
-           for n in (context - 9, context - 8, context - 7, context)},
+        **{
+            f"id of {n} characters": ({"id": "i" * n, "prompt": "hi", "answer": "1"}, [])
+            for n in (180, 189, 190, 192, 193, 195, 198, 200)
+        },
+        **{
+            f"token id {t}": ({"id": "t", "prompt": [5, t], "answer": "1"}, [])
+            for t in (vocabulary - 1, vocabulary, 10**6, 2**31, 2**63 - 1, 2**63, 2**64, 10**63)
+        },
+        **{
+            f"prompt of {n} with --tokens 8": ({"id": "p", "prompt": [7] * n, "answer": "1"}, [])
+            for n in (context - 9, context - 8, context - 7, context)
+        },
         "--tokens 4096": ({"id": "g", "prompt": "hi", "answer": "1"}, ["--tokens", 4096]),
         "--tokens 1020": ({"id": "g", "prompt": "hi", "answer": "1"}, ["--tokens", 1020]),
-        "chat prompt": ({"id": "c", "prompt": [{"role": "user", "content": "2+2?"}],
-                         "answer": "4"}, []),  # fmt: skip
-    }  # fmt: skip
+        "chat prompt": (
+            {"id": "c", "prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"},
+            [],
+        ),
+    }
     for index, (label, (source, extra)) in enumerate(sources.items()):
         items = scratch / f"s{index}.jsonl"
         items.write_text(json.dumps(source) + "\n")
         out = scratch / f"cut{index}.jsonl"
-        made_items = timed("items", "cut-refeed", "--model", model, "--from", items, "--sources",
-                           1, "--cuts", 2, "--tokens", 8, *extra, "--out", out)  # fmt: skip
+        made_items = timed(
+            "items",
+            "cut-refeed",
+            "--model",
+            model,
+            "--from",
+            items,
+            "--sources",
+            1,
+            "--cuts",
+            2,
+            "--tokens",
+            8,
+            *extra,
+            "--out",
+            out,
+        )
         if made_items.exit_code != 0:
             problem = refusal(made_items) or ("wrote items" if out.exists() else None)
         else:
             args, _ = run_args("matched", made(scratch / f"cr{index}"), model)
             accepted = timed(*args, "--items", out, "--dtypes", "fp32")
-            problem = None if accepted.exit_code == 0 else f"a run refused them: {accepted.stderr[-140:]!r}"
+            problem = (
+                None
+                if accepted.exit_code == 0
+                else f"a run refused them: {accepted.stderr[-140:]!r}"
+            )
         family.record(label, problem)
     return family
 
 
 def families(scratch: Path, tiny: TinyVllm, model: Path, quick: bool) -> list[Family]:
     """Every round-3 family, on the tiny qwen2 (``model``) and a run of it with snapshots."""
-    models = {arch: save_tiny(scratch / f"model-{arch}", arch)
-              for arch in ("qwen2", "llama", "gemma3", "drift_qwen2")}  # fmt: skip
+    models = {
+        arch: save_tiny(scratch / f"model-{arch}", arch)
+        for arch in ("qwen2", "llama", "gemma3", "drift_qwen2")
+    }
     models["qwen2"] = model
     items = scratch / "good.jsonl"
     items.write_text("".join(json.dumps(i) + "\n" for i in GOOD[:2]))
     run = scratch / "run"
-    result = timed("run", "matched", "--model", model, "--items", items, "--plan", "short",
-                   "--dtypes", "bf16,fp32", "--save-snapshots", "--out", run)  # fmt: skip
+    result = timed(
+        "run",
+        "matched",
+        "--model",
+        model,
+        "--items",
+        items,
+        "--plan",
+        "short",
+        "--dtypes",
+        "bf16,fp32",
+        "--save-snapshots",
+        "--out",
+        run,
+    )
     assert result.exit_code == 0, result.output
     return [
         secrets_family(tiny, model, made(scratch / "secrets")),
