@@ -36,7 +36,7 @@ from hostile_probe import KEY_ENV, SECRET, WRONG, Family, made, refusal
 from loopback import Loopback, Reply, Sent, TinyVllm
 from tiny import save_tiny
 
-CASE_SECONDS = 120
+CASE_SECONDS = int(os.environ.get("HOSTILE_CASE_SECONDS", "120"))
 
 
 def timed(*args: object) -> Result:
