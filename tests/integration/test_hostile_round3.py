@@ -771,7 +771,8 @@ def test_cut_refeed_items_leave_room_for_the_runs_plan(
     items.write_text(json.dumps({"id": "n", "prompt": [7] * length, "answer": "1"}) + "\n")
     out = tmp_path / "cut.jsonl"
     made = invoke("items", "cut-refeed", "--model", tiny_dirs["qwen2"], "--from", items,
-                  "--sources", 1, "--cuts", 2, "--tokens", 8, "--plan", "short", "--out", out)  # fmt: skip
+                  "--sources", 1, "--cuts", 2, "--tokens", 8, "--plan", "short",
+                  "--out", out)  # fmt: skip
     if made.exit_code == 2:
         assert_one_sentence(made.stderr, "so no cut of its generation leaves room")
         assert not out.exists()
@@ -780,3 +781,36 @@ def test_cut_refeed_items_leave_room_for_the_runs_plan(
     args, _ = run_args("matched", tmp_path, tiny_dirs["qwen2"])
     result = invoke(*args, "--items", out, "--dtypes", "fp32")
     assert result.exit_code == 0, result.output
+
+
+# The vllm backend (run in .venv-vllm): its block size and its weights, before the manifest.
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["block_past_every_prefix", "nan_weights"])
+def test_vllm_refuses_a_vacuous_block_and_weights_that_are_not_finite(
+    case: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("vllm")
+    from tiny import save_tiny
+
+    model = save_tiny(tmp_path / "model", "served_qwen2")
+    extra: list[object] = ["--block-size", 2**20]
+    expected = "every hit would read no cached token"
+    if case == "nan_weights":
+        _set_weights(model, WEIGHTS["all_nan"][0])
+        extra, expected = [], "has weights that are not finite"
+    args, out = run_args("matched", tmp_path, model)
+    result = invoke(*args, "--backend", "vllm", "--n", 1, "--dtypes", "fp32", *extra)
+    check(result, expected, out)
+    assert not (out / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("engine", ["local", [], 7])
+def test_an_engine_note_of_another_type_with_a_report_is_named_not_raised(
+    engine: Any, run: Path
+) -> None:
+    assert invoke("analyze", run).exit_code == 0 and invoke("report", run).exit_code == 0
+    _set_config(run, "engine", engine, entry=True)
+    _named(run, "experiments.matched.engine is not an object")
+    result = invoke("report", run)
+    assert result.exit_code == 2, result.output
+    assert_one_sentence(result.stderr, "it is not a kvreplay run manifest")
