@@ -142,9 +142,10 @@ def _check_hits(request: RunRequest, plan: StagePlan, items: list[Item], tokeniz
         )
 
 
-def _source_run(path: Path | None, config: RunConfig) -> SourceRun | None:
+def _source_run(path: Path | None, config: RunConfig, scheme: int) -> SourceRun | None:
     """Rows of another run, read without touching it (it may still be running), made on
-    this run's model: its prefixes are token ids of the model it ran on."""
+    this run's model: its prefixes are token ids of the model it ran on. (``scheme``:
+    this run's identity scheme, whose digest of the model ``config`` holds.)"""
     if path is None:
         return None
     source = RunLedger.open_existing(path)
@@ -153,9 +154,12 @@ def _source_run(path: Path | None, config: RunConfig) -> SourceRun | None:
     digest = recorded.get("model_digest") if isinstance(recorded, dict) else None
     if not (isinstance(model, str) and isinstance(digest, str)):
         raise KvreplayError(f"The run {path} (--from) does not record the model it ran on.")
-    scheme = contract_scheme(source.manifest["contract"])
-    ours = config.backend.describe_model(config.model, config.trust_remote_code, scheme)
-    if digest != ours["model_digest"]:
+    theirs = contract_scheme(source.manifest["contract"])
+    ours = config.model_digest
+    if theirs != scheme:  # the model's digest under the scheme the other run used
+        info = config.backend.describe_model(config.model, config.trust_remote_code, theirs)
+        ours = info["model_digest"]
+    if digest != ours:
         raise KvreplayError(
             f"The run {path} (--from) ran on the model {model[:80]!r}, not on --model "
             f"{config.model!r}; its prefixes are that model's token ids."
@@ -260,7 +264,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
         "command": request.command,
         "snapshots": SNAPSHOTS_SAVED if request.save_snapshots else "fingerprints only",
     }
-    source = _source_run(request.prefix_from, config)
+    source = _source_run(request.prefix_from, config, scheme)
     scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
     experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
     ledger = RunLedger(request.out)
@@ -300,7 +304,8 @@ def decides_at_last(stop: Stop, rows: list[Record]) -> bool:
     """Whether ``stop`` decides at the last of ``rows`` and not before, as an audit
     requires of a recorded stop. A resumed run whose rule decided at an earlier row (a
     check rerun with another ``--expect``) has rows past that point already: it stops
-    nowhere and runs every planned row, so that its record never claims a stop it made."""
+    nowhere and runs every planned row, so that its record never claims a stop it did
+    not make."""
     return bool(rows) and stop(rows) and not stop(rows[:-1])
 
 
