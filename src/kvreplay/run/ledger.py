@@ -142,19 +142,21 @@ class Record:
         self.__dict__["_data_bytes"] = data
         return hashlib.sha256(self._spliced(data, self.body())).hexdigest()
 
-    def _spliced(self, data: bytes, body: dict[str, Any]) -> bytes:
+    @staticmethod
+    def _spliced(data: bytes, body: dict[str, Any]) -> bytes:
         head = canonical({"contract": body.pop("contract")})[:-1]
         del body["data"]
         return head + b',"data":' + data + b"," + canonical(body)[1:]
 
     def line_bytes(self) -> bytes:
-        """:meth:`to_line`'s bytes (after :meth:`expected_hash`, without encoding the
-        data again): what the row's line in rows.jsonl is, byte for byte."""
-        data = self.__dict__.get("_data_bytes") or canonical(self.data)
+        """The row's line in rows.jsonl, byte for byte: its canonical JSON (right after
+        :meth:`expected_hash`, without encoding the data again; the data's bytes are not
+        kept past this call, so a kept row does not hold them twice)."""
+        data = self.__dict__.pop("_data_bytes", None) or canonical(self.data)
         return self._spliced(data, {**self.body(), "hash": self.hash}) + b"\n"
 
     def to_line(self) -> str:
-        return canonical({**self.body(), "hash": self.hash}).decode() + "\n"
+        return self.line_bytes().decode()
 
 
 ROW_TYPES: dict[str, type] = {
@@ -241,9 +243,7 @@ def read_rows_at(
                 )
                 continue
             where = f"row {record.key} (line {number})"
-            canonical_line = record.line_bytes()
-            del record.__dict__["_data_bytes"]  # a kept row does not hold its bytes twice
-            if line != canonical_line:
+            if line != record.line_bytes():
                 problems.append(
                     f"{where}: its bytes are not the row's canonical JSON (a byte-order mark, "
                     "a carriage return, other spacing or number spelling)"
@@ -661,7 +661,7 @@ class RunLedger:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             with os.fdopen(os.open(self.rows_path, flags, 0o666), "ab") as handle:
-                handle.write(record.to_line().encode())
+                handle.write(record.line_bytes())
                 handle.flush()
                 os.fsync(handle.fileno())
         except OSError as exc:  # a torn line is set aside when the run resumes
