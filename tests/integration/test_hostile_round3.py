@@ -814,3 +814,15 @@ def test_an_engine_note_of_another_type_with_a_report_is_named_not_raised(
     result = invoke("report", run)
     assert result.exit_code == 2, result.output
     assert_one_sentence(result.stderr, "it is not a kvreplay run manifest")
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "claims.json"])
+def test_a_json_file_too_large_for_what_it_holds_is_not_read_whole(name: str, run: Path) -> None:
+    assert invoke("analyze", run).exit_code == 0
+    with (run / name).open("ab") as handle:
+        handle.truncate(65 * 2**20)  # a sparse 65 MiB: NULs past the JSON
+    for command in (["audit", run, "--sample", 0], ["report", run]):
+        result = invoke(*command)
+        assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+        if result.exit_code == 2:
+            assert_one_sentence(result.stderr, "")

@@ -65,10 +65,14 @@ def check_name(path: Path, what: str) -> Path:
     return path
 
 
-def read_regular(path: Path) -> bytes:
-    """A regular file's bytes (see :func:`open_regular`)."""
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """A regular file's bytes (see :func:`open_regular`); past ``limit`` bytes, an
+    OSError (EFBIG) instead of a read that could take all of memory."""
     with open_regular(path) as handle:
-        return handle.read()
+        data = handle.read() if limit is None else handle.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    return data
 
 
 def open_regular(path: Path) -> BinaryIO:

@@ -16,6 +16,8 @@ from kvreplay.render.document import Image, to_html, to_markdown
 from kvreplay.render.figures import Figures
 from kvreplay.report.sections import report_blocks
 
+MAX_CLAIMS_BYTES = 64 * 2**20  # claims take a few kB
+
 
 @dataclass(frozen=True)
 class ReportPaths:
@@ -34,7 +36,7 @@ def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Json:
         write_claims(claims, out_dir / "claims.json")
         return claims
     try:
-        claims = parse_json(read_regular(path))
+        claims = parse_json(read_regular(path, MAX_CLAIMS_BYTES))
     except OSError as error:
         raise LedgerError("claims.json", f"it cannot be read ({error.strerror})") from None
     except JsonError as error:

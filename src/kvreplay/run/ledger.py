@@ -46,6 +46,7 @@ EXPERIMENT_ENTRY: dict[str, type] = {
     STOPPED: dict,
 }
 MAX_ROW_BYTES = 64 * 2**20  # a row's line: rows take tens of kB, a resample row a few MB
+MAX_MANIFEST_BYTES = 64 * 2**20  # manifests take tens of kB (a config lists its item ids)
 MANIFEST_TYPES: dict[str, type] = {
     "format": str,
     "contract": dict,
@@ -476,7 +477,7 @@ class RunLedger:
         """Open a run for reading (audit, report); bad input if it is not a run."""
         ledger = cls(run_dir)
         try:
-            manifest = parse_json(read_regular(ledger.manifest_path))
+            manifest = parse_json(read_regular(ledger.manifest_path, MAX_MANIFEST_BYTES))
         except (OSError, JsonError) as exc:
             raise KvreplayError(
                 f"{run_dir} is not a kvreplay run (no readable manifest.json)."
