@@ -484,6 +484,8 @@ def outputs_family(model: Path, scratch: Path) -> Family:
         out,
     ]
     assert timed(*base).exit_code in (0, 1)
+    pristine = scratch / "check-pristine"
+    shutil.copytree(out, pristine)
     protected = (out, items, plan, own)
     links = made(scratch / "links")
     counter = itertools.count()
@@ -550,6 +552,8 @@ def outputs_family(model: Path, scratch: Path) -> Family:
             f"existing repro folder linking {shape}",
             problem or (refusal(result) if result.exit_code not in (0, 1) else None),
         )
+    shutil.rmtree(out)  # as the check wrote it, whatever a case above wrote through
+    shutil.copytree(pristine, out)
     assert timed("analyze", out).exit_code == 0
     for name in ("manifest.json", "rows.jsonl", "items.jsonl", "matched_live_prefill.csv"):
         for how in ("by name", "hard link", "symlink"):
