@@ -27,6 +27,7 @@ import signal
 import subprocess
 import urllib.parse
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -450,6 +451,14 @@ def pins_family(run: Path, scratch: Path) -> Family:
 
 
 # Family: outputs onto inputs, by other routes.
+@dataclass(frozen=True)
+class Link:
+    """A hard link or symlink to ``target``, made when its case runs."""
+
+    target: Path
+    how: str  # "hard link" or "symlink"
+
+
 def outputs_family(model: Path, scratch: Path) -> Family:
     family = Family("outputs onto inputs")
     items = scratch / "items.jsonl"
@@ -495,7 +504,15 @@ def outputs_family(model: Path, scratch: Path) -> Family:
         (os.link if how == "hard link" else os.symlink)(target, path)
         return path
 
-    def case(label: str, args: list[object], keep: tuple[Path, ...] = protected) -> None:
+    def made_now(arg: object) -> object:
+        return alias(arg.target, arg.how) if isinstance(arg, Link) else arg
+
+    def case(label: str, command: list[object], keep: tuple[Path, ...] = protected) -> None:
+        """The command refused, ``keep`` unchanged; each case meets the check's folder as
+        the check wrote it (a :class:`Link` in the command is made afresh to it)."""
+        shutil.rmtree(out)
+        shutil.copytree(pristine, out)
+        args = [made_now(arg) for arg in command]
         before = digests(*keep)
         family.record(label, refused(timed(*args), before))
 
@@ -509,10 +526,13 @@ def outputs_family(model: Path, scratch: Path) -> Family:
     model_files = sorted(p.name for p in own.iterdir() if p.is_file())
     for flag in ("--json", "--junit"):
         for name, how in itertools.product(run_files, ("hard link", "symlink")):
-            case(f"{flag} {how} of the run's {name}", [*base, flag, alias(out / name, how)])
+            case(f"{flag} {how} of the run's {name}", [*base, flag, Link(out / name, how)])
         for target in (items, plan, *(own / n for n in model_files)):
             case(f"{flag} = {target.name}", [*base, flag, target])
-            case(f"{flag} hard link of {target.name}", [*base, flag, alias(target, "hard link")])
+            case(
+                f"{flag} hard link of {target.name}",
+                [*base, flag, Link(target, "hard link")],
+            )
         case(f"{flag} new file in the model folder", [*base, flag, own / "verdict.json"])
         case(f"{flag} new file in the run folder", [*base, flag, out / "verdict.json"])
     for flag, where in itertools.product(
@@ -535,11 +555,13 @@ def outputs_family(model: Path, scratch: Path) -> Family:
         "inside the run": out / "r",
         "the model folder": own,
         "inside the model": own / "r",
-        "a link to the run": Path(alias(out, "symlink")),
-        "a link to the model": Path(alias(own, "symlink")),
+        "a link to the run": Link(out, "symlink"),
+        "a link to the model": Link(own, "symlink"),
     }.items():
         case(f"--repro {label}", [*base, "--repro", repro])
     for shape in ("item", "pack", "both"):
+        shutil.rmtree(out)
+        shutil.copytree(pristine, out)
         repro = made(scratch / f"repro-{shape}")
         for name, target in (("item.jsonl", "items.jsonl"), ("repro.json", "rows.jsonl")):
             if shape == "both" or name.startswith(shape[:4]):
@@ -552,12 +574,9 @@ def outputs_family(model: Path, scratch: Path) -> Family:
             f"existing repro folder linking {shape}",
             problem or (refusal(result) if result.exit_code not in (0, 1) else None),
         )
-    shutil.rmtree(out)  # as the check wrote it, whatever a case above wrote through
-    shutil.copytree(pristine, out)
-    assert timed("analyze", out).exit_code == 0
     for name in ("manifest.json", "rows.jsonl", "items.jsonl", "matched_live_prefill.csv"):
         for how in ("by name", "hard link", "symlink"):
-            target = out / name if how == "by name" else alias(out / name, how)
+            target = out / name if how == "by name" else Link(out / name, how)
             case(f"analyze -o {how} {name}", ["analyze", out, "-o", target], (out,))
     for where in ("/proc/kv-claims.json", "/sys/kv-claims.json", "/dev/kv-claims.json"):
         case(f"analyze -o {where}", ["analyze", out, "-o", where], (out,))
