@@ -496,7 +496,7 @@ def test_cut_refeed_into_a_kernel_folder_is_refused_before_generating(
     assert_one_sentence(result.stderr, "lies in /proc")
 
 
-# Family 7: an honest run the audit called forged.
+# Family 8: an honest run the audit called forged.
 EXPECTATIONS: dict[str, list[list[str]]] = {
     "exact_then_bitwise": [[], ["--expect", "bitwise"]],
     "bitwise_then_exact": [["--expect", "bitwise"], []],
@@ -528,7 +528,7 @@ def test_an_honest_users_sequence_always_audits(
     assert audited.exit_code == 0, audited.output
 
 
-# Family 6: runs that are vacuous, or read another model's run, and exit 0.
+# Family 7: runs that are vacuous, or read another model's run, and exit 0.
 @pytest.mark.parametrize("experiment", ["fixed-prefix", "bridge", "transplant", "localize"])
 def test_from_a_run_of_another_model_is_refused_by_every_experiment(
     experiment: str, run: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
@@ -652,7 +652,7 @@ def test_numbers_that_are_not_finite_end_in_one_sentence_and_leave_no_manifest(
     assert not (out / "manifest.json").exists() and not (out / "rows.jsonl").exists()
 
 
-# Family 8: items cut-refeed writes that no run accepts.
+# Family 9: items cut-refeed writes that no run accepts.
 REFEED_SOURCES: dict[str, tuple[dict[str, Any], list[object], str]] = {
     "id_outside_the_vocabulary": (
         {"id": "a", "prompt": [5, 10**6], "answer": "1"}, [], "outside the model's vocabulary"
@@ -733,6 +733,7 @@ GGUF_FIELDS: dict[str, tuple[str, int, str]] = {
 }
 
 
+@pytest.mark.slow  # a copy of the embedded SmolLM2 GGUF (90 MB) per case
 @pytest.mark.parametrize("backend", ["hf", "llamacpp"])
 @pytest.mark.parametrize("case", list(GGUF_FIELDS))
 def test_gguf_metadata_the_runtime_rejects_is_refused_in_one_sentence(
