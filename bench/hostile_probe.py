@@ -1,11 +1,12 @@
-"""The hostile-input probe of issue 34, items 1-4, as an adversary would try it: a forged
+"""The hostile-input probe of issue 34, items 1-4, and of issue 45 (``hostile_round3.py``),
+as an adversary would try it: a forged
 run folder's environment and ``--venv`` targets given to ``kvreplay env``, addresses and
 credentials given to ``probe``/``run``, servers that redirect, stream without end,
 trickle or echo the key, and every field a server's answer holds replaced by a value
 of the wrong type or range, on the probe's answers and on completions from the second
 row of a run on (then audited against the same server).
 
-Usage: python bench/hostile_probe.py [--quick]
+Usage: python bench/hostile_probe.py [--quick] [--round2-only]
 
 Prints, per family, the cases tried, how many ended clean and the ones left. A case is
 clean when it ends in one sentence on stderr and exit 2 with every completed row kept
@@ -62,7 +63,7 @@ class Family:
 
     def line(self) -> str:
         clean = self.tried - len(self.left)
-        return f"{self.name:<22} tried {self.tried:>4}  clean {clean:>4}  left {len(self.left)}"
+        return f"{self.name:<24} tried {self.tried:>4}  clean {clean:>4}  left {len(self.left)}"
 
 
 def refusal(result: Result) -> str | None:
@@ -366,6 +367,7 @@ def completion_family(tiny: TinyVllm, model: Path, scratch: Path, quick: bool) -
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="every 7th completion mutation")
+    parser.add_argument("--round2-only", action="store_true", help="issue 34's families alone")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="hostile-probe-"))
     model = save_tiny(scratch / "model", "qwen2")
@@ -383,6 +385,10 @@ def main() -> None:
             probe_answers_family(tiny),
             completion_family(tiny, model, scratch / "completions", args.quick),
         ]
+        if not args.round2_only:
+            from hostile_round3 import families as round3  # issue 45's families
+
+            families += round3(made(scratch / "round3"), tiny, model, args.quick)
     finally:
         tiny.close()
     for family in families:
@@ -391,7 +397,7 @@ def main() -> None:
             print(f"    left: {case}")
     tried = sum(f.tried for f in families)
     left = sum(len(f.left) for f in families)
-    print(f"{'all':<22} tried {tried:>4}  clean {tried - left:>4}  left {left}")
+    print(f"{'all':<24} tried {tried:>4}  clean {tried - left:>4}  left {left}")
 
 
 if __name__ == "__main__":

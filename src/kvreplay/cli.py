@@ -428,7 +428,7 @@ def backends_command() -> None:
 @click.option(
     "--venv",
     default=None,
-    help="Build this virtual environment (a new or empty folder, or a venv) with the run's "
+    help="Build this virtual environment (a new or empty folder) with the run's "
     "environment (else print it).",
 )
 @plain_errors
@@ -481,7 +481,7 @@ def cut_refeed_command(out: Path, **values: Any) -> None:
 
     refeed = build(RefeedPlan, values)
     refeed.check()
-    check_out(out)
+    check_out(out, (refeed.model, refeed.items_source))
     with intra_op_threads(values["threads"]):
         items = refeed_items(refeed)
     write_items(items, out)

@@ -142,8 +142,8 @@ VENVS: dict[str, tuple[str, str]] = {
     "dev": ("/dev/null", "is inside /dev"),
     "name_too_long": ("v" * 300, "a name in it is longer than the file system's"),
     "a_file": ("{file}", "exists and is not a folder"),
-    "a_full_folder": ("{full}", "holds other files and no virtual environment"),
-    "current_folder": (".", "holds other files and no virtual environment"),
+    "a_full_folder": ("{full}", "is a folder that already holds files"),
+    "current_folder": (".", "is a folder that already holds files"),
 }
 
 

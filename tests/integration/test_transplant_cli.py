@@ -209,5 +209,5 @@ def test_a_source_run_of_another_model_is_refused(setup, tiny_dirs) -> None:
     out = setup["root"] / "other-model"
     result = _run({**setup, "model": tiny_dirs["llama"]}, "localize", out,
                   "--from", str(setup["source"]))  # fmt: skip
-    assert result.exit_code == 2 and "used another model" in result.stderr
+    assert result.exit_code == 2 and "(--from) ran on the model" in result.stderr
     assert not out.exists()

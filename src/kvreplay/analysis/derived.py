@@ -7,9 +7,11 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from kvreplay.core.paths import open_regular, read_regular
 from kvreplay.experiments.registry import recorded_table
 from kvreplay.ledger import Record, RunLedger, rows_of
 
@@ -17,11 +19,32 @@ from kvreplay.ledger import Record, RunLedger, rows_of
 def _same_bytes(path: Path, lines: Iterator[str]) -> bool:
     """Whether a file holds exactly these lines, compared by digest so that neither the
     file nor the derived text is held whole."""
-    derived = hashlib.sha256()
+    derived, size = hashlib.sha256(), 0
     for line in lines:
-        derived.update(line.encode("utf-8"))
-    with path.open("rb") as handle:
+        data = line.encode("utf-8")
+        derived.update(data)
+        size += len(data)
+    with open_regular(path) as handle:
+        if os.fstat(handle.fileno()).st_size != size:
+            return False  # not read at all: a file of another size holds other bytes
         return hashlib.file_digest(handle, "sha256").digest() == derived.digest()
+
+
+def _read_csv(path: Path, derived: int) -> tuple[str, str | None]:
+    """A derived CSV's text to compare field by field, read only when it is a regular
+    file of about the size rows.jsonl derives, or what is wrong with it: (text, None) or
+    ("", problem). Bytes, not read_text: that would read CRLF endings as the run's LF."""
+    if path.is_symlink() or not path.is_file():
+        return "", "not a regular file (a run writes its CSV as one)"
+    size = path.stat().st_size
+    if size > 2 * derived + 2**20:
+        return "", f"{size} bytes, where rows.jsonl derives {derived}"
+    try:
+        return read_regular(path).decode("utf-8"), None
+    except OSError as exc:
+        return "", f"cannot be read ({exc.strerror or exc})"
+    except UnicodeDecodeError:
+        return "", "not UTF-8 text"
 
 
 def check_csvs(
@@ -43,14 +66,15 @@ def check_csvs(
         if present_only and not path.exists():
             continue
         rows = rows_of(records, name)
+        regular = path.is_file() and not path.is_symlink()
         try:
-            if path.is_file() and _same_bytes(path, table.csv_lines(rows, config)):
+            if regular and _same_bytes(path, table.csv_lines(rows, config)):
                 continue
             expected = table.csv(rows, config)
-        except (KeyError, TypeError, IndexError, ValueError) as exc:  # hand-edited row data
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
             problems.append(f"{path.name}: cannot be derived from rows.jsonl ({exc!r})")
-            continue
-        if not path.exists():
+            continue  # hand-edited row data
+        if not path.exists() and not path.is_symlink():
             problems.append(f"{path.name}: missing although {name} has rows")
             continue
         problems += _differences(path, table.header(config), expected)
@@ -60,15 +84,17 @@ def check_csvs(
 def _differences(path: Path, columns: list[str], expected: str) -> list[str]:
     """How a CSV departs from the one derived from rows.jsonl: its rows and fields where
     they differ, else its bytes (line endings, quoting, columns)."""
-    try:  # bytes, not read_text: that would read CRLF line endings as the run's LF
-        actual = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        return [f"{path.name}: not UTF-8 text"]
+    actual, unreadable = _read_csv(path, len(expected.encode("utf-8")))
+    if unreadable is not None:
+        return [f"{path.name}: {unreadable}"]
     if actual == expected:
         return []
     problems = []
     want = list(csv.DictReader(io.StringIO(expected)))
-    have = list(csv.DictReader(io.StringIO(actual)))
+    try:
+        have = list(csv.DictReader(io.StringIO(actual, newline="")))
+    except csv.Error as exc:
+        return [f"{path.name}: does not read as a CSV ({exc})"]
     if len(want) != len(have):
         problems.append(f"{path.name}: {len(have)} rows, rows.jsonl derives {len(want)}")
     for a, b in zip(want, have, strict=False):

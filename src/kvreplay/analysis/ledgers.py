@@ -38,8 +38,9 @@ def load_ledger_dir(folder: Path) -> LedgerDir:
     }
     if not ledgers:
         raise LedgerError(str(folder), "the folder holds none of the known ledger CSVs")
-    if (folder / "manifest.json").is_file() and (folder / "rows.jsonl").is_file():
-        return LedgerDir(ledgers, _run_records(folder))
+    rows = folder / "rows.jsonl"
+    if (folder / "manifest.json").is_file() and (rows.exists() or rows.is_symlink()):
+        return LedgerDir(ledgers, _run_records(folder))  # rows.jsonl not a file is named
     return LedgerDir(ledgers, None)
 
 

@@ -19,7 +19,9 @@ from kvreplay.audit.contract import (
     environment_note,
     load_audited_items,
 )
+from kvreplay.audit.exact_bytes import byte_problems
 from kvreplay.audit.files import check_files, torn
+from kvreplay.audit.manifest_blocks import experiment_block_problems
 from kvreplay.audit.plan import check_copies, check_plan, derived_inputs, with_dependencies
 from kvreplay.audit.reexecute import Reexecution
 from kvreplay.audit.request import AuditRequest
@@ -150,6 +152,7 @@ def _check_structure(
     counts = Counter(at.key for at in rows.index)
     result.problems += [f"row {k}: appears more than once" for k in sorted(counts) if counts[k] > 1]
     result.problems += check_header(ledger, checks.holding)
+    result.problems += experiment_block_problems(ledger.manifest) + byte_problems(ledger, item_list)
     result.problems += check_plan(ledger, rows, [i.id for i in item_list or []])
     rows = rows.excluding(checks.unread)
     copy_problems, depends, result.foreign_inputs = check_copies(checks.copies, rows, items)

@@ -40,9 +40,12 @@ MACHINE_FIELDS = (
 # The manifest's header: recorded, never compared by a resume, so checked here for shape.
 HEADER: dict[str, Callable[[Any], bool]] = {
     "platform": lambda v: isinstance(v, str),
-    "kvreplay_version": lambda v: isinstance(v, str) and re.fullmatch(r"\d+(\.\d+)*\S*", v),
+    "kvreplay_version": lambda v: isinstance(v, str) and re.fullmatch(r"[0-9]+(\.[0-9]+)*\S*", v),
     "git_commit": lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{40}", v)),
-    "created": lambda v: isinstance(v, str) and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", v),
+    "created": lambda v: (
+        isinstance(v, str)
+        and re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z", v)
+    ),
     "command": lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
     "snapshots": lambda v: v in ("saved", "fingerprints only"),
     "environment": lambda v: (

@@ -28,7 +28,7 @@ RUN_FILES = (
 )  # fmt: skip
 
 
-TORN = re.compile(r"rows\.torn-\d+\.jsonl")  # a torn last line a resume set aside
+TORN = re.compile(r"rows\.torn-[0-9]+\.jsonl")  # a torn last line a resume set aside
 
 
 def check_files(ledger: RunLedger, rows: RunRows, snapshots: set[str]) -> list[str]:

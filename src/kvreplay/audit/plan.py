@@ -38,7 +38,7 @@ def check_plan(ledger: RunLedger, rows: RunRows, item_order: list[str]) -> list[
         if entry.get("config_sha256") != sha256_json(config):
             problems.append(f"{where}.config_sha256 does not match its config")
         ids = config.get("item_ids")
-        if "selection" not in config and ids != item_order[: len(ids or [])]:
+        if "selection" not in config and ids != item_order[: len(ids) if type(ids) is list else 0]:
             problems.append(f"{where}.config.item_ids is not the first items of items.jsonl")
         try:
             planned = experiment.planned(config, by_key)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from urllib.parse import urlsplit
 
 from kvreplay.backends.answers import Answer
+from kvreplay.backends.secrets import Secrets
 from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.core.jsonio import JsonError, parse_json
 
@@ -106,7 +107,7 @@ class Client:
     would go where it points), one answer is read up to a size (:data:`MAX_ANSWER`,
     :func:`answer_limit`), a request and the reading of its answer end together at
     ``timeout`` seconds (a server that trickles its answer is cut off then), and no text
-    a server sends is shown without the key taken out of it."""
+    a server sends is shown or recorded with the key, or another secret, in it."""
 
     def __init__(self, url: str, timeout: float, api_key: str | None) -> None:
         self.address = parse_address(url)
@@ -114,6 +115,7 @@ class Client:
         self.timeout = timeout
         self.headers = {"Content-Type": "application/json"}
         self._secret = api_key or None
+        self.secrets = Secrets.of(api_key)
         if api_key:
             if not (api_key.isascii() and api_key.isprintable()) or " " in api_key:
                 raise KvreplayError(
@@ -128,7 +130,7 @@ class Client:
         a timeout, a redirect or an answer too large raises."""
         status, raw = self._exchange(method, path, body, limit)
         value, _ = _parsed(raw)
-        return status, Answer(value, self._where(method, path))
+        return status, Answer(value, self._where(method, path), secrets=self.secrets)
 
     def text(self, path: str, limit: int = MAX_ANSWER) -> tuple[int, str]:
         """(status, the body as text) of a GET whose answer is not JSON (``/metrics``)."""
@@ -150,14 +152,12 @@ class Client:
             raise KvreplayError(f"{where} with HTTP {status}{f' ({text})' if text else ''}.")
         if problem:
             raise KvreplayError(f"{where} with something that is not JSON ({problem}).")
-        return Answer(value, where)
+        return Answer(value, where, secrets=self.secrets)
 
     def quoted(self, detail: Any) -> str:
         """Text from a server as a sentence may show it: the key and anything in the
         form of a credential redacted, on one line, at most 200 characters."""
-        text = detail if isinstance(detail, str) else json.dumps(detail)
-        if self._secret:
-            text = text.replace(self._secret, "[redacted]")
+        text = self.secrets.redact(detail if isinstance(detail, str) else json.dumps(detail))
         text = SECRET_FORMS.sub(lambda m: f"{m.group(1)}{m.group(2)}[redacted]", text)
         text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
         return text if len(text) <= 200 else text[:197] + "..."

@@ -423,17 +423,20 @@ def check_device(device: str) -> None:
 
 
 def check_servable(spec: str, trust_remote_code: bool) -> None:
-    """Refuse, before the manifest, a model vLLM cannot serve: a GGUF file, or an
-    architecture its registry does not list (unless remote code was asked for)."""
+    """Refuse, before the manifest, a model vLLM cannot serve: a GGUF file, weights that
+    are not finite, or an architecture its registry does not list (unless remote code
+    was asked for)."""
     from kvreplay.model.reading import text_config
     from kvreplay.model.sources import resolve_source
+    from kvreplay.model.weights import check_finite_weights
 
-    _, gguf_file = resolve_source(spec, trust_remote_code)
+    folder, gguf_file = resolve_source(spec, trust_remote_code)
     if gguf_file is not None:
         raise KvreplayError(
             "The vllm backend serves a model folder (safetensors), not a GGUF file; "
             "use an embedded model name or a converted folder."
         )
+    check_finite_weights(folder, spec)
     architectures = list(getattr(text_config(spec, trust_remote_code), "architectures", None) or [])
     try:
         with _vllm_quiet():

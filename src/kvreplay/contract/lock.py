@@ -29,17 +29,19 @@ CORE_LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "numpy
 INSTALLER = ("pip", "setuptools", "wheel", "distribute", "kvreplay")
 # Locks of no environment a run is made in: the docs site's (make docs).
 NOT_RUN_LOCKS = ("lock-docs.txt",)
-_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
+_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$", re.ASCII)
 # A distribution's name (PEP 508) and an exact version (PEP 440: a public version, and the
 # local label a CPU build of torch carries): all that may reach pip from a run folder.
-NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", re.ASCII)
+# ASCII only: a Unicode digit class or case folding would let full-width or Arabic-Indic
+# digits, a Kelvin sign or a long s through as a version, for pip alone to refuse.
 VERSION = re.compile(
-    r"v?(\d+!)?\d+(\.\d+)*"  # epoch, release
-    r"([-_.]?(a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"  # pre-release
-    r"(-\d+|[-_.]?(post|rev|r)[-_.]?\d*)?"  # post-release
-    r"([-_.]?dev[-_.]?\d*)?"  # development release
+    r"v?([0-9]+!)?[0-9]+(\.[0-9]+)*"  # epoch, release
+    r"([-_.]?(a|b|c|rc|alpha|beta|pre|preview)[-_.]?[0-9]*)?"  # pre-release
+    r"(-[0-9]+|[-_.]?(post|rev|r)[-_.]?[0-9]*)?"  # post-release
+    r"([-_.]?dev[-_.]?[0-9]*)?"  # development release
     r"(\+[a-z0-9]+([-_.][a-z0-9]+)*)?",  # local label
-    re.IGNORECASE,
+    re.ASCII | re.IGNORECASE,
 )
 MAX_PIN = 200  # characters of a name or version: longer is no distribution's
 

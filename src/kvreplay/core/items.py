@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import random
 import unicodedata
 from collections.abc import Callable
@@ -45,6 +46,11 @@ class Item:
         else:
             data["prefix_token_ids"] = list(self.prefix_token_ids)
         return data
+
+
+def frozen_text(items: list[Item]) -> str:
+    """A run's items.jsonl as it writes it, byte for byte (an audit holds the file to it)."""
+    return "".join(json.dumps(item.to_dict(), sort_keys=True) + "\n" for item in items)
 
 
 def items_digest(items: list[Item]) -> str:
@@ -250,7 +256,7 @@ MAX_ID_LENGTH = 200
 PREFIX_KEY = "prefix"
 
 
-def _id_problem(item_id: str) -> str | None:
+def id_problem(item_id: str) -> str | None:
     """Why an id cannot be a part of a row key ``{experiment}/{item}/{precision}``, or None."""
     if len(item_id) > MAX_ID_LENGTH:
         return f"is {len(item_id)} characters long (at most {MAX_ID_LENGTH})"
@@ -268,7 +274,7 @@ def _parse_item(data: Any, path: Path, line: int) -> Item:
         raise _fail(path, line, "each line must be a JSON object")
     if not isinstance(data.get("id"), str) or not data["id"]:
         raise _fail(path, line, "missing field 'id' (a non-empty string)")
-    problem = _id_problem(data["id"])
+    problem = id_problem(data["id"])
     if problem:
         raise _fail(path, line, f"the id {data['id'][:40]!r} {problem}")
     answer = data.get("answer")

@@ -2,9 +2,10 @@
 
 Standard JSON only. NaN and Infinity (spelled out, or a number such as ``1e400`` too
 large for a float), lone surrogates (not UTF-8: they could never be written back),
-integers too long to be an id or a count, and nesting deeper than any item, plan or
-ledger needs are refused with a reason, so that whatever kvreplay accepts it can also
-write back, hash and re-read exactly.
+integers too long to be an id or a count, nesting deeper than any item, plan or ledger
+needs, and an object that names a key twice (a first-wins reader and a last-wins reader
+would see two different values) are refused with a reason, so that whatever kvreplay
+accepts it can also write back, hash and re-read exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from itertools import compress
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,15 @@ def _float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise JsonError("a number is too large for a float (it would be written as Infinity)")
+    return value
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are distinct (``json`` alone keeps the last of each)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        twice = next(key for key, count in Counter(k for k, _ in pairs).items() if count > 1)
+        raise JsonError(f"an object names the key {twice[:40]!r} twice")
     return value
 
 
@@ -98,7 +109,13 @@ def parse_json(text: str | bytes, finite: bool = True) -> Any:
         encoded = text.encode("utf-8")  # a string given may hold a lone surrogate itself
         integers = _integer if LONG_DIGITS in encoded.translate(DIGIT_RUNS) else int
         floats = _float if finite else float
-        value = json.loads(text, parse_constant=_constant, parse_float=floats, parse_int=integers)
+        value = json.loads(
+            text,
+            object_pairs_hook=_object,
+            parse_constant=_constant,
+            parse_float=floats,
+            parse_int=integers,
+        )
     except JsonError:
         raise
     except RecursionError:

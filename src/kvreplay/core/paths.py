@@ -3,13 +3,17 @@
 A name the file system cannot hold raises from ``Path.exists`` (or from the first write
 below a folder that does not exist yet); reading a FIFO blocks until someone writes to
 it; and ``Path("")`` is the current folder. Each becomes one sentence instead of a
-traceback, a hang or a run written where nobody asked.
+traceback, a hang or a run written where nobody asked. And a name already taken in a
+folder kvreplay did not make (a run folder from elsewhere, a repro pack) may be a symlink
+or a hard link to a file kvreplay must not touch: a file is written under a new name
+beside it and renamed over it, never written through it.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -61,10 +65,14 @@ def check_name(path: Path, what: str) -> Path:
     return path
 
 
-def read_regular(path: Path) -> bytes:
-    """A regular file's bytes (see :func:`open_regular`)."""
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """A regular file's bytes (see :func:`open_regular`); past ``limit`` bytes, an
+    OSError (EFBIG) instead of a read that could take all of memory."""
     with open_regular(path) as handle:
-        return handle.read()
+        data = handle.read() if limit is None else handle.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    return data
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -92,3 +100,41 @@ class UserPath(click.Path):
         if problem:
             self.fail(f"{_shown(value)} cannot be used: {problem}", param, ctx)
         return super().convert(value, param, ctx)
+
+
+def _new_file(folder: Path, name: str) -> tuple[int, Path]:
+    """A new file (never an existing one, never through a symlink) with a random name
+    beside ``name`` in ``folder``, opened for writing with the umask's permissions."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        path = folder / f".{name[:180]}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:
+            continue
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` as ``path``: a new file beside it, fsynced, renamed over it. A reader
+    never sees half a file, and what the name held before (a symlink, a hard link to
+    another file) is replaced, never written through. A failed write leaves the old file
+    and no new one, and raises OSError."""
+    fd, tmp = _new_file(path.parent, path.name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def probe_folder(folder: Path) -> None:
+    """Make and remove a new file in ``folder``: whether a write there can succeed, asked
+    before any work (a folder of /proc or /sys answers ``os.access`` yes to root); raises
+    OSError when it cannot."""
+    fd, path = _new_file(folder, "kvreplay-probe")
+    os.close(fd)
+    path.unlink()

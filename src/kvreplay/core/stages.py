@@ -145,6 +145,27 @@ def get_plan(name: str) -> StagePlan:
     return BUILTIN_PLANS[name]
 
 
+def load_plan(spec: str) -> StagePlan:
+    """A built-in plan by name, or a plan file (``.json``)."""
+    from pathlib import Path
+
+    from kvreplay.core.jsonio import read_json
+
+    path = Path(spec)
+    if path.suffix != ".json":
+        return get_plan(spec)
+    data = read_json(path, f"the stage plan file {path}")
+    try:
+        return StagePlan.from_dict(data)
+    except KvreplayError as exc:
+        raise KvreplayError(f"The stage plan file {path} is not a valid plan: {exc}") from exc
+
+
+def plan_budget(plan: StagePlan, tokenizer: Any) -> int:
+    """The most tokens a plan adds to a prompt: every stage at its cap, with its opener."""
+    return sum(stage.max_new_tokens + len(opener_ids(tokenizer, stage)) for stage in plan.stages)
+
+
 @dataclass
 class StopDetector:
     """Detects a stage's stop strings on a sliding window of its newest tokens.

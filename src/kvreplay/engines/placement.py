@@ -77,7 +77,7 @@ def check_ray_address(address: str) -> None:
     if address == "auto":
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise KvreplayError(f"--ray-address {address!r} is not host:port, ray://host:port or auto.")
     try:
         socket.create_connection((host.strip("[]"), int(port)), RAY_CONNECT_TIMEOUT_S).close()

@@ -6,7 +6,6 @@ declaration, so they cannot drift apart. Plain data, no torch."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -14,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar, cast
 
 from kvreplay.core.comparison import Comparison
+from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.harness.rows import PanelRow
 from kvreplay.ledger import Record, heads
 
@@ -149,15 +149,15 @@ def _int(text: str) -> int:
 
 def _json(text: str) -> Any:
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
+        return parse_json(text)
+    except JsonError:
         raise ValueError(f"is {text[:40]!r}, not JSON") from None
 
 
 def _float_list(text: str) -> list[float]:
     try:
-        values = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        values = parse_json(text)
+    except JsonError:
         values = None
     if not isinstance(values, list) or not values:
         raise ValueError(f"is {text[:40]!r}, not a JSON array of numbers")

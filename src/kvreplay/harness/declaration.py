@@ -33,7 +33,8 @@ class Declaration:
     ``traffic``) or the capability (``rollout``); the role it plays in ``kvreplay check``
     (``greedy``, ``faithful``, ``traffic``); whether a verdict judges its rows
     (``judged``: they hold a compared pair of arms); and where a later panel reads prior
-    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first)."""
+    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first); the
+    keys and types of its manifest config."""
 
     name: str
     summary: str
@@ -52,6 +53,10 @@ class Declaration:
     check: str | None = None  # the role it plays in kvreplay check (None: none)
     judged: bool = False  # a verdict judges its rows
     outcome_rank: int | None = None  # a source of prior outcomes for panels, by preference
+    # The keys its manifest config holds (what ``Experiment.config`` writes, besides the
+    # table's schema version) and the JSON type(s) of each: the audit names any other key
+    # or type in a recorded config (None: not declared, not checked).
+    config: dict[str, type | tuple[type, ...]] | None = None
 
     def runs_on(self, backend_cls: type) -> bool:
         """Whether a backend of this class runs it: it has the K/V access, the served

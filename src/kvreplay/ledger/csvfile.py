@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 
 # What a spreadsheet runs as a formula when a cell starts with it (OWASP, CSV injection).
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 def csv_cell(text: str) -> str:

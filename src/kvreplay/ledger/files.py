@@ -3,10 +3,10 @@ said as the user's one sentence."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.paths import replace_file
 
 
 def disk_error(path: Path, exc: OSError) -> KvreplayError:
@@ -18,17 +18,12 @@ def disk_error(path: Path, exc: OSError) -> KvreplayError:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file, fsync, rename: a reader never sees half a file, and a
-    failed write leaves neither half a file nor the temporary one."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write via a new file beside it, fsync, rename (:func:`replace_file`): a reader never
+    sees half a file, a failed write leaves neither half a file nor the new one, and a
+    name that was a link is replaced, never written through."""
     try:
-        with tmp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(path)
+        replace_file(path, data)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise disk_error(path, exc) from exc
 
 

@@ -18,6 +18,9 @@ from kvreplay.core.paths import open_regular
 GENESIS = "0" * 64
 
 
+MAX_ROW_BYTES = 64 * 2**20  # a row's line: rows take tens of kB, a resample row a few MB
+
+
 @dataclass
 class Record:
     """One ledger line: a completed unit of work, chained to the one before it."""
@@ -52,18 +55,29 @@ class Record:
 
     def expected_hash(self) -> str:
         """``sha256_json(self.body())``, with the row's data (nearly all of its bytes)
-        encoded once for this hash and :attr:`row_sha256` both: the body's keys sort as
-        contract, data, then the rest, so its canonical JSON is spliced around the data's."""
+        encoded once for this hash, :attr:`row_sha256` and :meth:`line_bytes`: the body's
+        keys sort as contract, data, then the rest, so its canonical JSON is spliced
+        around the data's."""
         data = canonical(self.data)
         self.__dict__["row_sha256"] = hashlib.sha256(data).hexdigest()  # the cached property
-        body = self.body()
+        self.__dict__["_data_bytes"] = data
+        return hashlib.sha256(self._spliced(data, self.body())).hexdigest()
+
+    @staticmethod
+    def _spliced(data: bytes, body: dict[str, Any]) -> bytes:
         head = canonical({"contract": body.pop("contract")})[:-1]
         del body["data"]
-        rest = canonical(body)[1:]
-        return hashlib.sha256(head + b',"data":' + data + b"," + rest).hexdigest()
+        return head + b',"data":' + data + b"," + canonical(body)[1:]
+
+    def line_bytes(self) -> bytes:
+        """The row's line in rows.jsonl, byte for byte: its canonical JSON (right after
+        :meth:`expected_hash`, without encoding the data again; the data's bytes are not
+        kept past this call, so a kept row does not hold them twice)."""
+        data = self.__dict__.pop("_data_bytes", None) or canonical(self.data)
+        return self._spliced(data, {**self.body(), "hash": self.hash}) + b"\n"
 
     def to_line(self) -> str:
-        return canonical({**self.body(), "hash": self.hash}).decode() + "\n"
+        return self.line_bytes().decode()
 
 
 ROW_TYPES: dict[str, type] = {
@@ -104,6 +118,16 @@ def read_rows(path: Path, contract_hash: str, problems: list[str]) -> Iterator[R
     return (record for _, record in read_rows_at(path, contract_hash, problems))
 
 
+def _skip_line(handle: Any) -> int:
+    """Read past the rest of a line a chunk at a time (nothing held); the bytes read."""
+    skipped = 0
+    while chunk := handle.readline(1 << 20):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
+
+
 def read_rows_at(
     path: Path, contract_hash: str, problems: list[str]
 ) -> Iterator[tuple[int, Record]]:
@@ -118,8 +142,13 @@ def read_rows_at(
     prev = GENESIS
     offset = 0
     with handle:
-        for number, line in enumerate(handle, start=1):
+        for number, line in enumerate(iter(lambda: handle.readline(MAX_ROW_BYTES + 1), b""), 1):
             at, offset = offset, offset + len(line)
+            if len(line) > MAX_ROW_BYTES:
+                if not line.endswith(b"\n"):
+                    offset += _skip_line(handle)
+                problems.append(f"line {number}: longer than {MAX_ROW_BYTES} bytes (no row is)")
+                continue
             if not line.endswith(b"\n"):
                 return  # the piece after the last newline is torn
             read = _parse_row(line, number, problems)
@@ -127,6 +156,11 @@ def read_rows_at(
                 continue
             record, expected = read
             where = f"row {record.key} (line {number})"
+            if line != record.line_bytes():
+                problems.append(
+                    f"{where}: its bytes are not the row's canonical JSON (a byte-order mark, "
+                    "a carriage return, other spacing or number spelling)"
+                )
             if record.hash != expected:
                 problems.append(f"{where}: field hash does not match the row's content")
             if record.prev != prev:

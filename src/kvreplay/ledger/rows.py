@@ -16,7 +16,11 @@ from kvreplay.ledger.records import Record, TamperedLedger, read_rows_at
 
 
 def _stamp(path: Path) -> tuple[int, int, int]:
-    stat = path.stat()
+    """What tells a file changed (its inode, size, modification time); none when absent."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return 0, 0, 0
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
@@ -120,9 +124,16 @@ class RunRows:
         """These rows, in this order. Their lines passed the strict reader and the chain
         check in this very file (its stamp says so), so they are parsed by json alone,
         and their row hashes are not computed again."""
+        rows = list(rows)
+        if not rows:
+            return  # nothing to read: rows.jsonl is not opened (it may not be a file at all)
         if _stamp(self.path) != self.stamp:
             raise TamperedLedger(f"{self.path} changed after its rows were checked.")
-        with open_regular(self.path) as handle:
+        try:
+            handle = open_regular(self.path)
+        except OSError as exc:
+            raise TamperedLedger(f"{self.path} cannot be read again ({exc.strerror}).") from exc
+        with handle:
             for at in rows:
                 handle.seek(at.offset)
                 record = Record(**json.loads(handle.readline()))

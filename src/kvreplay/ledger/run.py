@@ -10,6 +10,7 @@ hash, so a deleted, reordered or edited row breaks the chain where it happened.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import JsonError, parse_json
-from kvreplay.core.paths import read_regular
+from kvreplay.core.paths import probe_folder, read_regular
 from kvreplay.ledger.files import disk_error, write_atomic
 from kvreplay.ledger.records import GENESIS, Record, TamperedLedger, parse_rows, typed
 from kvreplay.ledger.writer import RunLock
@@ -35,6 +36,15 @@ SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot 
 STOPPED = "stopped"  # an experiment's note: the rule that ended it early, and its last row
 # The newest contract scheme (see kvreplay.contract.environment); a contract that names none
 # is scheme 1. A difference in an INFORMATIONAL field is reported on resume, never refused.
+ENGINE = "engine"  # an experiment's note: where its units ran (the engine's description)
+# Each experiment's entry in the manifest: its config, the config's hash, and its notes.
+EXPERIMENT_ENTRY: dict[str, type] = {
+    "config": dict,
+    "config_sha256": str,
+    ENGINE: dict,
+    STOPPED: dict,
+}
+MAX_MANIFEST_BYTES = 64 * 2**20  # manifests take tens of kB (a config lists its item ids)
 CONTRACT_SCHEME = 3
 INFORMATIONAL = ("environment.platform",)
 MANIFEST_TYPES: dict[str, type] = {
@@ -62,6 +72,24 @@ def diff_fields(old: Any, new: Any, path: str = "") -> list[str]:
             out += diff_fields(a, b, f"{path}[{index}]")
         return out
     return [] if old == new else [path or "<root>"]
+
+
+def _not_finite(value: Any, path: str = "data") -> str | None:
+    """The first field of ``value`` holding NaN or an infinity, as a dotted path."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if not isinstance(value, dict | list):
+        return None
+    for key, child in value.items() if isinstance(value, dict) else enumerate(value):
+        found = _not_finite(child, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}")
+        if found:
+            return found
+    return None
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """manifest.json as a run writes it, byte for byte (an audit holds the file to it)."""
+    return json.dumps(manifest, indent=2).encode()
 
 
 FAULT_KEY = re.compile(r"(^|_)faults?($|_)", re.IGNORECASE)
@@ -110,7 +138,7 @@ class RunLedger:
         """Open a run for reading (audit, report); bad input if it is not a run."""
         ledger = cls(run_dir)
         try:
-            manifest = parse_json(read_regular(ledger.manifest_path))
+            manifest = parse_json(read_regular(ledger.manifest_path, MAX_MANIFEST_BYTES))
         except (OSError, JsonError) as exc:
             raise KvreplayError(
                 f"{run_dir} is not a kvreplay run (no readable manifest.json)."
@@ -145,9 +173,9 @@ class RunLedger:
     def has_rows(self) -> bool:
         """Whether rows.jsonl holds anything; a rows.jsonl that is not a regular file (a
         folder cannot be appended to, a FIFO blocks) is refused."""
-        if not self.rows_path.exists():
+        if not self.rows_path.exists() and not self.rows_path.is_symlink():
             return False
-        if not self.rows_path.is_file():
+        if self.rows_path.is_symlink() or not self.rows_path.is_file():
             raise KvreplayError(
                 f"{self.rows_path} is not a regular file; remove it or use a new --out folder."
             )
@@ -187,13 +215,10 @@ class RunLedger:
         on_resume: Callable[[dict[str, Any]], None] | None,
         current: Callable[[dict[str, Any]], dict[str, Any]],
     ) -> None:
-        probe = self.run_dir / ".write-probe"
         try:
-            probe.write_text("ok")
+            probe_folder(self.run_dir)
         except OSError as exc:
             raise KvreplayError(f"The output folder {self.run_dir} is not writable.") from exc
-        finally:
-            probe.unlink(missing_ok=True)
         if self.has_rows() and not self.manifest_path.exists():
             raise KvreplayError(
                 f"{self.run_dir} holds rows.jsonl but no manifest.json; use a new --out folder."
@@ -222,7 +247,7 @@ class RunLedger:
             "contract_sha256": sha256_json(contract),
             "experiments": {},
         }
-        write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        write_atomic(self.manifest_path, manifest_bytes(self.manifest))
         self.records = []
         self.fresh = True
 
@@ -239,7 +264,7 @@ class RunLedger:
                 )
             return
         experiments[name] = {"config": config, "config_sha256": sha256_json(config)}
-        write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        write_atomic(self.manifest_path, manifest_bytes(self.manifest))
 
     def note_experiment(self, name: str, key: str, value: Any) -> None:
         """Record facts about an experiment that do not change results (engine, workers,
@@ -251,7 +276,7 @@ class RunLedger:
             del entry[key]
         else:
             entry[key] = value
-        write_atomic(self.manifest_path, json.dumps(self.manifest, indent=2).encode())
+        write_atomic(self.manifest_path, manifest_bytes(self.manifest))
 
     def recover(self) -> None:
         """Load rows; set a torn final line aside; refuse a ledger that does not chain."""
@@ -260,7 +285,7 @@ class RunLedger:
             if raw and not raw.endswith(b"\n"):
                 cut = raw.rfind(b"\n") + 1
                 aside = self.run_dir / f"rows.torn-{int(time.time())}.jsonl"
-                aside.write_bytes(raw[cut:])
+                write_atomic(aside, raw[cut:])
                 with self.rows_path.open("r+b") as handle:
                     handle.truncate(cut)
                     handle.flush()
@@ -273,6 +298,14 @@ class RunLedger:
             )
         self.records = records
         self._keys = {r.key for r in records}
+
+    def abandon(self) -> None:
+        """Remove the manifest and items a fresh run wrote before its first row, after
+        a refusal: nothing is left that looks like a run, and the folder is as reusable
+        as before (a run with rows keeps them all, and resumes)."""
+        if self.fresh and not self.records:
+            for name in (MANIFEST, ITEMS):
+                (self.run_dir / name).unlink(missing_ok=True)
 
     def is_done(self, key: str) -> bool:
         return key in self._keys
@@ -301,10 +334,17 @@ class RunLedger:
             contract=self.contract_hash,
             hash="",
         )
-        record.hash = record.expected_hash()
         try:
-            with self.rows_path.open("ab") as handle:
-                handle.write(record.to_line().encode())
+            record.hash = record.expected_hash()
+        except ValueError as exc:  # canonical JSON refuses NaN and infinities
+            raise KvreplayError(
+                f"Row {key} holds a number that is not finite (at {_not_finite(data)}): the "
+                "model's numbers overflowed at this precision, so the row is not recorded."
+            ) from exc
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            with os.fdopen(os.open(self.rows_path, flags, 0o666), "ab") as handle:
+                handle.write(record.line_bytes())
                 handle.flush()
                 os.fsync(handle.fileno())
         except OSError as exc:  # a torn line is set aside when the run resumes

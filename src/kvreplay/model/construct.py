@@ -26,7 +26,7 @@ def parse_construction(name: str) -> tuple[str, int]:
     if name == "live" or name in REBUILT:
         return name, 0
     kind, _, size = name.partition(":")
-    if kind == "chunked" and size.isdigit() and int(size) > 0:
+    if kind == "chunked" and size.isascii() and size.isdigit() and size[0] != "0":
         return kind, int(size)
     raise KvreplayError(
         f"Unknown construction {name!r}; choose live, replay, prefill, stepwise or chunked:K."

@@ -44,7 +44,7 @@ def parse_dtypes(names: Iterable[str], allowed: Iterable[str] = DTYPES) -> tuple
 
 def parse_device(name: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, refused here when this machine cannot provide it."""
-    match = re.fullmatch(r"cpu|cuda(?::(\d{1,3}))?", name)
+    match = re.fullmatch(r"cpu|cuda(?::([0-9]{1,3}))?", name)
     if match is None:
         raise KvreplayError(f"Unknown device {name!r}; use cpu, cuda or cuda:N.")
     if name == "cpu":

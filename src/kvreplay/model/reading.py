@@ -136,6 +136,13 @@ def tokenizer_at(spec: str, source: Path, gguf_file: str | None, kwargs: dict[st
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvreplayError(f"Could not read the tokenizer of model {spec!r} ({exc}).") from exc
+    except Exception as exc:  # noqa: BLE001 - a GGUF's metadata fails its conversion in many ways
+        if not gguf_file:
+            raise
+        raise KvreplayError(
+            f"Could not read the tokenizer of the GGUF file {spec!r} ({type(exc).__name__}: "
+            f"{first_line(exc)})."
+        ) from exc
 
 
 def pretrained(spec: str, trust_remote_code: bool) -> tuple[Path, str | None, dict[str, Any]]:

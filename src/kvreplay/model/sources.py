@@ -12,6 +12,7 @@ from kvreplay.core.extras import require
 from kvreplay.core.jsonio import read_json
 from kvreplay.core.paths import check_name
 from kvreplay.model.embedded import EMBEDDED, cache_root, convert_embedded
+from kvreplay.model.gguf_metadata import check_metadata
 
 
 def canonical_spec(spec: str) -> str:
@@ -86,6 +87,7 @@ def check_gguf(path: Path, spec: str) -> None:
             f"The GGUF file {spec!r} is truncated: its tensors need {end} bytes and it has "
             f"{path.stat().st_size}."
         )
+    check_metadata(path, spec)
 
 
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")

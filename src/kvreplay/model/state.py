@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from kvreplay.core.comparison import Comparison
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.jsonio import JsonError, parse_json
 
 Component = Literal["kv", "k", "v"]
 STATE_FORMAT = "kvreplay-boundary-state-v1"
@@ -346,10 +347,10 @@ def read_state_metadata(path: Path) -> SavedState:
     try:
         saved = SavedState(
             construction=meta["construction"],
-            layer_lengths=json.loads(meta["layer_lengths"]),
+            layer_lengths=parse_json(meta["layer_lengths"]),
             cache_fingerprint=meta["cache_fingerprint"],
             logits_fingerprint=meta["logits_fingerprint"],
-            extra=json.loads(meta.get("extra", "{}")),
+            extra=parse_json(meta.get("extra", "{}")),
         )
     except (KeyError, ValueError) as exc:
         raise KvreplayError(

@@ -5,6 +5,7 @@ never imports matplotlib, so ``kvreplay analyze`` loads none."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.paths import replace_file
 from kvreplay.measure.rates import Json, rate_text
 
 PRECISION_COLOURS = {"bf16": "#c0392b", "fp32": "#2471a3"}
@@ -38,8 +41,18 @@ class Figures:
 
     def save(self, figure: Figure, name: str) -> Path:
         """PNG without a Software stamp, so reruns produce identical bytes."""
+        return self.write(figure, name, metadata={"Software": None})
+
+    def write(self, figure: Figure, name: str, **options: Any) -> Path:
+        """The figure as PNG (at 110 dpi) into the folder, which must be a folder of its
+        own (a symlink would send it elsewhere), replacing whatever held the name."""
+        if self.folder.is_symlink():
+            raise KvreplayError(f"{self.folder} is a symbolic link; figures go in a folder.")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=110, **options)
         path = self.path(name)
-        figure.savefig(path, format="png", dpi=110, metadata={"Software": None})
+        replace_file(path, buffer.getvalue())
         return path
 
     @staticmethod

@@ -9,11 +9,14 @@ from pathlib import Path
 from kvreplay.analysis.claims import SCHEMA, build_claims, write_claims
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.core.jsonio import JsonError, parse_json
+from kvreplay.core.paths import read_regular, replace_file
 from kvreplay.harness.table import LedgerError
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Image, to_html, to_markdown
 from kvreplay.render.figures import Figures
 from kvreplay.report.sections import report_blocks
+
+MAX_CLAIMS_BYTES = 64 * 2**20  # claims take a few kB
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,9 @@ def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Json:
         write_claims(claims, out_dir / "claims.json")
         return claims
     try:
-        claims = parse_json(path.read_bytes())
+        claims = parse_json(read_regular(path, MAX_CLAIMS_BYTES))
+    except OSError as error:
+        raise LedgerError("claims.json", f"it cannot be read ({error.strerror})") from None
     except JsonError as error:
         raise LedgerError("claims.json", f"it is not valid JSON ({error})") from None
     if not isinstance(claims, dict) or claims.get("schema") != SCHEMA:
@@ -54,7 +59,7 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> ReportPaths:
     claims = _load_claims(run_dir, folder, out_dir)
     blocks = report_blocks(run_dir, claims, folder, figures)
     markdown, page = out_dir / "report.md", out_dir / "report.html"
-    markdown.write_text(to_markdown(blocks, out_dir), encoding="utf-8")
-    page.write_text(to_html(blocks), encoding="utf-8")
+    replace_file(markdown, to_markdown(blocks, out_dir).encode("utf-8"))
+    replace_file(page, to_html(blocks).encode("utf-8"))
     images = tuple(block.path for block in blocks if isinstance(block, Image))
     return ReportPaths(markdown, page, images)

@@ -13,6 +13,7 @@ import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.core.errors import KvreplayError, plain_errors
+from kvreplay.core.outputs import Inputs, check_file_target, check_folder_target
 from kvreplay.core.paths import UserPath
 
 
@@ -30,6 +31,9 @@ def output_option(name: str, help: str, **kind: bool) -> Callable[[Any], Any]:
 def analyze(ledger_dir: Path, output: Path | None) -> None:
     """Validate the CSV ledgers in LEDGER_DIR and write the paper-schema claims JSON."""
     output = output or ledger_dir / "claims.json"
+    inputs = Inputs()
+    inputs.add_files(ledger_dir, but=("claims.json",))  # it reads the rest
+    check_file_target("-o", output, inputs)
     claims = analyze_dir(ledger_dir)
     try:
         write_claims(claims, output)
@@ -52,6 +56,7 @@ def report(run_dir: Path, out_dir: Path | None) -> None:
     """Write report.md, a self-contained report.html and figures/ for RUN_DIR."""
     from kvreplay.report.build import build_report  # matplotlib loads only for a report
 
+    check_folder_target("--out-dir", out_dir or run_dir, Inputs())
     try:
         paths = build_report(run_dir, out_dir)
     except OSError as error:

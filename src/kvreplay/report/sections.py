@@ -43,12 +43,19 @@ def _title(manifest: dict[str, Any] | None, folder: LedgerDir) -> str:
 
 
 def _manifest_rows(manifest: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The facts a reader needs to judge a run: model, precision contract, machine, items."""
+    """The facts a reader needs to judge a run: model, precision contract, machine, items;
+    a manifest that does not hold them is refused (one sentence), never a traceback."""
     try:
-        contract = manifest["contract"]
-        model, env, run = contract["model_info"], contract["environment"], contract["run"]
-    except (KeyError, TypeError) as error:
-        raise LedgerError("manifest.json", f"it is not a kvreplay run manifest ({error})") from None
+        return _facts(manifest)
+    except (KeyError, TypeError, AttributeError, IndexError) as error:
+        raise LedgerError(
+            "manifest.json", f"it is not a kvreplay run manifest ({error!r})"
+        ) from None
+
+
+def _facts(manifest: dict[str, Any]) -> list[tuple[str, ...]]:
+    contract = manifest["contract"]
+    model, env, run = contract["model_info"], contract["environment"], contract["run"]
     threads = f", {env['threads']} threads" if "threads" in env else ""
     libraries = [f"{k} {env[k]}" for k in ("torch", "transformers", "tokenizers") if k in env]
     torch = "dtype_contract" in env

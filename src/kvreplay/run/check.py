@@ -21,6 +21,7 @@ from typing import Any
 from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import Declared, arguments, option
+from kvreplay.core.outputs import Inputs, check_targets
 from kvreplay.experiments.registry import check_experiment, declared
 from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
 from kvreplay.run.enginelog import engine_log
@@ -180,6 +181,11 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     out = request.out or default_out(request)
     repro = request.repro or out.with_name(out.name + ".repro")
     check_outputs(out, request.json_path, request.junit_path, repro)
+    check_targets(
+        {"--json": request.json_path, "--junit": request.junit_path},
+        {"--repro": repro},
+        Inputs.of((out, request.items, request.model, request.plan)),
+    )
     shared = {f.name: getattr(request, f.name) for f in fields(RunOptions)}
     run_request = RunRequest(
         **shared | {"n": n}, experiment=name, out=out, extra=extra, command=request.command

@@ -11,16 +11,15 @@ from typing import Any
 
 from kvreplay.contract.lock import run_environment
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.outputs import in_system_folder
 from kvreplay.core.paths import check_name
-
-# Folders a virtual environment never belongs in: the kernel's views, not storage.
-SYSTEM_FOLDERS = (Path("/proc"), Path("/sys"), Path("/dev"))
-
 
 def check_venv(venv: str) -> Path:
     """The folder ``kvreplay env --venv`` builds, as an absolute path; refused in one
     sentence: nothing (the current folder), an option, a name with control characters,
-    a system folder, a file, or a folder that holds something other than a venv."""
+    a system folder, a file, a symbolic link, or a folder that holds anything, a virtual
+    environment included: kvreplay runs only an environment it creates in that call (a
+    ``.pth`` file in one it did not create would run as its Python starts)."""
     if not venv.strip():
         raise KvreplayError("--venv is empty; name the folder to build, e.g. --venv .venv-run.")
     if not venv.isprintable():
@@ -32,15 +31,17 @@ def check_venv(venv: str) -> Path:
         )
     target = check_name(Path(venv), "--venv").absolute()
     shown = f"--venv {venv[:80]!r}"
-    for system in SYSTEM_FOLDERS:
-        if system in (target, *target.parents, target.resolve(), *target.resolve().parents):
-            raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
+    system = in_system_folder(target)
+    if system is not None:
+        raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
+    if target.is_symlink():
+        raise KvreplayError(f"{shown} is a symbolic link; name a new folder.")
     if target.exists() and not target.is_dir():
         raise KvreplayError(f"{shown} exists and is not a folder.")
-    if target.is_dir() and not (target / "pyvenv.cfg").is_file() and any(target.iterdir()):
+    if target.is_dir() and any(target.iterdir()):
         raise KvreplayError(
-            f"{shown} is a folder that holds other files and no virtual environment; "
-            "name a new folder."
+            f"{shown} is a folder that already holds files; kvreplay builds only a new or "
+            "empty folder and runs nothing it did not create there, so name a new folder."
         )
     return target
 

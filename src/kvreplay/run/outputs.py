@@ -11,6 +11,7 @@ from typing import Any
 
 from kvreplay.contract.upgrade import current
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.paths import replace_file
 
 
 def write_outputs(
@@ -25,7 +26,7 @@ def write_outputs(
         if path is None:
             continue
         try:
-            path.write_text(text, encoding="utf-8")
+            replace_file(path, text.encode("utf-8"))
         except OSError as exc:
             raise KvreplayError(f"Cannot write {path} ({exc.strerror or exc}).") from exc
 

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.items import Item, encode_prompt, load_items
+from kvreplay.core.items import Item, encode_prompt, id_problem, load_items
 from kvreplay.core.options import option
+from kvreplay.core.outputs import Inputs, check_file_target
+from kvreplay.core.stages import load_plan, plan_budget
 from kvreplay.model.embedded import DEFAULT_MODEL
 from kvreplay.model.precision import DTYPES
 
@@ -33,7 +35,8 @@ MAX_TOKENS = 4096
 class RefeedPlan:
     """Which generations and cuts: ``sources`` items of ``items_source`` (their first),
     each continued greedily by ``model`` at ``dtype`` for up to ``tokens`` tokens, cut at
-    ``cuts`` distinct seeded points inside its generation."""
+    ``cuts`` distinct seeded points inside its generation, each leaving the model's context
+    window room for the stage plan ``run_plan`` of the runs that take the items."""
 
     model: str = field(
         default=DEFAULT_MODEL,
@@ -62,6 +65,14 @@ class RefeedPlan:
         metadata=option("--tokens", "The most tokens each generation runs (it ends early at EOS)."),
     )
     seed: int = field(default=0, metadata=option("--seed", "Seed of the cut points."))
+    run_plan: str = field(
+        default="instruct",
+        metadata=option(
+            "--plan",
+            "The stage plan of the runs that take the items: every cut leaves it room in the "
+            "model's context window.",
+        ),
+    )
 
     def check(self) -> None:
         for name, value, most in (
@@ -78,10 +89,12 @@ class RefeedPlan:
             )
 
 
-def cut_points(rng: random.Random, prompt_len: int, total: int, cuts: int) -> list[int]:
+def cut_points(
+    rng: random.Random, prompt_len: int, total: int, cuts: int, longest: int
+) -> list[int]:
     """Distinct cut points, ascending, each leaving at least one generated token before
-    it and one after it (so every item starts mid-generation)."""
-    inside = range(prompt_len + 1, total)
+    it and one after it (so every item starts mid-generation), none past ``longest``."""
+    inside = range(prompt_len + 1, min(total, longest + 1))
     return sorted(rng.sample(inside, min(cuts, len(inside))))
 
 
@@ -108,23 +121,69 @@ def greedy_generation(lm: Any, prompt_ids: list[int], tokens: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt_ids) :]]
 
 
+def source_prompts(plan: RefeedPlan) -> tuple[list[tuple[Item, list[int]]], int]:
+    """The source items and their prompts' token ids, checked as a run checks its items
+    before any model work: every token id in the model's vocabulary, a generation that
+    fits the model's context window (prompt and ``--tokens``), room in it for a cut and
+    the run's plan, and ids of the items cut from it that a run accepts
+    (``{id}-cut{N}``); and the longest cut a run with the plan takes."""
+    from kvreplay.model.reading import load_tokenizer, text_config, vocabulary_size
+
+    model = plan.model
+    sources = load_items(plan.items_source)[: plan.sources]
+    tokenizer = load_tokenizer(model)
+    config = text_config(model)
+    vocabulary = vocabulary_size(config, tokenizer)
+    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    budget = plan_budget(load_plan(plan.run_plan), tokenizer)
+    longest = context - budget if context else 2**63  # no window known: no bound
+    found = []
+    for source in sources:
+        if source.prompt is None:
+            raise KvreplayError(f"Item {source.id} of {plan.items_source!r} has no prompt.")
+        prompt = encode_prompt(tokenizer, source.prompt)
+        outside = [t for t in prompt if t >= vocabulary]
+        if outside:
+            raise KvreplayError(
+                f"Item {source.id} has token id {str(outside[0])[:30]} in its prompt, outside "
+                f"the model's vocabulary of {vocabulary}."
+            )
+        if context and len(prompt) + plan.tokens > context:
+            raise KvreplayError(
+                f"Item {source.id}'s prompt is {len(prompt)} tokens, so a generation of "
+                f"--tokens {plan.tokens} would run past the model's context window of "
+                f"{context}; give --tokens of at most {context - len(prompt)}."
+            )
+        if context and len(prompt) + 1 > longest:
+            raise KvreplayError(
+                f"Item {source.id}'s prompt is {len(prompt)} tokens and --plan "
+                f"{plan.run_plan} adds up to {budget}, so no cut of its generation leaves "
+                f"room in the model's context window of {context}."
+            )
+        last_id = f"{source.id}-cut{len(prompt) + plan.tokens}"
+        problem = id_problem(last_id)
+        if problem:
+            raise KvreplayError(
+                f"Item {source.id[:40]!r} would give cut items ids such as "
+                f"{last_id[:40]!r}..., which {problem}; give the source a shorter id."
+            )
+        found.append((source, prompt))
+    return found, longest
+
+
 def refeed_items(plan: RefeedPlan) -> list[Item]:
     """The cut-and-refeed items of ``plan`` (see the module docstring)."""
     from kvreplay.backends.hf.loading import load_model
 
     plan.check()
-    sources = load_items(plan.items_source)[: plan.sources]
-    if any(item.prompt is None for item in sources):
-        raise KvreplayError(f"Items {plan.items_source!r} hold an item without a prompt.")
+    sources, longest = source_prompts(plan)
     model, dtype = plan.model, plan.dtype
     lm = load_model(model, dtype)
     rng = random.Random(plan.seed)
     items = []
-    for source in sources:
-        assert source.prompt is not None
-        prompt = encode_prompt(lm.tokenizer, source.prompt)
+    for source, prompt in sources:
         whole = prompt + greedy_generation(lm, prompt, plan.tokens)
-        for cut in cut_points(rng, len(prompt), len(whole), plan.cuts):
+        for cut in cut_points(rng, len(prompt), len(whole), plan.cuts, longest):
             meta = {
                 "set": "cut-refeed", "source": source.id, "cut": cut,
                 "generated": len(whole) - len(prompt), "prompt_tokens": len(prompt),
@@ -139,19 +198,23 @@ def refeed_items(plan: RefeedPlan) -> list[Item]:
     return items
 
 
-def check_out(out: Path) -> None:
-    """``out`` must be a new file in an existing folder (checked before any generation)."""
-    if out.exists():
+def check_out(out: Path, inputs: tuple[str, str]) -> None:
+    """``out`` must be a new file in an existing folder kvreplay can write to, and in no
+    input's folder (the model's, ``inputs``), checked before any generation."""
+    _still_new(out)
+    check_file_target("--out", out, Inputs.of(inputs))
+
+
+def _still_new(out: Path) -> None:
+    if out.exists() or out.is_symlink():
         raise KvreplayError(f"{out} already exists; choose another --out.")
-    if not out.parent.is_dir():
-        raise KvreplayError(f"The folder of {out} does not exist.")
 
 
 def write_items(items: list[Item], out: Path) -> None:
     """The items as JSONL at ``out`` (written whole, then renamed into place)."""
     from kvreplay.ledger import write_text_atomic
 
-    check_out(out)
+    _still_new(out)  # nothing took the name while the generations ran
     write_text_atomic(
         out, "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items)
     )

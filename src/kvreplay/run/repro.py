@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.items import load_jsonl
+from kvreplay.core.paths import replace_file
 from kvreplay.harness.experiment import Experiment
 from kvreplay.harness.rows import PanelRow
 from kvreplay.ledger import ITEMS, Record
@@ -52,10 +53,12 @@ def repro_pack(
     folder.mkdir(parents=True, exist_ok=True)
     item_line = folder / "item.jsonl"
     item = next(i for i in load_jsonl(run_dir / ITEMS) if i.id == first.item_id)
-    item_line.write_text(json.dumps(item.to_dict(), sort_keys=True) + "\n")
+    replace_file(item_line, (json.dumps(item.to_dict(), sort_keys=True) + "\n").encode())
     command = rerun(item_line, folder / "rerun", first.precision)
     pack = _pack(verdict, first, row, shlex.join(command))
-    (folder / "repro.json").write_text(json.dumps(pack, indent=2, sort_keys=True) + "\n")
+    replace_file(
+        folder / "repro.json", (json.dumps(pack, indent=2, sort_keys=True) + "\n").encode()
+    )
     return ReproPack(folder, pack["command"])
 
 

@@ -14,11 +14,10 @@ from typing import Any
 from kvreplay.contract.config import RunSettings
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import BUILTIN_ITEMS
-from kvreplay.core.jsonio import read_json
 from kvreplay.core.options import option
 from kvreplay.core.paths import check_name
 from kvreplay.core.scoring import get_extractor
-from kvreplay.core.stages import BUILTIN_PLANS, StagePlan, get_plan
+from kvreplay.core.stages import BUILTIN_PLANS, StagePlan, load_plan
 from kvreplay.engines.placement import Placement
 from kvreplay.model.embedded import DEFAULT_MODEL
 from kvreplay.model.precision import parse_device, parse_dtypes
@@ -85,14 +84,7 @@ class RunOptions(RunSettings):
 
     def stage_plan(self) -> StagePlan:
         """The plan ``plan`` names: a built-in one, or a plan file."""
-        path = Path(self.plan)
-        if path.suffix != ".json":
-            return get_plan(self.plan)
-        data = read_json(path, f"the stage plan file {path}")
-        try:
-            return StagePlan.from_dict(data)
-        except KvreplayError as exc:
-            raise KvreplayError(f"The stage plan file {path} is not a valid plan: {exc}") from exc
+        return load_plan(self.plan)
 
     def check(self) -> None:
         """Refuse, before anything is read or written, options that cannot run together:

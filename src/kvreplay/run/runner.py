@@ -7,7 +7,6 @@ loses no completed row (each is fsynced) and a rerun resumes where it stopped.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -23,9 +22,9 @@ from kvreplay.contract.environment import git_commit
 from kvreplay.contract.lock import check_libraries, installed
 from kvreplay.contract.upgrade import current
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.items import Item, encode_prompt, is_token_ids, load_items
+from kvreplay.core.items import Item, encode_prompt, frozen_text, is_token_ids, load_items
 from kvreplay.core.paths import read_regular
-from kvreplay.core.stages import StagePlan, opener_ids
+from kvreplay.core.stages import StagePlan, opener_ids, plan_budget
 from kvreplay.core.version import VERSION
 from kvreplay.engines import EngineSession, make_engine
 from kvreplay.engines.threads import check_recorded, intra_op_threads
@@ -34,6 +33,7 @@ from kvreplay.harness.scope import Scope, SourceRun
 from kvreplay.harness.units import Unit
 from kvreplay.ledger import (
     CONTRACT_SCHEME,
+    ENGINE,
     ITEMS,
     MANIFEST,
     SNAPSHOTS_SAVED,
@@ -55,7 +55,7 @@ def _check_prompts(
 ) -> None:
     """Prompts over the context window, token ids outside the vocabulary (a trace's, or
     any the tokenizer can produce) and empty openers are refused before model work."""
-    budget = sum(s.max_new_tokens + len(opener_ids(tokenizer, s)) for s in plan.stages)
+    budget = plan_budget(plan, tokenizer)
     config = text_config(request.model, request.backend.trusts_remote_code)
     vocabulary = vocabulary_size(config, tokenizer)
     largest = max(max(tokenizer.get_vocab().values()), *tokenizer.all_special_ids)
@@ -86,11 +86,53 @@ def _check_prompts(
             )
 
 
-def _source_run(path: Path | None) -> SourceRun | None:
-    """Rows of another run, read without touching it (it may still be running)."""
+def _check_hits(request: RunRequest, plan: StagePlan, items: list[Item], tokenizer: Any) -> None:
+    """A backend that caches whole blocks only (vLLM, a server) reads none of a prefix
+    shorter than a block: when every prefix these items can reach is, each hit would
+    read no cached token by construction and the run would compare a miss with a miss.
+    Refused before the manifest (``items``: those the run may choose; the prefix's
+    longest: the prompt, every prefix stage at its cap with its opener, and the next
+    stage's opener)."""
+    stages = [*plan.prefix_stages, plan.suffix_stages[0]]
+    budget = sum(len(opener_ids(tokenizer, s)) for s in stages)
+    budget += sum(s.max_new_tokens for s in plan.prefix_stages)
+    longest = max(
+        len(item.prefix_token_ids)
+        if item.prefix_token_ids is not None
+        else len(encode_prompt(tokenizer, item.prompt, request.chat)) + budget
+        for item in items
+    )
+    if request.backend.expected_hit(longest - 1) == 0:
+        raise KvreplayError(
+            f"No prefix of these items can be longer than {longest} tokens, and the "
+            f"{request.backend.name} backend caches only whole blocks, each longer than that "
+            "(--block-size, or the server's block size), so every hit would read no cached "
+            "token and compare a miss with a miss; use a smaller block size."
+        )
+
+
+def _source_run(path: Path | None, config: RunConfig, scheme: int) -> SourceRun | None:
+    """Rows of another run, read without touching it (it may still be running), made on
+    this run's model: its prefixes are token ids of the model it ran on. (``scheme``:
+    this run's identity scheme, whose digest of the model ``config`` holds.)"""
     if path is None:
         return None
     source = RunLedger.open_existing(path)
+    recorded = source.manifest["contract"].get("run")
+    model = recorded.get("model") if isinstance(recorded, dict) else None
+    digest = recorded.get("model_digest") if isinstance(recorded, dict) else None
+    if not (isinstance(model, str) and isinstance(digest, str)):
+        raise KvreplayError(f"The run {path} (--from) does not record the model it ran on.")
+    theirs = contract_scheme(source.manifest["contract"])
+    ours = config.model_digest
+    if theirs != scheme:  # the model's digest under the scheme the other run used
+        info = config.backend.describe_model(config.model, theirs)
+        ours = info["model_digest"]
+    if digest != ours:
+        raise KvreplayError(
+            f"The run {path} (--from) ran on the model {model[:80]!r}, not on --model "
+            f"{config.model!r}; its prefixes are that model's token ids."
+        )
     records, problems = parse_rows(source.rows_path, source.contract_hash)
     if problems:
         raise KvreplayError(f"The run {path} has a damaged ledger ({problems[0]}).")
@@ -139,6 +181,8 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
         request.model, request.device, request.dtypes, scheme, prompts, request.chat
     )
     _check_prompts(request, plan, items, info, tokenizer)
+    pool = experiment.prompt_pool(items, experiment.count(request.n, items)) or items
+    _check_hits(request, plan, pool, tokenizer)
     config = RunConfig(
         model=request.model,
         model_digest=info["model_digest"],
@@ -147,7 +191,7 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
         save_snapshots=request.save_snapshots,
         **request.settings(),
     )
-    source = _source_run(request.prefix_from)
+    source = _source_run(request.prefix_from, config, scheme)
     scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
     experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
     contract = build_contract(config, info, request.items, items, scheme)
@@ -188,7 +232,7 @@ def _open_ledger(request: RunRequest, contract: dict[str, Any], items: list[Item
 def _freeze_items(ledger: RunLedger, items: list[Item]) -> None:
     """Write items.jsonl for a new run; a resumed run's must be what its contract says."""
     path = ledger.run_dir / ITEMS
-    text = "".join(json.dumps(i.to_dict(), sort_keys=True) + "\n" for i in items)
+    text = frozen_text(items)
     if ledger.fresh or not path.exists():
         write_text_atomic(path, text)
     elif _frozen_bytes(path) != text.encode("utf-8"):
@@ -206,6 +250,15 @@ class Stop(Protocol):
     def __call__(self, rows: list[Record]) -> bool: ...
 
     def to_json(self) -> dict[str, Any]: ...
+
+
+def decides_at_last(stop: Stop, rows: list[Record]) -> bool:
+    """Whether ``stop`` decides at the last of ``rows`` and not before, as an audit
+    requires of a recorded stop. A resumed run whose rule decided at an earlier row (a
+    check rerun with another ``--expect``) has rows past that point already: it stops
+    nowhere and runs every planned row, so that its record never claims a stop it did
+    not make."""
+    return bool(rows) and stop(rows) and not stop(rows[:-1])
 
 
 def _frozen_bytes(path: Path) -> bytes:
@@ -236,6 +289,9 @@ def run(
         ledger, scope = prepare(request)
         try:
             return _run_prepared(request, ledger, scope, quiet, session, stop)
+        except KvreplayError:
+            ledger.abandon()  # refused before its first row: nothing half-written is left
+            raise
         finally:
             ledger.close()
 
@@ -257,8 +313,9 @@ def _run_prepared(
     run, placement = scope.config, request.placement
     engine = session.engine(run, placement) if session else make_engine(run, placement)
     try:
-        ledger.note_experiment(experiment.name, "engine", engine.describe())
-        done = (lambda: stop(ledger.rows(experiment.name))) if stop else (lambda: False)
+        ledger.note_experiment(experiment.name, ENGINE, engine.describe())
+        name = experiment.name
+        done = (lambda: decides_at_last(stop, ledger.rows(name))) if stop else (lambda: False)
         stopped = False
         for phase in range(experiment.phases):
             units = experiment.units(phase, scope, selection, ledger.by_key())

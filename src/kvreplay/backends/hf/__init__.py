@@ -38,10 +38,15 @@ class HfBackend(Backend):
 
     def check_model(self, spec: str, device: str, dtypes: tuple[str, ...]) -> None:
         """transformers must build the model from its config on the meta device with this
-        attention implementation, and its weights must fit the config."""
+        attention implementation, and its weights must fit the config and be finite."""
         from kvreplay.backends.hf.loading import check_loadable
+        from kvreplay.model.weights import check_finite_weights
+        from kvreplay.model.sources import resolve_source
 
         check_loadable(spec, self.attn_implementation, self.trust_remote_code)
+        folder, gguf_file = resolve_source(spec, self.trust_remote_code)
+        if gguf_file is None:
+            check_finite_weights(folder, spec)
 
     def state_layout(self, spec: str, tokens: int) -> tuple[list[str], list[int]]:
         """transformers' cache for the config; a sliding layer counts every token it saw."""

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from transformers import DynamicCache
 
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.model.state import BoundaryState, Component, read_state_metadata
 
 
@@ -98,7 +99,10 @@ def load_state(path: Path, model: Any) -> HfState:
             f"but the model has {len(layers)}."
         )
     with safe_open(str(path), framework="pt") as handle:
-        saved_kinds = json.loads((handle.metadata() or {}).get("layer_kinds", "null"))
+        try:
+            saved_kinds = parse_json((handle.metadata() or {}).get("layer_kinds", "null"))
+        except JsonError:
+            saved_kinds = None  # not a layout: refused below as another one
     if saved_kinds != layer_kinds(state.cache):
         raise KvreplayError(
             f"The snapshot {path} was saved from a model with another cache layout."

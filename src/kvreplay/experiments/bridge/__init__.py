@@ -16,4 +16,5 @@ DECLARATION = Declaration(
     default_n=str(DEFAULT_N),
     section=SECTION,
     judged=True,
+    config={"dtype": str, "item_ids": list, "selection": dict},
 )

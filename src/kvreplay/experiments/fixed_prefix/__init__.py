@@ -16,4 +16,10 @@ DECLARATION = Declaration(
     section=SECTION,
     judged=True,
     outcome_rank=1,
+    config={
+        "dtypes": list,
+        "item_ids": list,
+        "prefix_dtype": str,
+        "prefix_from": (str, type(None)),
+    },
 )

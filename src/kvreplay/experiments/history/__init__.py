@@ -18,4 +18,5 @@ DECLARATION = Declaration(
     section=SECTION,
     needs="traffic",  # its loopback clients: a server's experiment
     check="traffic",
+    config={"dtypes": list, "item_ids": list, "miss": str},
 )

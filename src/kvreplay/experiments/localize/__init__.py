@@ -15,4 +15,5 @@ DECLARATION = Declaration(
     takes=("divergent", "panel_seed", "both_directions"),
     source="Take the divergent rows and their prefixes from this run.",
     section=SECTION,
+    config={"precision": str, "directions": list, "sweeps": list, "selection": dict},
 )

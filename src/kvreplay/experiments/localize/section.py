@@ -191,10 +191,7 @@ def draw(directions: Json, figures: Figures) -> Path:
         axes[0].legend(fontsize=8)
     else:
         figure.suptitle("no divergent rows: nothing to localize")
-    path = figures.path("localize.png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
+    return figures.write(figure, "localize.png")
 
 
 LOCALIZE = Section("localize", (LOCALIZE_TABLE,), _claims, _summary, report=_report, paper_order=8)

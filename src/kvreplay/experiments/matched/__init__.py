@@ -19,4 +19,5 @@ DECLARATION = Declaration(
     check="greedy",
     judged=True,
     outcome_rank=2,
+    config={"dtypes": list, "item_ids": list, "miss": str, "fragile": dict},
 )

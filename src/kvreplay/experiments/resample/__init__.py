@@ -19,4 +19,16 @@ DECLARATION = Declaration(
     section=SECTION,
     check="faithful",
     judged=True,
+    config={
+        "dtypes": list,
+        "item_ids": list,
+        "miss": str,
+        "samples": int,
+        "seeds": list,
+        "replica_samples": int,
+        "temperature": (int, float),
+        "top_p": (int, float),
+        "margin": (int, float),
+        "batching": str,
+    },
 )

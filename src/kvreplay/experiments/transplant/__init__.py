@@ -15,4 +15,11 @@ DECLARATION = Declaration(
     takes=("panel", "alias", "name", "divergent", "controls", "panel_seed"),
     source="Take the panel and its prefixes from this run.",
     section=SECTION,
+    config={
+        "precision": str,
+        "prefix_dtype": str,
+        "arms": list,
+        "csv_name": str,
+        "selection": dict,
+    },
 )
