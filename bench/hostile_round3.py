@@ -254,7 +254,7 @@ def secrets_family(tiny: TinyVllm, model: Path, scratch: Path) -> Family:
 @contextlib.contextmanager
 def recorded_commands() -> Iterator[list[list[str]]]:
     """kvreplay env's commands recorded instead of run (each 'fails', so none follows)."""
-    import kvreplay.run.lock as lock
+    import kvreplay.contract.lock as lock
 
     ran: list[list[str]] = []
     real = lock.subprocess.run

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from kvreplay.core.comparison import Comparison
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.jsonio import JsonError, parse_json
+from kvreplay.core.jsonio import parse_json
 
 Component = Literal["kv", "k", "v"]
 STATE_FORMAT = "kvreplay-boundary-state-v1"

@@ -14,6 +14,7 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.core.outputs import in_system_folder
 from kvreplay.core.paths import check_name
 
+
 def check_venv(venv: str) -> Path:
     """The folder ``kvreplay env --venv`` builds, as an absolute path; refused in one
     sentence: nothing (the current folder), an option, a name with control characters,

@@ -40,8 +40,8 @@ class HfBackend(Backend):
         """transformers must build the model from its config on the meta device with this
         attention implementation, and its weights must fit the config and be finite."""
         from kvreplay.backends.hf.loading import check_loadable
-        from kvreplay.model.weights import check_finite_weights
         from kvreplay.model.sources import resolve_source
+        from kvreplay.model.weights import check_finite_weights
 
         check_loadable(spec, self.attn_implementation, self.trust_remote_code)
         folder, gguf_file = resolve_source(spec, self.trust_remote_code)

@@ -5,7 +5,6 @@ its cumulative length is kept alongside."""
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
