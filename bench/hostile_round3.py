@@ -254,20 +254,20 @@ def secrets_family(tiny: TinyVllm, model: Path, scratch: Path) -> Family:
 @contextlib.contextmanager
 def recorded_commands() -> Iterator[list[list[str]]]:
     """kvreplay env's commands recorded instead of run (each 'fails', so none follows)."""
-    import kvreplay.contract.lock as lock
+    import kvreplay.run.env as env
 
     ran: list[list[str]] = []
-    real = lock.subprocess.run
+    real = env.subprocess.run
 
     def record(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         ran.append(list(command))
         return subprocess.CompletedProcess(command, 1)
 
-    lock.subprocess.run = record  # type: ignore[assignment]
+    env.subprocess.run = record  # type: ignore[assignment]
     try:
         yield ran
     finally:
-        lock.subprocess.run = real  # type: ignore[assignment]
+        env.subprocess.run = real  # type: ignore[assignment]
 
 
 def _venv(folder: Path, marker: Path, parts: tuple[str, ...]) -> Path:
