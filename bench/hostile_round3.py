@@ -33,7 +33,7 @@ from typing import Any
 
 from click.testing import Result
 from helpers import GOOD, invoke, run_args
-from hostile_probe import KEY_ENV, SECRET, WRONG, Family, made, refusal
+from hostile_cases import KEY_ENV, SECRET, WRONG, Family, made, refusal
 from loopback import Loopback, Reply, Sent, TinyVllm
 from tiny import save_tiny
 
