@@ -39,6 +39,7 @@ from kvreplay.verify.mismatch import (
     judge,
     parse_expectation,
 )
+from kvreplay.verify.mismatch_render import mismatch_json, mismatch_junit, mismatch_screen
 
 LOGGED = "logged"  # the precision logged rows are filed under
 TRAINER = "trainer"
@@ -216,10 +217,10 @@ def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], Non
     for line in summary_lines({"rollout_mismatch": verdict.claims}):
         echo(line)
     if gate:
-        echo(verdict.screen())
+        echo(mismatch_screen(verdict))
     json_path = request.json_path
     if json_path is not None and not gate:
         json_path.write_text(json.dumps(verdict.claims, indent=2, sort_keys=True) + "\n")
         json_path = None
-    write_outputs((verdict.to_json(), verdict.junit()), json_path, request.junit_path)
+    write_outputs((mismatch_json(verdict), mismatch_junit(verdict)), json_path, request.junit_path)
     return verdict.exit_code if gate else 0

@@ -22,6 +22,7 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.request import RunOptions, RunRequest
 from kvreplay.verify.mismatch import MismatchBounds, MismatchVerdict, judge, parse_expectation
+from kvreplay.verify.mismatch_render import mismatch_json, mismatch_junit, mismatch_screen
 
 ROLLOUT = "rollout"
 TAKEN = ("top_k", "logprobs", "max_tokens", "ignore_eos")
@@ -66,8 +67,8 @@ def run_mismatch_check(
     temperature = float(config["sampling"]["temperature"])
     environment = recorded_environment(ledger.manifest)
     verdict = judge(sides, trainer.label, expectation, rollout, temperature, environment)
-    echo(verdict.screen())
-    rendered = (verdict.to_json(), verdict.junit())
+    echo(mismatch_screen(verdict))
+    rendered = (mismatch_json(verdict), mismatch_junit(verdict))
     write_outputs(rendered, request.json_path, request.junit_path)
     echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
     return verdict

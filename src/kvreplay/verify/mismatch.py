@@ -17,18 +17,16 @@ of its own beside :mod:`kvreplay.verify.verdict` (the live vs prefill check's).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
-from xml.etree import ElementTree
 
 import numpy as np
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import option
-from kvreplay.core.power import percent, rate_upper_bound
-from kvreplay.experiments.rollout.section import dominance, precision_claims
+from kvreplay.core.power import rate_upper_bound
+from kvreplay.experiments.rollout.section import precision_claims
 from kvreplay.experiments.rollout.sides import Sequences
 from kvreplay.experiments.rollout.table import ROLLOUT_SIDE
 from kvreplay.measure.mismatch import DEFAULT_CAP, Pairs, metrics, term_interval
@@ -208,63 +206,6 @@ class MismatchVerdict:
             },
         }  # fmt: skip
 
-    def sentence(self) -> str:
-        word = "HOLDS" if self.holds else "FAILS"
-        where = "bitwise" if self.expectation.bitwise else "at the numbers level"
-        head = f"{word} {where} ({self.expectation.describe()}): "
-        if not self.sequences:
-            return head + "no rollout was sampled, so nothing was compared."
-        pair = f"{self.rollout} decode vs {self.trainer}"
-        n = len(self.sequences)
-        numbers = (
-            f"k3 KL {self.kl_k3:.3g}"
-            + (f" (95% upper bound {self.kl_k3_upper:.3g})" if self.kl_k3_upper is not None else "")
-            + f", largest |delta log p| {self.abs_logp_max:.3g}"
-        )
-        if self.expectation.max_abs_logp is not None:
-            numbers += (
-                f", {self.beyond} of {n} sequence(s) with a token beyond "
-                f"{self.expectation.max_abs_logp:g}"
-            )
-        if self.parted:
-            first = self.parted[0]
-            bits = (
-                f"log-probabilities differ on {len(self.parted)} of {n} sequence(s), first at "
-                f"{first.key} ({first.precision}) token {first.first_differs}"
-            )
-        else:
-            bits = f"every token's log-probability is the same float on {n} of {n} sequence(s)"
-        bound = percent(rate_upper_bound(len(self.parted), n))
-        power = f", so the rate of sequences that part may still be up to {bound} (95% upper bound)"
-        if self.expectation.bitwise:
-            return head + f"{pair}: {bits}" + (power if not self.parted else "") + f"; {numbers}."
-        not_bitwise = "NOT bitwise: " if self.parted else "bitwise too: "
-        return head + f"{pair} over {self.tokens} tokens: {numbers}; {not_bitwise}{bits}."
-
-    def to_json(self) -> dict[str, Any]:
-        levels = self.levels()
-        return {
-            "schema": SCHEMA,
-            "verdict": "holds" if self.holds else "fails",
-            "exit_code": self.exit_code,
-            "sentence": self.sentence(),
-            "level": self.expectation.level,
-            "levels": levels,
-            "power": {
-                "level": self.expectation.level,
-                "sequences": len(self.sequences),
-                "tokens": self.tokens,
-                "rate_upper_95": levels["bits"]["rate_upper_95"],
-                "kl_k3_upper_95": self.kl_k3_upper,
-            },
-            "expectation": asdict(self.expectation),
-            "rollout": self.rollout,
-            "trainer": self.trainer,
-            "sequences": [{**asdict(s), "bits_equal": s.bits_equal} for s in self.sequences],
-            "claims": self.claims,
-            "environment": self.environment,
-        }
-
     def passes(self, outcome: SequenceOutcome) -> bool:
         """Whether one sequence meets what can be judged of it alone (bits, or its
         largest |delta log p|)."""
@@ -272,76 +213,6 @@ class MismatchVerdict:
             return outcome.bits_equal
         bound = self.expectation.max_abs_logp
         return bound is None or outcome.abs_logp_max <= bound
-
-    def junit(self) -> str:
-        """JUnit XML: one test case per sampled turn (failed where it breaks what a
-        sequence alone can break), and one for the pooled k3 KL at the numbers level."""
-        cases = [(s.key, s.precision, self.passes(s), s) for s in self.sequences]
-        bound = None if self.expectation.bitwise else self.expectation.max_k3_kl
-        pooled_fails = bound is not None and self.kl_k3 > bound
-        failures = sum(not ok for _, _, ok, _ in cases) + pooled_fails
-        suite = ElementTree.Element(
-            "testsuite", name="kvreplay check --trainer",
-            tests=str(len(cases) + (bound is not None)), failures=str(failures),
-        )  # fmt: skip
-        properties = ElementTree.SubElement(suite, "properties")
-        for name, value in (
-            ("verdict", "holds" if self.holds else "fails"),
-            ("level", self.expectation.level),
-            ("bits", "holds" if self.bits_hold else "fails"),
-            ("numbers", "holds" if self.numbers_hold else "fails"),
-            ("kl_k3", f"{self.kl_k3:.6g}"),
-            ("abs_logp_max", f"{self.abs_logp_max:.6g}"),
-        ):
-            ElementTree.SubElement(properties, "property", name=name, value=value)
-        for key, precision, ok, outcome in cases:
-            case = ElementTree.SubElement(
-                suite, "testcase", classname=f"kvreplay.mismatch.{precision}", name=key
-            )
-            if not ok:
-                failure = ElementTree.SubElement(case, "failure", message=_why(outcome))
-                failure.text = json.dumps(asdict(outcome), sort_keys=True)
-        if bound is not None:
-            case = ElementTree.SubElement(
-                suite, "testcase", classname="kvreplay.mismatch", name="kl_k3"
-            )
-            if pooled_fails:
-                message = f"k3 KL {self.kl_k3:.3g} above {bound:g}"
-                ElementTree.SubElement(case, "failure", message=message)
-        ElementTree.SubElement(suite, "system-out").text = self.sentence()
-        return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
-
-    def screen(self) -> str:
-        levels = self.levels()
-        lines = [self.sentence(), ""]
-        bits = levels["bits"]
-        lines.append(f"  bits: {'equal' if bits['holds'] else 'differ'} "
-                     f"({bits['differ']} of {bits['sequences']} sequences differ)")  # fmt: skip
-        numbers = levels["numbers"]
-        lines.append(
-            f"  numbers: {'within' if numbers['holds'] else 'beyond'} (k3 KL "
-            f"{numbers['kl_k3']:.3g}, largest |delta log p| {numbers['abs_logp_max']:.3g})"
-        )
-        for precision, c in self.claims.items():
-            d = c["decomposition"].get(self.trainer)
-            if d is not None:
-                terms = d["terms"]
-                lines.append(
-                    f"  {precision}: mean |delta| engine {terms['engine']['abs_mean']:.3g}, "
-                    f"cross {terms['cross']['abs_mean']:.3g} ({dominance(d['dominant'])})"
-                )
-        for outcome in [s for s in self.sequences if not self.passes(s)][:10]:
-            lines.append(f"  {outcome.key} ({outcome.precision}): {_why(outcome)}")
-        return "\n".join(lines)
-
-
-def _why(outcome: SequenceOutcome) -> str:
-    if outcome.bits_equal:
-        return f"every token bit-equal; largest |delta log p| {outcome.abs_logp_max:.3g}"
-    return (
-        f"log-probabilities differ from token {outcome.first_differs}; largest |delta log p| "
-        f"{outcome.abs_logp_max:.3g}, k3 KL {outcome.kl_k3:.3g}"
-    )
 
 
 def judge(
