@@ -24,12 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -37,6 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers import vllm_server  # noqa: E402
 
 from kvreplay.faults.plugin import write_plugin_folder  # noqa: E402
 from kvreplay.faults.registry import FAULTS, Fault  # noqa: E402
@@ -212,54 +213,21 @@ def history_outcome(out: Path, done: subprocess.CompletedProcess) -> dict:
 # --- servers --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def vllm_serve(model_folder: str, fault: str | None, log: Path) -> Iterator[str]:
     """A ``vllm serve`` of the model in fp32 (prefix caching, block size 32, dev mode),
     with ``fault`` planted through kvreplay's vLLM plugin folder."""
-    port = free_port()
     plugins = Path(tempfile.mkdtemp(prefix="kvreplay-fault-plugin-"))
     env = {
         **ENV,
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONPATH": f"{write_plugin_folder(plugins)}{os.pathsep}{REPO / 'src'}",
+        "KVREPLAY_FAULT": fault,
     }
-    if fault:
-        env["KVREPLAY_FAULT"] = fault
-    command = [
-        VPY, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
-        "--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--block-size", "32", "--max-model-len", str(min(2048, context(model_folder))),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-    ]  # fmt: skip
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 1200
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not come up (see {log})")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as answer:
-                        if answer.status == 200:
-                            break
-                except OSError:
-                    time.sleep(2)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    length = str(min(2048, context(model_folder)))
+    flags = ("--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+             "--block-size", "32", "--max-model-len", length)  # fmt: skip
+    with vllm_server(model_folder, log, *flags, env=env, python=VPY, limit=1200) as url:
+        yield url
 
 
 def context(folder: str) -> int:

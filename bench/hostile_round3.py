@@ -40,6 +40,12 @@ from tiny import save_tiny
 CASE_SECONDS = int(os.environ.get("HOSTILE_CASE_SECONDS", "120"))
 
 
+def check_of(run: list[Any], model: Path, out: Path, n: int) -> list[Any]:
+    """A short-plan ``kvreplay check`` of ``n`` items on the items a run's arguments name."""
+    items = run[run.index("--items") + 1]
+    return ["check", "--model", model, "--items", items, "--plan", "short", "--n", n, "--out", out]
+
+
 def timed(*args: object) -> Result:
     """``kvreplay ARGS`` cut off after :data:`CASE_SECONDS` (a hang is a problem too)."""
 
@@ -807,21 +813,7 @@ def tracebacks_family(run: Path, model: Path, scratch: Path) -> Family:
         for command in ("run", "check"):
             args, out = run_args("matched", made(scratch / f"{name}-{command}"), bad)
             if command == "check":
-                args = [
-                    "check",
-                    "--model",
-                    bad,
-                    "--items",
-                    args[args.index("--items") + 1],
-                    "--plan",
-                    "short",
-                    "--dtypes",
-                    "fp32",
-                    "--n",
-                    1,
-                    "--out",
-                    out,
-                ]
+                args = [*check_of(args, bad, out, 1), "--dtypes", "fp32"]
             else:
                 args += ["--n", 1, "--dtypes", "fp32"]
             family.record(f"weights {name} {command}", refused(timed(*args), {}, out))
@@ -1043,19 +1035,7 @@ def vacuous_family(tiny: TinyVllm, models: dict[str, Path], run: Path, scratch: 
         args, out = run_args("matched", made(scratch / f"v{next(counter)}"), models["qwen2"])
         served = ["--backend", "http", "--url", tiny.url, "--companions", "0", "--dtypes", "fp32"]
         if command == "check":
-            args = [
-                "check",
-                "--model",
-                models["qwen2"],
-                "--items",
-                args[args.index("--items") + 1],
-                "--plan",
-                "short",
-                "--n",
-                2,
-                "--out",
-                out,
-            ]
+            args = check_of(args, models["qwen2"], out, 2)
         result = timed(*args, *served)
         if result.exit_code == 2:
             problem = refused(result, {}, out)
@@ -1105,21 +1085,7 @@ def honest_family(model: Path, scratch: Path, sequences: int) -> Family:
     rng = random.Random(45)
     for index in range(sequences):
         args, out = run_args("matched", made(scratch / f"h{index}"), model)
-        base = [
-            "check",
-            "--model",
-            model,
-            "--items",
-            args[args.index("--items") + 1],
-            "--plan",
-            "short",
-            "--dtypes",
-            "fp32",
-            "--n",
-            3,
-            "--out",
-            out,
-        ]
+        base = [*check_of(args, model, out, 3), "--dtypes", "fp32"]
         steps = [rng.choice(CHOICES) for _ in range(3)]
         for step, expect in enumerate(steps):
             result = timed(*base, *expect)

@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -199,6 +200,14 @@ def write_items(path: Path, prompts: Sequence[str], prefix: str, answer: str) ->
     return path
 
 
+def pool_inputs(root: Path) -> tuple[Path, Path]:
+    """The prompt pool as items, and the tests' stage plan as a plan file, in ``root``."""
+    items = write_items(root / "items.jsonl", PROMPT_POOL, "p", "1")
+    plan = root / "plan.json"
+    plan.write_text(json.dumps(PLAN.to_dict()))
+    return items, plan
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -217,6 +226,43 @@ def wait_until_up(url: str, process: subprocess.Popen, limit: float = 900) -> No
         except OSError:
             time.sleep(2)
     raise RuntimeError("the server did not come up")
+
+
+@contextmanager
+def vllm_server(
+    model: Path | str,
+    log: Path,
+    *flags: str,
+    env: dict[str, str | None] | None = None,
+    python: str = sys.executable,
+    limit: float = 900,
+) -> Iterator[str]:
+    """A real ``vllm serve`` (vLLM's OpenAI server module) of ``model`` on a free loopback
+    port, in dev mode with a small CPU KV space and one thread, its output in ``log``;
+    yields its URL once it answers and stops it on leaving. ``env`` overrides this
+    process's environment (None removes a name)."""
+    port = free_port()
+    merged = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command,
+            env={k: v for k, v in merged.items() if v is not None},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_up(url, process, limit)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 # The core install (no torch), built by `make setup-core`; .ci/run names it in

@@ -18,7 +18,7 @@ from xml.etree import ElementTree
 
 import jsonschema
 import pytest
-from helpers import PLAN, PROMPT_POOL, invoke, write_items
+from helpers import invoke, pool_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((REPO / "docs" / "check-v3.schema.json").read_text())
@@ -27,11 +27,7 @@ SCHEMA = json.loads((REPO / "docs" / "check-v3.schema.json").read_text())
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The prompt pool as items, and the tests' stage plan as a plan file."""
-    root = tmp_path_factory.mktemp("check-inputs")
-    items = write_items(root / "items.jsonl", PROMPT_POOL, "p", "1")
-    plan = root / "plan.json"
-    plan.write_text(json.dumps(PLAN.to_dict()))
-    return items, plan
+    return pool_inputs(tmp_path_factory.mktemp("check-inputs"))
 
 
 def check(

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import free_port, invoke, wait_until_up
+from helpers import invoke, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -58,28 +58,11 @@ def smollm2_folder(smollm2_cache: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    log = (tmp_path_factory.mktemp("smollm2-server") / "vllm.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-         str(smollm2_folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-         "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "2048",
-         "--block-size", str(BLOCK)],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url, process)
+    log = tmp_path_factory.mktemp("smollm2-server") / "vllm.log"
+    flags = ("--dtype", "bfloat16", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+             "--max-model-len", "2048", "--block-size", str(BLOCK))  # fmt: skip
+    with vllm_server(smollm2_folder, log, *flags) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 def rows(folder: Path) -> list[dict]:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import PLAN, PROMPT_POOL, invoke, write_items
+from helpers import invoke, pool_inputs
 
 from kvreplay.faults import ENGINE_MODULES, FAULTS, planted
 from kvreplay.faults.plugin import ENTRY, GROUP, register, write_plugin_folder
@@ -25,11 +25,7 @@ from kvreplay.faults.registry import ENV
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("fault-inputs")
-    items = write_items(root / "items.jsonl", PROMPT_POOL, "p", "1")
-    plan = root / "plan.json"
-    plan.write_text(json.dumps(PLAN.to_dict()))
-    return items, plan
+    return pool_inputs(tmp_path_factory.mktemp("fault-inputs"))
 
 
 def check(model: Path, inputs: tuple[Path, Path], out: Path, *extra: object):

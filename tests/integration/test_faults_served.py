@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import free_port, invoke, wait_until_up
+from helpers import invoke, vllm_server
 from tiny import save_tiny
 
 from kvreplay.faults.plugin import write_plugin_folder
@@ -41,32 +39,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextmanager
 def vllm_serve(model: Path, fault: str | None, folder: Path) -> Iterator[tuple[str, Path]]:
     """A ``vllm serve`` of ``model`` with ``fault`` planted; its address and log."""
-    port, log = free_port(), folder / "vllm.log"
+    log = folder / "vllm.log"
     path = [str(write_plugin_folder(folder / "plugin")), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in path if p)}  # fmt: skip
-    env.pop(ENV, None)
-    if fault:
-        env[ENV] = fault
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", "32",
-             "--max-model-len", "1024", "--num-gpu-blocks-override", "64"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_up(url, process)
-            yield url, log
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p), ENV: fault}
+    flags = ("--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+             "--block-size", "32", "--max-model-len", "1024",
+             "--num-gpu-blocks-override", "64")  # fmt: skip
+    with vllm_server(model, log, *flags, env=env) as url:
+        yield url, log
 
 
 def check(url: str, model: Path, out: Path, *extra: object):

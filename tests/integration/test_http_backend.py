@@ -12,9 +12,6 @@ loopback and a free port, stopped at the end. It runs in the vLLM environment.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from forgery import read_rows, rechain
-from helpers import core, free_port, invoke, same_suffixes, wait_until_up
+from helpers import core, free_port, invoke, same_suffixes, vllm_server
 from tiny import save_tiny
 
 pytest.importorskip("vllm")
@@ -35,27 +32,11 @@ pytestmark = pytest.mark.vllm
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(url, model folder) of a real vLLM server in dev mode, reporting cached tokens."""
     model = save_tiny(tmp_path_factory.mktemp("served") / "model", "served_qwen2")
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    log = (tmp_path_factory.mktemp("server-log") / "vllm.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-         "--enable-prompt-tokens-details", "--max-model-len", "1024", "--block-size", "32"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url, process)
+    log = tmp_path_factory.mktemp("server-log") / "vllm.log"
+    flags = ("--dtype", "bfloat16", "--enable-prompt-tokens-details", "--max-model-len", "1024",
+             "--block-size", "32")  # fmt: skip
+    with vllm_server(model, log, *flags) as url:
         yield url, model
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 class Proxy:
