@@ -10,6 +10,12 @@
 # native), the compiler and the build flags, so that a fresh clone on the same machine (a
 # CI run) copies it instead of compiling; the binaries find their libraries beside them
 # ($ORIGIN), wherever they are copied. A cold cache builds as before.
+#
+# Kernel families known to crash are never compiled in, whatever the CPU: a native build
+# on an Intel CPU with AMX (Sapphire Rapids and later) turns on ggml's AMX kernels, which
+# repack the weights and crash in the first matrix product (llama.cpp #20824). GCC lets an
+# explicit -mno-* win over what -march=native implies, so the rest stays native.
+# tests/integration/test_llamacpp_build.py fails if the build's system info shows AMX.
 set -euo pipefail
 VERSION=$(sed -n 's/^llama[-_]cpp[-_]python==//p' requirements/lock-hf.txt)
 OUT=$PWD/build/llamacpp
@@ -19,7 +25,9 @@ CACHE=${KVREPLAY_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay-build}
 FLAGS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DGGML_OPENMP=ON
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
-  -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON)
+  -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON
+  "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
 mkdir -p "$OUT/src"
 if [ ! -f "$SDIST" ]; then
   python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$OUT/src"

@@ -19,7 +19,7 @@ from tiny import save_tiny
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from kvreplay.backends.vllm_blocks import pack, unpack  # noqa: E402
+from kvreplay.backends.vllm_blocks import LAYOUTS  # noqa: E402
 from kvreplay.contract.config import RunConfig  # noqa: E402
 from kvreplay.core.errors import KvreplayError  # noqa: E402
 from kvreplay.engines.worker import Worker  # noqa: E402
@@ -179,13 +179,94 @@ def test_reading_blocks_a_reset_evicted_is_refused_in_one_sentence(engine_model)
     assert message.endswith(".") and message.count(". ") == 0 and "\n" not in message
 
 
-def test_the_block_layout_round_trips() -> None:
+def random_blocks(count: int = 2, heads: int = 2, size: int = 32, dim: int = 64):
+    """Seeded bf16 K and V as ``[tokens, kv_heads, head_dim]`` (the kernels' input) and
+    in the cache layout ``[1, kv_heads, tokens, head_dim]``."""
+    generator = torch.Generator().manual_seed(1)
+    keys, values = (
+        torch.randn(count * size, heads, dim, generator=generator).to(torch.bfloat16)
+        for _ in range(2)
+    )
+    return (keys, values), [t.permute(1, 0, 2).unsqueeze(0) for t in (keys, values)]
+
+
+def kernel_writes(kernel: str, keys: torch.Tensor, values: torch.Tensor, size: int = 32):
+    """Two blocks as vLLM's own cache writer for ``kernel`` lays K and V out."""
+    from vllm import _custom_ops as ops
+
+    heads, dim = keys.shape[1], keys.shape[2]
+    count = keys.shape[0] // size
+    blocks = torch.zeros(count, heads, size, 2 * dim, dtype=keys.dtype)
+    key_cache, value_cache = blocks.view(count, heads, size * 2, dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        keys, values, key_cache, value_cache, torch.arange(count * size), kernel
+    )
+    return blocks
+
+
+def amx_writes(keys: torch.Tensor, values: torch.Tensor, size: int = 32) -> torch.Tensor:
+    """vLLM's amx ``reshape_and_cache`` (csrc/cpu/cpu_attn_amx.hpp) transcribed element by
+    element for bf16: the keys as 32-bit words (channel pairs) in groups of 16 tokens, the
+    values as token pairs in groups of 16 channels."""
+    tokens, heads, dim = keys.shape
+    out = torch.zeros(tokens // size, heads, 2, size * dim, dtype=keys.dtype)
+    for token in range(tokens):
+        block, offset = divmod(token, size)
+        group, in_group = divmod(offset, 16)
+        pair, in_pair = divmod(offset, 2)
+        for head in range(heads):
+            for word in range(dim // 2):
+                at = (group * 16 * (dim // 2) + word * 16 + in_group) * 2
+                out[block, head, 0, at : at + 2] = keys[token, head, 2 * word : 2 * word + 2]
+            for channel in range(dim):
+                channels, lane = divmod(channel, 16)
+                at = channels * size * 16 + pair * 32 + lane * 2 + in_pair
+                out[block, head, 1, at] = values[token, head, channel]
+    return out.reshape(tokens // size, heads, size, 2 * dim)
+
+
+@pytest.mark.parametrize("kernel", sorted(LAYOUTS))
+def test_every_block_layout_round_trips(kernel: str) -> None:
     raw = torch.randn(3, 2, 32, 64).to(torch.bfloat16)
-    keys, values = unpack(raw)
+    keys, values = LAYOUTS[kernel].unpack(raw)
     assert keys.shape == values.shape == (1, 2, 96, 32)
-    assert bit_equal(pack(keys, values, 32), raw)
-    assert bit_equal(values[0, 1, 32:64], raw[1, 1].reshape(2, 32 * 32)[1].reshape(32, 32))
-    assert bit_equal(keys[0, 1, 32:64], raw[1, 1].reshape(2, 32 * 32)[0].reshape(32, 32).T)
+    assert bit_equal(LAYOUTS[kernel].pack(keys, values, 32), raw)
+
+
+@pytest.mark.parametrize("kernel", ["vec", "vec16"])
+def test_the_vec_layouts_are_what_the_kernels_write_on_this_cpu(kernel: str) -> None:
+    (keys, values), cache = random_blocks()
+    written = kernel_writes(kernel, keys, values)
+    assert bit_equal(LAYOUTS[kernel].pack(*cache, 32), written)
+    assert all(bit_equal(a, b) for a, b in zip(LAYOUTS[kernel].unpack(written), cache, strict=True))
+    # the key of token 33 (block 1, offset 1), head 1, is stored channel-major
+    assert bit_equal(written[1, 1].reshape(2, 32 * 64)[0].reshape(64, 32)[:, 1], keys[33, 1])
+
+
+def test_the_amx_layout_is_what_vllms_amx_writer_does() -> None:
+    """The CPU here may have no AMX (then vLLM's extension has no amx writer to run):
+    the layout is checked against the writer's transcription, and on a CPU with AMX
+    against the writer itself; an engine checks it again before it reads a block."""
+    (keys, values), cache = random_blocks()
+    written = amx_writes(keys, values)
+    assert bit_equal(LAYOUTS["amx"].pack(*cache, 32), written)
+    assert all(bit_equal(a, b) for a, b in zip(LAYOUTS["amx"].unpack(written), cache, strict=True))
+    assert not bit_equal(LAYOUTS["vec"].pack(*cache, 32), written)
+    if torch.cpu._is_amx_tile_supported():
+        assert bit_equal(kernel_writes("amx", keys, values), written)
+
+
+def test_an_engine_whose_kernel_kvreplay_misreads_is_refused(engine_model) -> None:
+    _, lm = engine_model
+    kept = lm.engine.layout
+    wrong = "amx" if kept.name != "amx" else "vec"
+    lm.engine.layout = LAYOUTS[wrong]
+    try:
+        with pytest.raises(KvreplayError, match="lays out its KV blocks otherwise"):
+            lm.engine.check_layout()
+    finally:
+        lm.engine.layout = kept
+    lm.engine.check_layout()
 
 
 def config_dir(config: RunConfig) -> Path:

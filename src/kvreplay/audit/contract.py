@@ -11,6 +11,7 @@ from typing import Any
 
 from kvreplay.contract.build import build_contract
 from kvreplay.contract.config import RunConfig
+from kvreplay.contract.environment import KERNELS
 from kvreplay.contract.lock import valid_pin
 from kvreplay.contract.upgrade import current
 from kvreplay.core.canonical import canonical
@@ -33,6 +34,9 @@ MACHINE_FIELDS = (
     "system",
     "libc",
     "cpu_capability",
+    "cpu_vendor",
+    "cpu_features",
+    KERNELS,
     "device_name",
 )
 

@@ -178,6 +178,11 @@ class Backend:
         """Library versions this backend adds to the contract's environment."""
         return {}
 
+    def kernels(self) -> str | None:
+        """What this backend's build reports of the kernel families it runs, beyond the
+        CPU's features (contract scheme 4 records it; design: evidence across CPUs)."""
+        return None
+
     def installed(self) -> bool:
         """Whether this environment can run the backend."""
         return not missing(*self.requires)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import Backend, Capabilities, ModelRef, option
-from kvreplay.backends.llamacpp_binding import KV_TYPES, binding
+from kvreplay.backends.llamacpp_binding import KV_TYPES, binding, check_kernels, system_info
 from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
@@ -62,6 +62,10 @@ class LlamaCppBackend(Backend):
     def environment(self) -> dict[str, str]:
         return {"llama_cpp_python": importlib.metadata.version("llama-cpp-python")}
 
+    def kernels(self) -> str:
+        """llama.cpp's system info: the kernel families its build compiled in."""
+        return system_info()
+
     def installed(self) -> bool:
         if not super().installed():
             return False
@@ -72,7 +76,7 @@ class LlamaCppBackend(Backend):
         return True
 
     def check_ready(self) -> None:
-        binding()
+        check_kernels(system_info())
 
     def describe_model(self, spec: str, scheme: int, tokenizer: Any = None) -> dict[str, Any]:
         """The GGUF file llama.cpp runs is the model's identity, not a conversion of it."""

@@ -17,6 +17,10 @@ LLAMACPP_SETUP = (
     f"it with: {INSTALL['llamacpp']} (in a checkout: `make setup-llamacpp`; see "
     "docs/backends/llamacpp.md)."
 )
+# ggml's AMX kernels repack the weights and crash in the first matrix product (llama.cpp
+# #20824): a build that enables them is refused rather than left to die in a worker.
+CRASHING_KERNELS = ("AMX_INT8",)
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # A run's precision names the KV-cache type: its GGML type id.
 KV_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30, "q8_0": 8}
 
@@ -31,3 +35,21 @@ def binding() -> Any:
         raise KvreplayError(LLAMACPP_SETUP) from exc
     logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
     return lib
+
+
+def system_info() -> str:
+    """llama.cpp's own line of the kernel families its build uses (``SSE3 = 1 | AVX2 = 1 |
+    ...``), as it prints it at start: what a run records of its kernels."""
+    return " ".join(binding().llama_print_system_info().decode("ascii", "replace").split())
+
+
+def check_kernels(info: str) -> None:
+    """Refuse a build whose system info enables a kernel family known to crash."""
+    enabled = [name for name in CRASHING_KERNELS if f"{name} = 1" in info]
+    if enabled:
+        raise KvreplayError(
+            f"This llama.cpp build enables ggml's {', '.join(enabled)} kernels, which crash "
+            "in the first matrix product (llama.cpp #20824); rebuild llama-cpp-python with "
+            f"{NO_AMX_FLAGS} in CMAKE_C_FLAGS and CMAKE_CXX_FLAGS (make setup-llamacpp "
+            "builds it so)."
+        )

@@ -19,10 +19,15 @@ hits them, and :meth:`BlockEngine.holds` checks afterwards that it read exactly 
 blocks. Two states of one P therefore continue under one schedule and differ only in
 what their blocks hold.
 
-vLLM's CPU attention kernel for this case ('vec') stores each block of a layer as K then
-V per KV head, the keys channel-major (``[head_dim, block_size]``) and the values
-token-major (``[block_size, head_dim]``); other kernels' packings (AMX in bf16) are
-refused rather than guessed.
+vLLM's CPU attention kernels each store a layer's block as K then V per KV head, packed
+for their own instructions (:class:`BlockLayout`): 'vec' and 'vec16' keep the keys
+channel-major (``[head_dim, block_size]``) and the values token-major; 'amx' (bf16 on a
+CPU with AMX tiles) packs the keys as pairs of channels in groups of 16 tokens and the
+values as pairs of tokens in groups of 16 channels. Which kernel an engine uses is its own
+choice (the CPU and the precision decide); before a block is read, :meth:`BlockEngine.
+check_layout` has the kernel's own cache writer (``cpu_attn_reshape_and_cache``) lay out
+random K/V and refuses the engine unless kvreplay's packing gives the same bytes, so a
+layout kvreplay misreads is refused rather than read.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.model.state import BoundaryState, Component, bit_equal
 
 FORCED = "kvreplay_forced"  # the SamplingParams.extra_args key of a forced request's tokens
-KERNEL = "vec"  # the CPU attention kernel whose block layout kvreplay reads
 
 
 class ForcedTokens(AdapterLogitsProcessor):
@@ -68,32 +72,94 @@ class ForcedTokens(AdapterLogitsProcessor):
         return force
 
 
-def unpack(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's blocks (``[blocks, kv_heads, block_size, 2 * head_dim]`` as the
-    kernel stores them) as K and V in the cache layout ``[1, kv_heads, tokens, head_dim]``."""
-    count, heads, size, width = raw.shape
-    dim = width // 2
-    halves = raw.reshape(count, heads, 2, size * dim)
-    keys = halves[:, :, 0].reshape(count, heads, dim, size).transpose(2, 3)
-    values = halves[:, :, 1].reshape(count, heads, size, dim)
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one CPU attention kernel packs a block of one KV head: K then V, each
+    ``block_size * head_dim`` elements. The keys are stored as groups of ``token_group``
+    tokens, in each group ``channel_pair`` channels at a time for every token; the values
+    as groups of ``value_channels`` channels, in each group ``value_pair`` tokens at a
+    time for every channel. None stands for the whole block (tokens) or every channel."""
 
-    def as_cache(blocks: torch.Tensor) -> torch.Tensor:
-        return blocks.permute(1, 0, 2, 3).reshape(1, heads, count * size, dim).contiguous()
+    name: str
+    token_group: int | None
+    channel_pair: int
+    value_pair: int
+    value_channels: int | None
 
-    return as_cache(keys), as_cache(values)
+    def _key_view(self, size: int, dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The stored shape (token groups, channel pairs, tokens of a group, channels of
+        a pair) and the order that makes it (token group, token, pair, channel)."""
+        group = self.token_group or size
+        return (size // group, dim // self.channel_pair, group, self.channel_pair), (0, 2, 1, 3)
+
+    def _value_view(self, size: int, dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The stored shape (channel groups, token pairs, channels of a group, tokens of a
+        pair) and the order that makes it (token pair, token, channel group, channel)."""
+        group = self.value_channels or dim
+        return (dim // group, size // self.value_pair, group, self.value_pair), (1, 3, 0, 2)
+
+    def unpack(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's blocks (``[blocks, kv_heads, block_size, 2 * head_dim]`` as the
+        kernel stores them) as K and V in the cache layout ``[1, kv_heads, tokens,
+        head_dim]``."""
+        count, heads, size, width = raw.shape
+        dim = width // 2
+        halves = raw.reshape(count, heads, 2, size * dim)
+
+        def as_cache(half: torch.Tensor, view: tuple[tuple[int, ...], tuple[int, ...]]):
+            shape, order = view
+            blocks = half.reshape(count, heads, *shape).permute(0, 1, *(2 + i for i in order))
+            per_block = blocks.reshape(count, heads, size, dim)
+            return per_block.permute(1, 0, 2, 3).reshape(1, heads, count * size, dim)
+
+        return (
+            as_cache(halves[:, :, 0], self._key_view(size, dim)).contiguous(),
+            as_cache(halves[:, :, 1], self._value_view(size, dim)).contiguous(),
+        )
+
+    def pack(self, keys: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The inverse of :meth:`unpack`: K and V as the kernel stores them in blocks."""
+        _, heads, tokens, dim = keys.shape
+        count = tokens // block_size
+
+        def stored(cache: torch.Tensor, view: tuple[tuple[int, ...], tuple[int, ...]]):
+            shape, order = view
+            storage_order = sorted(range(4), key=order.__getitem__)  # order's inverse
+            logical = tuple(shape[i] for i in order)
+            blocks = cache.reshape(heads, count, block_size, dim).permute(1, 0, 2, 3)
+            unpacked = blocks.reshape(count, heads, *logical)
+            return unpacked.permute(0, 1, *(2 + i for i in storage_order)).reshape(
+                count, heads, block_size * dim
+            )
+
+        k = stored(keys, self._key_view(block_size, dim))
+        v = stored(values, self._value_view(block_size, dim))
+        packed = torch.stack([k, v], dim=2)
+        return packed.reshape(count, heads, block_size, 2 * dim).contiguous()
 
 
-def pack(keys: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The inverse of :func:`unpack`: K and V as the kernel stores them in blocks."""
-    _, heads, tokens, dim = keys.shape
-    count = tokens // block_size
+def _vec(name: str) -> BlockLayout:
+    """'vec' and 'vec16' (the same bytes): keys channel-major, values token-major."""
+    return BlockLayout(name, token_group=None, channel_pair=1, value_pair=1, value_channels=None)
 
-    def per_block(cache: torch.Tensor) -> torch.Tensor:
-        return cache.reshape(heads, count, block_size, dim).permute(1, 0, 2, 3)
 
-    k = per_block(keys).transpose(2, 3).reshape(count, heads, block_size * dim)
-    v = per_block(values).reshape(count, heads, block_size * dim)
-    return torch.stack([k, v], dim=2).reshape(count, heads, block_size, 2 * dim).contiguous()
+# The kernels whose packing kvreplay reads, each checked against the kernel's own writer
+# before use. AMX (bf16) packs for its tiles: rows of 64 bytes, 16 lanes of bf16 pairs.
+LAYOUTS = {
+    "vec": _vec("vec"),
+    "vec16": _vec("vec16"),
+    "amx": BlockLayout("amx", token_group=16, channel_pair=2, value_pair=2, value_channels=16),
+}
+
+
+def layout(kernel: str | None) -> BlockLayout:
+    """The layout of ``kernel``; any other kernel's blocks are refused, never guessed."""
+    if kernel not in LAYOUTS:
+        raise KvreplayError(
+            f"kvreplay reads vLLM's CPU KV blocks as the {', '.join(LAYOUTS)} attention "
+            f"kernels lay them out, but this engine uses {kernel}."
+        )
+    return LAYOUTS[kernel]
 
 
 # What runs on the worker (``collective_rpc`` hands each the worker as its first argument).
@@ -105,6 +171,26 @@ def _layer_caches(worker: Any) -> list[Any]:
 
 def _kernels(worker: Any) -> list[str | None]:
     return [getattr(layer, "isa", None) for layer in _layer_caches(worker)]
+
+
+def _written(worker: Any, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded random K and V for two blocks of a layer's shape and dtype, laid out by the
+    kernel's own cache writer: ``(blocks, keys, values)``, K and V as ``[tokens, kv_heads,
+    head_dim]``."""
+    from vllm import _custom_ops as ops
+
+    like = _layer_caches(worker)[0].kv_cache
+    _, heads, size, width = like.shape
+    dim, count = width // 2, 2
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (
+        torch.randn(count * size, heads, dim, generator=generator).to(like.dtype) for _ in range(2)
+    )
+    blocks = torch.zeros(count, heads, size, width, dtype=like.dtype)
+    key_cache, value_cache = blocks.view(count, heads, size * 2, dim).chunk(2, dim=2)
+    slots = torch.arange(count * size, dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, kernel)
+    return blocks, keys, values
 
 
 def _read_blocks(worker: Any, ids: list[int]) -> list[torch.Tensor]:
@@ -137,14 +223,35 @@ class BlockEngine:
                 "kvreplay reads vLLM blocks of models whose layers share one full-attention "
                 f"KV-cache group; this model has {len(groups)} groups."
             )
-        kernels = set(self._rpc(_kernels))
-        if kernels != {KERNEL}:
+        kernels = sorted(set(self._rpc(_kernels)), key=str)
+        if len(kernels) != 1:
             raise KvreplayError(
-                f"kvreplay reads vLLM's CPU KV blocks as the {KERNEL!r} attention kernel lays "
-                f"them out, but this engine uses {', '.join(map(str, sorted(kernels, key=str)))}."
+                "kvreplay reads vLLM blocks whose layers share one attention kernel; this "
+                f"engine's layers use {', '.join(map(str, kernels))}."
             )
+        self.kernel = str(kernels[0])
+        self.layout = layout(self.kernel)
+        self.check_layout()
         self.num_layers = len(groups[0].layer_names)
         self.vocab_size = served.engine.llm_engine.model_config.get_vocab_size()
+
+    def check_layout(self) -> None:
+        """Refuse the engine unless kvreplay packs K/V exactly as its kernel's own cache
+        writer does (random K/V written both ways, compared bit for bit), so that a
+        layout kvreplay misreads (another vLLM, another kernel) is never read."""
+        blocks, keys, values = self._rpc(_written, self.kernel)
+        as_cache = [t.permute(1, 0, 2).unsqueeze(0) for t in (keys, values)]
+        size = blocks.shape[2]
+        read = self.layout.unpack(blocks)
+        if not (
+            bit_equal(self.layout.pack(*as_cache, size), blocks)
+            and all(bit_equal(a, b) for a, b in zip(read, as_cache, strict=True))
+        ):
+            raise KvreplayError(
+                f"vLLM's {self.kernel!r} attention kernel lays out its KV blocks "
+                "otherwise than kvreplay reads them (another vLLM version?), so their K/V "
+                "cannot be read."
+            )
 
     def _rpc(self, function: Any, *args: Any) -> Any:
         return self.served.engine.collective_rpc(function, args=args)[0]
@@ -209,7 +316,7 @@ class BlockEngine:
     def read(self, ids: list[int], covered: int, construction: str) -> BlockState:
         """P's cached blocks as a state, with the boundary logits a hit on them gives."""
         blocks = self.blocks(ids, covered)
-        layers = [unpack(raw) for raw in self._rpc(_read_blocks, blocks)]
+        layers = [self.layout.unpack(raw) for raw in self._rpc(_read_blocks, blocks)]
         state = BlockState(layers, None, list(ids), construction, self)
         state.logits = self.boundary_logits(state)
         return state
@@ -220,7 +327,7 @@ class BlockEngine:
         self.reset()
         self.prefill(state.token_ids[: state.covered + 1])
         blocks = self.blocks(state.token_ids, state.covered)
-        packed = [pack(keys, values, self.block_size) for keys, values in state.cache]
+        packed = [self.layout.pack(keys, values, self.block_size) for keys, values in state.cache]
         self._rpc(_write_blocks, blocks, packed)
         return blocks
 
@@ -234,7 +341,7 @@ class BlockEngine:
             return False
         raws = self._rpc(_read_blocks, blocks)
         return all(
-            bit_equal(raw, pack(keys, values, self.block_size))
+            bit_equal(raw, self.layout.pack(keys, values, self.block_size))
             for raw, (keys, values) in zip(raws, state.cache, strict=True)
         )
 
@@ -279,7 +386,7 @@ class BlockState(BoundaryState):
         return [int(keys.shape[2]) for keys, _ in self.cache]
 
     def layer_kinds(self) -> list[str]:
-        return [f"vllm:{KERNEL}:{self.engine.block_size}"] * len(self.cache)
+        return [f"vllm:{self.engine.layout.name}:{self.engine.block_size}"] * len(self.cache)
 
     def storages(self) -> set[int]:
         """As a state's, less empty tensors (a P shorter than a block caches none)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.contract.config import RunConfig
-from kvreplay.contract.environment import environment
+from kvreplay.contract.environment import KERNELS, environment
 from kvreplay.core.items import Item, items_digest
 
 
@@ -19,6 +19,14 @@ def build_contract(
         **({"scheme": scheme} if scheme > 1 else {}),
         "run": config.contract(),
         "model_info": info,
-        "environment": environment(config.device, scheme) | config.backend.environment(),
+        "environment": environment(config.device, scheme)
+        | config.backend.environment()
+        | backend_kernels(config, scheme),
         "items": {"source": items_source, "digest": items_digest(items), "count": len(items)},
     }
+
+
+def backend_kernels(config: RunConfig, scheme: int) -> dict[str, str]:
+    """The backend's own kernel report, recorded from contract scheme 4 on."""
+    report = config.backend.kernels() if scheme >= 4 else None
+    return {KERNELS: report} if report else {}

@@ -45,7 +45,7 @@ EXPERIMENT_ENTRY: dict[str, type] = {
     STOPPED: dict,
 }
 MAX_MANIFEST_BYTES = 64 * 2**20  # manifests take tens of kB (a config lists its item ids)
-CONTRACT_SCHEME = 3
+CONTRACT_SCHEME = 4
 INFORMATIONAL = ("environment.platform",)
 MANIFEST_TYPES: dict[str, type] = {
     "format": str,

@@ -15,6 +15,14 @@ from kvreplay.core.canonical import sha256_json
 from kvreplay.core.errors import KvreplayError
 
 IDENTITY_SCHEME = 3  # see ModelIdentity
+
+
+def identity_scheme(contract_scheme: int) -> int:
+    """The identity scheme a contract scheme records its model under: its own up to 3;
+    contract scheme 4 changed what it records of the machine, not of the model."""
+    return min(contract_scheme, IDENTITY_SCHEME)
+
+
 # The key transformers stamps into every config it saves: the version of the writer, not
 # a property of the model.
 TOOL_STAMP = "transformers_version"

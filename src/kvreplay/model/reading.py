@@ -16,7 +16,13 @@ from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.core.extras import missing
 from kvreplay.model import folder as plain
 from kvreplay.model.architecture import check_architecture, config_refusal
-from kvreplay.model.identity import IDENTITY_SCHEME, ModelIdentity, hash_model_files, model_identity
+from kvreplay.model.identity import (
+    IDENTITY_SCHEME,
+    ModelIdentity,
+    hash_model_files,
+    identity_scheme,
+    model_identity,
+)
 from kvreplay.model.quiet import quiet_transformers
 from kvreplay.model.sources import resolve_source
 
@@ -45,7 +51,9 @@ def describe_source(
     """Identity of a model without loading its weights: digests and architecture.
 
     The driver records this in the manifest's contract (a resumed run in the identity
-    scheme it started with); every worker checks that the model it loads matches.
+    scheme it started with; ``scheme`` is the run's contract scheme, see
+    :func:`~kvreplay.model.identity.identity_scheme`); every worker checks that the model
+    it loads matches.
     ``tokenizer`` is the model's tokenizer when the caller has already loaded it;
     ``identity`` that of the files a backend runs when they are not the source's (a
     GGUF file run as shipped).
@@ -57,7 +65,7 @@ def describe_source(
         "model_type": config.model_type,
         "num_layers": int(config.num_hidden_layers),
         "context_length": int(getattr(config, "max_position_embeddings", 0) or 0),
-        **identity.describe(scheme),
+        **identity.describe(identity_scheme(scheme)),
     }
 
 
