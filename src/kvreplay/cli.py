@@ -23,6 +23,7 @@ import click
 from kvreplay.core.errors import KvreplayError, exit_plainly, plain_errors
 from kvreplay.core.options import Declared, build, every
 from kvreplay.core.paths import UserPath
+from kvreplay.run.supervise import supervise, watched
 
 KEEP = object()  # an option's default is its field's
 # A backend's integer settings are bounded here at least (each backend checks its own).
@@ -30,7 +31,19 @@ SETTING_INTS = (0, 2**20)
 
 
 class PlainGroup(click.Group):
-    """Every refusal, from option parsing on, ends in one sentence on stderr and exit 2."""
+    """Every refusal, from option parsing on, ends in one sentence on stderr and exit 2;
+    so does an engine that takes the process down (the command line's engine commands
+    run in a watched child, :mod:`kvreplay.run.supervise`)."""
+
+    def main(self, args: Any = None, *more: Any, **options: Any) -> Any:
+        if args is None and watched(sys.argv[1:]):
+            code, sentence = supervise(sys.argv[1:])
+            if sentence:
+                if sys.stderr.isatty():
+                    sys.stderr.write("\r\033[K")  # over the progress bar the child left
+                exit_plainly(sentence)
+            sys.exit(code)
+        return super().main(args, *more, **options)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -163,7 +163,7 @@ def test_audit_elsewhere_names_the_environment_fields_that_differ(
     monkeypatch.setattr(platform, "machine", lambda: "riscv64")  # the run recorded x86_64
     result = audit(run, "--sample", 0)  # the structural checks only
     assert result.exit_code == 0, result.output
-    assert re.search(r"environment differs from the run's in: .*\bmachine\b", result.stdout)
+    assert re.search(r"platform: differs from the recorder's in .*\bmachine\b", result.stdout)
     assert "rows in ledger: 4; re-executed: 0" in result.stdout
 
 

@@ -13,16 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.analysis.derived import check_csvs
-from kvreplay.audit.contract import (
-    check_contract,
-    check_header,
-    environment_note,
-    load_audited_items,
-)
+from kvreplay.audit.contract import check_contract, check_header, load_audited_items
+from kvreplay.audit.crossing import Tally
 from kvreplay.audit.exact_bytes import byte_problems
 from kvreplay.audit.files import check_files, torn
 from kvreplay.audit.manifest_blocks import experiment_block_problems
 from kvreplay.audit.plan import check_copies, check_plan, derived_inputs, with_dependencies
+from kvreplay.audit.platform import Platform
 from kvreplay.audit.reexecute import Reexecution
 from kvreplay.audit.request import AuditRequest
 from kvreplay.audit.rows import RowChecks
@@ -40,7 +37,8 @@ from kvreplay.ledger import (
 @dataclass
 class AuditResult:
     run_dir: Path
-    environment_diff: list[str] = field(default_factory=list)
+    platform: Platform = field(default_factory=Platform)
+    across: Tally = field(default_factory=Tally)  # rows compared across platforms
     rows_total: int = 0
     rows_reexecuted: int = 0
     problems: list[str] = field(default_factory=list)
@@ -63,9 +61,9 @@ def audit(
 
     ``connection`` reaches the run's backend (a server's address, which a run does not
     record, so it may differ from the run's). ``announce`` hears, before any re-execution
-    starts, which recorded environment
-    fields differ from this machine's (a different torch or CPU may change bf16
-    results, so a mismatch that follows is then no surprise).
+    starts, where the rows were made as this machine meets it when it is not known to
+    be this platform (:class:`~kvreplay.audit.platform.Platform`): rows are then judged
+    at the level that crosses platforms.
     """
     ledger = RunLedger.open_existing(run_dir)
     contract = ledger.manifest["contract"]
@@ -112,20 +110,54 @@ def _audit(
     rows, checks, depends = _check_structure(ledger, config, item_list, result)
     if _forged(result.problems):
         return result  # a forged contract, items or chain names no model worth loading
-    problems, result.environment_diff = check_contract(ledger, config, item_list, checks.tokenizer)
+    problems, result.platform = check_contract(ledger, config, item_list, checks.tokenizer)
     result.problems += problems
-    if result.environment_diff and announce is not None:
-        announce(environment_note(result.environment_diff))
+    if (not result.platform.same or result.platform.pin) and announce is not None:
+        announce(result.platform.describe())
     if item_list is None:
         return result
     keys = rows.keys()
     chosen = keys
     if request.sample is not None and request.sample < len(keys):
         chosen = random.Random(request.seed).sample(keys, request.sample)
-    replay = Reexecution(config, request.placement, rows.by_key(), {i.id: i for i in item_list})
+    replay = Reexecution(
+        config,
+        request.placement,
+        rows.by_key(),
+        {i.id: i for i in item_list},
+        result.platform,
+        sampled_experiments(ledger.manifest),
+    )
     result.problems += replay.run(with_dependencies(chosen, keys, depends))
     result.rows_reexecuted = replay.reexecuted
+    result.across = replay.tally
     return result
+
+
+def sampled_experiments(manifest: dict[str, Any]) -> frozenset[str]:
+    """The experiments of a run that draw at a temperature above 0 (their config or the
+    run's sampler says so): their trajectories part at any draw on another platform."""
+    run = manifest["contract"].get("run")
+    everywhere = _temperature(run.get("sampler") if isinstance(run, dict) else None) > 0
+    experiments = manifest.get("experiments")
+    return frozenset(
+        name
+        for name, entry in (experiments if isinstance(experiments, dict) else {}).items()
+        if everywhere or (isinstance(entry, dict) and _temperature(entry.get("config")) > 0)
+    )
+
+
+def _temperature(value: Any) -> float:
+    """The highest ``temperature`` a config states anywhere in it (0 if none)."""
+    if isinstance(value, dict):
+        found = [_temperature(v) for v in value.values()]
+        own = value.get("temperature")
+        if isinstance(own, int | float) and not isinstance(own, bool):
+            found.append(float(own))
+        return max(found, default=0.0)
+    if isinstance(value, list):
+        return max((_temperature(v) for v in value), default=0.0)
+    return 0.0
 
 
 def _check_structure(
@@ -173,15 +205,22 @@ def _forged(problems: list[str]) -> bool:
 
 def format_audit(result: AuditResult) -> str:
     lines = [f"audit of {result.run_dir}"]
-    if result.environment_diff:
-        lines.append(environment_note(result.environment_diff))
+    if not result.platform.same or result.platform.pin:
+        lines.append(result.platform.describe())
     lines.append(f"rows in ledger: {result.rows_total}; re-executed: {result.rows_reexecuted}")
+    if result.rows_reexecuted and not result.platform.same:
+        lines += result.across.lines()
     if result.foreign_inputs:
         lines.append(
             f"{result.foreign_inputs} row(s) copy their prefix from another run's row, which "
             "this audit re-executes from the copy but cannot trace further"
         )
-    if result.passed:
+    if result.passed and not result.platform.same and result.rows_reexecuted:
+        lines.append(
+            "PASS: every hash and derived CSV matches, and every re-executed row at the "
+            "level that crosses platforms"
+        )
+    elif result.passed:
         lines.append("PASS: every re-executed row, hash, fingerprint and derived CSV matches")
     else:
         lines.append(f"FAIL: {len(result.problems)} mismatch(es)")

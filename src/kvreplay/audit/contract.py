@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from kvreplay.audit.platform import Platform, meet
 from kvreplay.contract.build import build_contract
 from kvreplay.contract.config import RunConfig
 from kvreplay.contract.environment import KERNELS
@@ -63,11 +64,12 @@ HEADER: dict[str, Callable[[Any], bool]] = {
 
 def check_contract(
     ledger: RunLedger, config: RunConfig, items: list[Item] | None, tokenizer: Any
-) -> tuple[list[str], list[str]]:
+) -> tuple[list[str], Platform]:
     """The recorded contract against its own hash and against the contract this machine
     builds from the recorded run settings, model files and items.jsonl.
 
-    Returns the problems and the machine fields that differ (a note, not a problem).
+    Returns the problems and the recorder's platform as this machine meets it (machine
+    fields that differ are a note, not a problem).
     """
     problems: list[str] = []
     contract = ledger.manifest["contract"]
@@ -93,11 +95,11 @@ def check_contract(
                 f"manifest.json: field contract.{path} differs from what this machine builds "
                 "from the run's settings and files"
             )
-    return problems, noted
-
-
-def environment_note(fields: list[str]) -> str:
-    return "environment differs from the run's in: " + ", ".join(fields)
+    recorded = contract.get("environment")
+    platform = meet(
+        recorded if isinstance(recorded, dict) else {}, built["environment"], noted, scheme
+    )
+    return problems, platform
 
 
 def check_header(ledger: RunLedger, holding: str | None) -> list[str]:

@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvreplay.audit.crossing import Tally, cross
+from kvreplay.audit.platform import CAPABILITY, PIN, Platform
 from kvreplay.contract.config import RunConfig
+from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
 from kvreplay.engines import Placement, make_engine
 from kvreplay.harness.rows import row_as_written, without_unrecorded_digests
@@ -44,8 +47,10 @@ def _strip(data: Any) -> Any:
 
 class Reexecution:
     """Rows run again on this machine from what they recorded (their item, precision and
-    inputs), each fresh row compared with the recorded one as it was written; a row whose
-    key does not say its own item and precision is named, not run."""
+    inputs), each fresh row compared with the recorded one as it was written: bit for
+    bit on the recorder's platform, at the level that crosses platforms elsewhere
+    (:mod:`kvreplay.audit.crossing`). A row whose key does not say its own item and
+    precision is named, not run. ``sampled``: the experiments that draw at T > 0."""
 
     def __init__(
         self,
@@ -53,9 +58,13 @@ class Reexecution:
         placement: Placement,
         rows: Mapping[str, Record],
         items: dict[str, Item],
+        platform: Platform = Platform(),  # noqa: B008 - a frozen value
+        sampled: frozenset[str] = frozenset(),
     ) -> None:
         self.config, self.placement, self.rows, self.items = config, placement, rows, items
+        self.platform, self.sampled = platform, sampled
         self.reexecuted = 0
+        self.tally = Tally()
 
     def units(self, keys: Iterable[str], problems: list[str]) -> list[Unit]:
         """The units that re-execute ``keys``; a row that cannot be one is named."""
@@ -79,18 +88,45 @@ class Reexecution:
         """Re-execute ``keys`` and name every field that differs."""
         problems: list[str] = []
         units = self.units(keys, problems)
-        runner = make_engine(self.config, self.placement)
+        runner = make_engine(self.config, self.placement, self.platform.pin)
         try:
+            self._check_pinned(runner)
             for unit, data, _, _ in runner.run(units):
-                recorded = row_as_written(self.rows[str(unit.key)].data)
+                record = self.rows[str(unit.key)]
+                recorded = row_as_written(record.data)
                 fresh = {**data, "inputs": recorded.get("inputs", {})}
                 fresh = without_unrecorded_digests(fresh, recorded)
-                for path in diff_fields(comparable(recorded), comparable(fresh)):
-                    problems.append(f"row {unit.key}: field {path} differs on re-execution")
+                problems += self.compare(str(unit.key), record, recorded, fresh)
                 self.reexecuted += 1
         finally:
             runner.close()
         return problems
+
+    def compare(
+        self, key: str, record: Record, recorded: dict[str, Any], fresh: dict[str, Any]
+    ) -> list[str]:
+        """The problems of one re-executed row (counted in ``tally`` across platforms)."""
+        ours, theirs = comparable(recorded), comparable(fresh)
+        differing = diff_fields(ours, theirs)
+        if self.platform.same:
+            return [f"row {key}: field {path} differs on re-execution" for path in differing]
+        if not differing:
+            self.tally.add(key, None)
+            return []
+        sampled = record.experiment in self.sampled
+        found = cross(key, ours, theirs, differing, str(recorded.get("precision")), sampled)
+        self.tally.add(key, found)
+        return found.problems
+
+    def _check_pinned(self, runner: Any) -> None:
+        """A pin that did not take would compare other kernels' bits as the recorder's."""
+        wanted = self.platform.pin.get(PIN)
+        got = {str(d.get(CAPABILITY, "")).lower() for d in getattr(runner, "devices", [])}
+        if wanted and got != {wanted}:
+            raise KvreplayError(
+                f"The audit's workers did not run on torch's {wanted} kernels as pinned "
+                f"(they report {', '.join(sorted(got)) or 'nothing'})."
+            )
 
 
 def comparable(data: dict[str, Any]) -> Any:

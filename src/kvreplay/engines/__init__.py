@@ -12,17 +12,21 @@ if TYPE_CHECKING:
     from kvreplay.contract.config import RunConfig
 
 
-def make_engine(config: RunConfig, placement: Placement) -> Any:
-    """The engine ``run`` and ``audit`` share; Ray is imported only when asked for."""
+def make_engine(
+    config: RunConfig, placement: Placement, environment: dict[str, str] | None = None
+) -> Any:
+    """The engine ``run`` and ``audit`` share; Ray is imported only when asked for.
+    ``environment``: variables the workers must start with (an audit's pin of torch's
+    kernels), which puts even one worker in a process of its own."""
     placement.check(config.device)
     if placement.engine == "ray":
         from kvreplay.engines.ray import RayEngine
 
         return RayEngine(config, placement)
-    if placement.workers > 1:
+    if placement.workers > 1 or environment:
         from kvreplay.engines.processes import ProcessEngine
 
-        return ProcessEngine(config, placement.workers)
+        return ProcessEngine(config, placement.workers, environment or {})
     from kvreplay.engines.local import LocalEngine
 
     return LocalEngine(config)

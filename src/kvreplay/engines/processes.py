@@ -19,6 +19,7 @@ import sys
 import traceback
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -46,6 +47,22 @@ def _die_with(driver: int) -> None:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+@contextmanager
+def _started_with(environment: dict[str, str]) -> Iterator[None]:
+    """A spawned process starts with this process's environment: set ``environment``
+    for the start alone."""
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _serve(conn: Connection, config: RunConfig, name: str, threads: int, driver: int) -> None:
     """A worker process: answer ``device_info`` once, then run units until told to stop.
 
@@ -56,7 +73,16 @@ def _serve(conn: Connection, config: RunConfig, name: str, threads: int, driver:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     worker = Worker(config, name)
-    conn.send(("ok", {**worker.device_info(), "threads": torch.get_num_threads()}))
+    conn.send(
+        (
+            "ok",
+            {
+                **worker.device_info(),
+                "threads": torch.get_num_threads(),
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            },
+        )
+    )
     while True:
         try:
             unit = conn.recv()
@@ -77,9 +103,10 @@ class ProcessEngine:
 
     name = "local"
 
-    def __init__(self, config: RunConfig, workers: int):
+    def __init__(self, config: RunConfig, workers: int, environment: dict[str, str] | None = None):
         context = multiprocessing.get_context("spawn")
         threads = torch.get_num_threads()
+        self.backend = config.backend.name
         self.names = [f"local-{i}" for i in range(workers)]
         self.conns: list[Connection] = []
         self.processes: list[Any] = []
@@ -92,7 +119,8 @@ class ProcessEngine:
                 name=name,
                 daemon=True,
             )
-            process.start()
+            with _started_with(environment or {}):
+                process.start()
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
@@ -107,15 +135,24 @@ class ProcessEngine:
         try:
             status, value = self.conns[index].recv()
         except (EOFError, OSError) as exc:
-            raise KvreplayError(
-                f"Worker process {self.names[index]} died while {doing}; rerun the same "
-                "command to resume."
-            ) from exc
+            raise KvreplayError(self._death(index, doing)) from exc
         if status == "ok":
             return value
         if isinstance(value, KvreplayError):
             raise value
         raise RuntimeError(f"worker process {self.names[index]} failed:\n{value}")
+
+    def _death(self, index: int, doing: str) -> str:
+        """How worker ``index`` died (its signal, once the process has ended)."""
+        process = self.processes[index]
+        process.join(STOP_TIMEOUT_S)
+        code = process.exitcode
+        how = f" with {signal.Signals(-code).name} (signal {-code})" if code and code < 0 else ""
+        return (
+            f"Worker process {self.names[index]} (the {self.backend} engine) died{how} while "
+            f"{doing}; the rows before it are kept, and rerunning the same command resumes "
+            "after them."
+        )
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "worker_count": len(self.names), "workers": self.devices}
@@ -137,7 +174,7 @@ class ProcessEngine:
             for conn in wait([self.conns[w] for w in busy]):
                 worker = self.conns.index(conn)  # type: ignore[arg-type]
                 index = busy.pop(worker)
-                data, timing = self._reply(worker, f"running {units[index].key}")
+                data, timing = self._reply(worker, f"running row {units[index].key}")
                 finished[index] = (data, timing, self.names[worker])
                 idle.append(worker)
             while next_out in finished:
