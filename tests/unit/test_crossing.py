@@ -9,9 +9,11 @@ import copy
 
 import pytest
 
-from kvreplay.audit.crossing import NEAR_TIE, Tally, cross, numeric, owner_of
+from kvreplay.audit.crossing import Tally, cross, numeric, owner_of
 from kvreplay.audit.platform import PIN, meet, pin_for
 from kvreplay.ledger import diff_fields
+
+BOUND = 1.0  # the near-tie bound these rows are judged under
 
 
 def arm(tokens: list[int], margins: list[float], answer: str) -> dict:
@@ -41,7 +43,7 @@ def row() -> dict:
 
 
 def judge(recorded: dict, fresh: dict, sampled: bool = False):
-    return cross("matched/r0000/bf16", recorded, fresh, diff_fields(recorded, fresh), "bf16",
+    return cross("matched/r0000/bf16", recorded, fresh, diff_fields(recorded, fresh), BOUND,
                  sampled)  # fmt: skip
 
 
@@ -110,7 +112,7 @@ def test_a_sampled_trajectory_that_parts_is_counted_not_judged() -> None:
 
 def test_a_near_tie_needs_both_margins_under_the_bound() -> None:
     recorded, fresh = row(), row()
-    recorded["arms"]["left"]["suffix"]["segments"][0]["margins"][1] = NEAR_TIE["bf16"] + 1
+    recorded["arms"]["left"]["suffix"]["segments"][0]["margins"][1] = BOUND + 1
     fresh["arms"]["left"]["suffix"]["segments"][0]["token_ids"][1] = 99
     assert judge(recorded, fresh).problems
 

@@ -12,7 +12,8 @@ cross it, and nothing else is called a forgery:
   did not part.
 - **Tokens at a near tie**: a greedy trajectory (a dict holding ``token_ids`` and their
   top-1/top-2 ``margins``) may part from the recorded one only at a step where both
-  machines' margins are under the precision's near-tie bound (:data:`NEAR_TIE`): two
+  machines' margins are under the backend's near-tie bound for the precision
+  (:meth:`~kvreplay.backends.base.Backend.near_tie`): two
   tokens the model all but tied on, which another platform's rounding can swap. What
   follows such a step in the same arm (or, for a step of the prefix, in the whole row)
   is a different continuation, counted as not comparable here. A trajectory that parts
@@ -36,10 +37,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-# The top-1/top-2 logit margin under which another CPU family's rounding may swap the two
-# tokens, by precision (bench/cross_platform.py measures the margins where committed runs
-# part on another CPU family, and how far margins move where they do not).
-NEAR_TIE = {"bf16": 1.0, "fp16": 0.25, "q8_0": 0.25, "fp32": 0.05}
 # Fields the model's arithmetic computes bit by bit: compared only on the same platform.
 NUMERIC_FIELDS = frozenset(
     {
@@ -170,14 +167,14 @@ def cross(
     recorded: dict[str, Any],
     fresh: dict[str, Any],
     differing: list[str],
-    precision: str,
+    bound: float,
     sampled: bool,
 ) -> Crossing:
     """Judge a fresh row against the recorded one (both as the re-execution compares
     them; ``differing``: the fields where they differ) at the level that crosses
-    platforms; see the module docstring."""
+    platforms (``bound``: the near-tie bound of the row's backend and precision); see
+    the module docstring."""
     found = Crossing()
-    bound = NEAR_TIE.get(precision, min(NEAR_TIE.values()))
     theirs = {t.path: t for t in trajectories(fresh)}
     apart: list[str] = []  # owners whose trajectories parted where the platform may
     failed: list[str] = []  # owners whose trajectories parted where it cannot
@@ -198,8 +195,8 @@ def cross(
             margin = "none" if here is None else f"{here:g}"
             found.problems.append(
                 f"row {key}: field {ours.path}.token_ids[{step}] differs on re-execution "
-                f"where this machine's top-1/top-2 margin is {margin} (over the "
-                f"{precision} near-tie bound {bound:g}): not the platform's rounding"
+                f"where this machine's top-1/top-2 margin is {margin} (over the near-tie "
+                f"bound {bound:g}): not the platform's rounding"
             )
             failed.append(ours.owner)
             continue

@@ -114,7 +114,8 @@ class Reexecution:
             self.tally.add(key, None)
             return []
         sampled = record.experiment in self.sampled
-        found = cross(key, ours, theirs, differing, str(recorded.get("precision")), sampled)
+        bound = self.config.backend.near_tie(str(recorded.get("precision")))
+        found = cross(key, ours, theirs, differing, bound, sampled)
         self.tally.add(key, found)
         return found.problems
 

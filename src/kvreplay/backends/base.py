@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from kvreplay.backends.served import ServedModel
 
 
+# The near-tie bounds of a backend whose numerics are torch's (see Backend.near_tie).
+NEAR_TIE = {"bf16": 1.0, "fp16": 1.0, "fp32": 0.05}
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do; each experiment and arm asks for what it needs."""
@@ -177,6 +181,13 @@ class Backend:
     def environment(self) -> dict[str, str]:
         """Library versions this backend adds to the contract's environment."""
         return {}
+
+    def near_tie(self, precision: str) -> float:
+        """The top-1/top-2 logit margin under which another CPU family's rounding may
+        swap two tokens at ``precision`` (an audit on another platform lets a greedy
+        trajectory part only there; bench/cross_platform.py measures how far margins
+        move): transformers' fp32 moves by about 1e-5, bf16 by up to 0.5."""
+        return NEAR_TIE.get(precision, max(NEAR_TIE.values()))
 
     def kernels(self) -> str | None:
         """What this backend's build reports of the kernel families it runs, beyond the

@@ -78,6 +78,12 @@ class HttpBackend(Backend):
     connection = ("url", "api_key_env", "timeout")
     parallel_workers = False
     url: str = field(default="", metadata=option("--url", "The server's base address."))
+
+    def near_tie(self, precision: str) -> float:
+        """A server's kernels are its own (a GGUF's quantized ones among them): the
+        widest bound any engine needs."""
+        return 1.0
+
     api_key_env: str = field(
         default="", metadata=option("--api-key-env", "Environment variable holding its API key.")
     )
