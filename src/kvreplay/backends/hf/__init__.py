@@ -48,6 +48,14 @@ class HfBackend(Backend):
         if gguf_file is None:
             check_finite_weights(folder, spec)
 
+    def kernels(self) -> str | None:
+        """What differs from torch's usual choice here (see ``cpu_flash_unusable``)."""
+        from kvreplay.backends.hf.loading import cpu_flash_unusable
+
+        if self.attn_implementation == "sdpa" and cpu_flash_unusable():
+            return "sdpa math on CPU (flash needs torch's AVX-512 kernels on a CPU with AMX)"
+        return None
+
     def state_layout(self, spec: str, tokens: int) -> tuple[list[str], list[int]]:
         """transformers' cache for the config; a sliding layer counts every token it saw."""
         from kvreplay.backends.hf.state import config_layer_kinds

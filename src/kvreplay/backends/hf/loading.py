@@ -145,6 +145,18 @@ def check_loading_info(spec: str, info: dict[str, Any]) -> None:
             )
 
 
+def cpu_flash_unusable() -> bool:
+    """Whether torch's CPU flash attention cannot run bf16 or fp16 here: it packs its
+    operands for AMX whenever the CPU has AMX tiles, with packing code compiled only into
+    its AVX-512 kernels, so below them (``ATEN_CPU_CAPABILITY=avx2`` or ``default`` on
+    such a CPU) it raises "pack_vnni2 is only supported when avx512 is supported". There
+    kvreplay runs sdpa's math kernel instead (a choice the recorded CPU features and
+    capability determine; the backend's kernel report says so)."""
+    return bool(torch.cpu._is_amx_tile_supported()) and not (
+        torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    )
+
+
 def load_model(
     spec: str = DEFAULT_MODEL,
     dtype: str = "bf16",
@@ -160,6 +172,8 @@ def load_model(
     """
     dtype = parse_dtype(dtype)
     device = parse_device(device)
+    if device == "cpu" and attn_implementation == "sdpa" and cpu_flash_unusable():
+        torch.backends.cuda.enable_flash_sdp(False)  # CPU sdpa honours it: the math kernel
     source, gguf_file, kwargs = pretrained(spec, trust_remote_code)
     digests = hash_model_files(source, gguf_file)  # while transformers imports and loads
     from transformers import AutoModelForCausalLM
