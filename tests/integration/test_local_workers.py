@@ -202,21 +202,23 @@ def test_workers_die_with_a_driver_killed_outright(
         {"name": "answer", "max_new_tokens": 4},
     ]}))  # fmt: skip
     out = tmp_path / "run"
-    driver = subprocess.Popen(
+    supervisor = subprocess.Popen(
         [sys.executable, "-c", "from kvreplay.cli import main; main()", "run", "matched",
          "--model", str(tiny_dirs["qwen2"]), "--items", str(_items(tmp_path)),
          "--plan", str(plan), "--dtypes", "fp32", "--workers", "2", "--out", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not ((out / "rows.jsonl").is_file() and (out / "rows.jsonl").stat().st_size):
-            assert driver.poll() is None and time.monotonic() < deadline
+            assert supervisor.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        workers = _children(driver.pid)
+        (driver,) = _children(supervisor.pid)  # the command runs in a watched child
+        workers = _children(driver)
         assert len(workers) >= 2
     finally:
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait()
+        os.kill(driver, signal.SIGKILL)
+        _, stderr = supervisor.communicate(timeout=60)
     time.sleep(2.0)
     assert not [pid for pid in workers if _alive(pid)]
+    assert supervisor.returncode == 2 and b"died with SIGKILL (signal 9" in stderr
