@@ -28,9 +28,10 @@ def command(model: Path, items: Path, out: Path) -> list[str]:
 
 def start(args: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    return subprocess.Popen(  # a group of its own: kvreplay and the child it watches
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
 
 
 def wait_for_a_row(out: Path, process: subprocess.Popen[str]) -> None:
@@ -59,7 +60,7 @@ def test_a_second_writer_is_refused_and_the_ledger_stays_intact(
     first = start(args)
     try:
         wait_for_a_row(out, first)
-        first.send_signal(signal.SIGSTOP)  # hold it mid-run, lock held, deterministically
+        os.killpg(first.pid, signal.SIGSTOP)  # hold it mid-run, lock held, deterministically
         before = tree(out)
         second = subprocess.run(
             args, capture_output=True, text=True, timeout=300,
@@ -69,7 +70,7 @@ def test_a_second_writer_is_refused_and_the_ledger_stays_intact(
         assert_one_sentence(second.stderr, "Another kvreplay process is writing to")
         assert tree(out) == before  # the refused process wrote nothing
     finally:
-        first.send_signal(signal.SIGCONT)
+        os.killpg(first.pid, signal.SIGCONT)
     _, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr
     keys = [json.loads(line)["key"] for line in (out / "rows.jsonl").read_text().splitlines()]
