@@ -1,7 +1,9 @@
 """How far a committed run's numerics move on this machine's CPU family, measured the way
 an audit on another platform meets them (audit/crossing.py): sampled rows re-executed
-here, and for every greedy trajectory the largest move of a top-1/top-2 margin before it
-parts from the recorded one, and both margins where it parts. The near-tie bounds in
+here, and for every greedy trajectory (those after one that parted in the same arm, or
+after a prefix that parted, are another continuation and left out) the largest move of a
+top-1/top-2 margin before it parts from the recorded one, and both margins where it
+parts. The near-tie bounds in
 ``kvreplay.audit.crossing.NEAR_TIE`` are chosen from these numbers.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/cross_platform.py results/smollm2-n24 --sample 4
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.audit.contract import check_contract, load_audited_items
-from kvreplay.audit.crossing import parted, trajectories
+from kvreplay.audit.crossing import parted, trajectories, within
 from kvreplay.audit.reexecute import Reexecution, comparable
 from kvreplay.contract.config import RunConfig
 from kvreplay.contract.environment import environment
@@ -38,11 +40,14 @@ class Measured(Reexecution):
     def compare(self, key: str, record: Any, recorded: dict, fresh: dict) -> list[str]:
         ours, theirs = comparable(recorded), comparable(fresh)
         other = {t.path: t for t in trajectories(theirs)}
-        for mine in trajectories(ours):
+        apart: list[str] = []  # owners already parted: what follows is another continuation
+        for mine in sorted(trajectories(ours), key=lambda t: t.owner.count(".") + bool(t.owner)):
             here = other.get(mine.path)
-            if here is None:
+            if here is None or any(within(mine.owner, a) for a in apart):
                 continue
             step = parted(mine, here)
+            if step is not None:
+                apart.append(mine.owner)
             common = len(mine.margins) if step is None else step
             moves = [abs(float(a) - float(b)) for a, b in
                      zip(mine.margins[:common], here.margins[:common], strict=False)]  # fmt: skip

@@ -180,7 +180,7 @@ def cross(
     failed: list[str] = []  # owners whose trajectories parted where it cannot
     for ours in sorted(trajectories(recorded), key=lambda t: t.owner.count(".") + bool(t.owner)):
         other = theirs.get(ours.path)
-        if other is None or any(_within(ours.owner, a) for a in apart + failed):
+        if other is None or any(within(ours.owner, a) for a in apart + failed):
             continue
         step = parted(ours, other)
         if step is None:
@@ -203,10 +203,10 @@ def cross(
         apart.append(ours.owner)
     owners = {t.owner for t in trajectories(recorded)}
     for path in differing:
-        owner = max((o for o in owners if _within(path, o)), key=len, default="")
-        if any(_within(path, f) for f in failed):
+        owner = max((o for o in owners if within(path, o)), key=len, default="")
+        if any(within(path, f) for f in failed):
             continue  # named with the trajectory that failed
-        if any(_within(path, a) for a in apart) or (apart and owner == ""):
+        if any(within(path, a) for a in apart) or (apart and owner == ""):
             found.after += 1
         elif numeric(path):
             found.numerics += 1
@@ -218,6 +218,6 @@ def cross(
     return found
 
 
-def _within(path: str, prefix: str) -> bool:
+def within(path: str, prefix: str) -> bool:
     """Whether a dotted path lies in (or is) the object at ``prefix`` (``""``: the row)."""
     return prefix == "" or path == prefix or path.startswith((f"{prefix}.", f"{prefix}["))
