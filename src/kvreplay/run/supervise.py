@@ -47,7 +47,7 @@ def supervise(argv: list[str]) -> tuple[int, str | None]:
     with tempfile.TemporaryDirectory(prefix="kvreplay-watch-") as folder:
         watch = Path(folder) / "watch.json"
         child = subprocess.Popen(
-            [sys.executable, "-m", "kvreplay", *argv],
+            [*_program(), *argv],
             env={**os.environ, WATCH: str(watch)},
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - this process runs no threads
         )
@@ -55,6 +55,16 @@ def supervise(argv: list[str]) -> tuple[int, str | None]:
         if code >= 0:
             return code, None
         return 2, died(argv[0], signal.Signals(-code), last(watch))
+
+
+def _program() -> list[str]:
+    """The program this process is, to run again as the child: the script it was started
+    as (the ``kvreplay`` script, or a wrapper of the caller's that sets things up first),
+    else ``python -m kvreplay``."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script and script.is_file() and script.name != "__main__.py":
+        return [sys.executable, str(script)]
+    return [sys.executable, "-m", "kvreplay"]
 
 
 def died(command: str, sig: signal.Signals, noted: dict[str, str]) -> str:
