@@ -22,7 +22,7 @@ import click
 
 from kvreplay.core.errors import KvreplayError, exit_plainly, plain_errors
 from kvreplay.core.options import Declared, build, every
-from kvreplay.core.paths import UserPath
+from kvreplay.core.paths import OutputPath, UserPath
 
 KEEP = object()  # an option's default is its field's
 # A backend's integer settings are bounded here at least (each backend checks its own).
@@ -57,7 +57,7 @@ def _click_type(spec: Declared, ints: tuple[int, int] | None = None) -> Any:
     """The click type of a declared option's values."""
     o = spec.option
     if spec.kind == "path":
-        return UserPath(path_type=Path, dir_okay=o.target != "file", file_okay=o.target != "folder")
+        return OutputPath(o.output) if o.output else UserPath(path_type=Path)
     if o.choices:
         return click.Choice(list(o.choices))
     low, high = (o.minimum, o.maximum) if (o.minimum, o.maximum) != (None, None) else (None, None)
@@ -235,8 +235,8 @@ def run_group() -> None:
     """Run (or resume) an experiment, one of the commands below."""
 
 
-def _out(help: str) -> click.Option:
-    return click.Option(["--out", "out"], type=UserPath(path_type=Path), required=True, help=help)
+def _out(help: str, kind: str = "folder") -> click.Option:
+    return click.Option(["--out", "out"], type=OutputPath(kind), required=True, help=help)
 
 
 def _run_command(declaration: Any) -> None:
@@ -332,7 +332,7 @@ def _threads_option() -> click.Option:
 
 
 @main.command("demo", params=[_threads_option()])
-@click.option("--out", type=UserPath(path_type=Path), default=Path("runs/demo"), show_default=True)
+@click.option("--out", type=OutputPath("folder"), default=Path("runs/demo"), show_default=True)
 @click.option(
     "--n", type=click.IntRange(min=1), default=3, show_default=True, help="Items per experiment."
 )
@@ -427,6 +427,7 @@ def backends_command() -> None:
 @click.argument("run_dir", type=UserPath(path_type=Path))
 @click.option(
     "--venv",
+    type=OutputPath("folder", named=True),
     default=None,
     help="Build this virtual environment (a new or empty folder) with the run's "
     "environment (else print it).",
@@ -492,7 +493,7 @@ def cut_refeed_command(out: Path, **values: Any) -> None:
 def _cut_refeed_options() -> list[click.Option]:
     from kvreplay.run.refeed import RefeedPlan
 
-    out = _out("The JSONL file to write (it must not exist).")
+    out = _out("The JSONL file to write (it must not exist).", "file")
     return [*(click_option(s) for s in every(RefeedPlan)), out, _threads_option()]
 
 

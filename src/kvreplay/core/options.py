@@ -27,8 +27,10 @@ class Option:
     ``negative`` names the flag that sets a tri-state switch off (``--no-chat``);
     ``parse`` turns the text given into the field's value (``--dtypes bf16,fp32``) and
     ``spell`` turns a value back into text; ``elsewhere`` says why a backend that does not
-    take the setting refuses it; ``target`` says what a path names (``file``, ``folder``,
-    or either).
+    take the setting refuses it; ``output`` marks a path the command writes and says what
+    it names (``file`` or ``folder``): the command line makes it an
+    :class:`~kvreplay.core.paths.OutputPath`, which the output writer checks before any
+    work (design: output writer).
     """
 
     flag: str
@@ -40,7 +42,7 @@ class Option:
     parse: Callable[[Any], Any] | None = None
     spell: Callable[[Any], str] | None = None
     elsewhere: str = ""
-    target: str = ""
+    output: str = ""
 
 
 def option(flag: str, help: str, **details: Any) -> dict[str, Option]:

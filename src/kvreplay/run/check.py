@@ -21,7 +21,6 @@ from typing import Any
 from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import Declared, arguments, option
-from kvreplay.core.outputs import Inputs, check_targets
 from kvreplay.experiments.registry import check_experiment, declared
 from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
 from kvreplay.run.enginelog import engine_log
@@ -51,6 +50,7 @@ class CheckRequest(RunOptions):
             "--out",
             "Run folder of the check (default: kvreplay-check/<model>-<backend>-<dtypes>-"
             "t<temperature>); rerunning resumes it, and kvreplay audit re-executes it.",
+            output="folder",
         ),
     )
     expect: str | None = field(
@@ -100,18 +100,18 @@ class CheckRequest(RunOptions):
     )
     json_path: Path | None = field(
         default=None,
-        metadata=option("--json", f"Write the verdict as JSON (schema {SCHEMA}).", target="file"),
+        metadata=option("--json", f"Write the verdict as JSON (schema {SCHEMA}).", output="file"),
     )
     junit_path: Path | None = field(
         default=None,
-        metadata=option("--junit", "Write JUnit XML: one test case per item.", target="file"),
+        metadata=option("--junit", "Write JUnit XML: one test case per item.", output="file"),
     )
     repro: Path | None = field(
         default=None,
         metadata=option(
             "--repro",
             "Repro pack of the first divergent item (default: <out>.repro).",
-            target="folder",
+            output="folder",
         ),
     )
     trainer: str | None = field(
@@ -180,12 +180,8 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     n = _item_count(request, expectation)
     out = request.out or default_out(request)
     repro = request.repro or out.with_name(out.name + ".repro")
-    check_outputs(out, request.json_path, request.junit_path, repro)
-    check_targets(
-        {"--json": request.json_path, "--junit": request.junit_path},
-        {"--repro": repro},
-        Inputs.of((out, request.items, request.model, request.plan)),
-    )
+    reads = (request.items, request.model, request.plan)
+    check_outputs(out, reads, request.json_path, request.junit_path, repro, request.verbose)
     shared = {f.name: getattr(request, f.name) for f in fields(RunOptions)}
     run_request = RunRequest(
         **shared | {"n": n}, experiment=name, out=out, extra=extra, command=request.command

@@ -16,7 +16,6 @@ lengths, token ids, finite log-probabilities at most 0.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from kvreplay.backends.rollout import ENGINE
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.core.options import option
+from kvreplay.core.outputs import Outputs
 from kvreplay.core.paths import read_regular
 from kvreplay.core.rollout import Scored, Turn
 from kvreplay.engines.threads import DEFAULT_THREADS
@@ -189,12 +189,12 @@ class LoggedRequest:
     json_path: Path | None = field(
         default=None,
         metadata=option(
-            "--json", "Write the verdict (with a gate) or the claims as JSON.", target="file"
+            "--json", "Write the verdict (with a gate) or the claims as JSON.", output="file"
         ),
     )
     junit_path: Path | None = field(
         default=None,
-        metadata=option("--junit", "Write JUnit XML: one test case per rollout.", target="file"),
+        metadata=option("--junit", "Write JUnit XML: one test case per rollout.", output="file"),
     )
     threads: int = field(
         default=DEFAULT_THREADS,
@@ -210,6 +210,9 @@ def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], Non
     expectation = (
         parse_expectation(request.expect, request.bounds) if gate else MismatchExpectation()
     )
+    outputs = Outputs.reading(path, request.model if request.rescore_with else None)
+    outputs.file("--json", request.json_path)
+    outputs.file("--junit", request.junit_path)
     rows = load_logged(path)
     if request.rescore_with is not None:
         rescore(rows, request.rescore_with, request.model)
@@ -218,9 +221,6 @@ def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], Non
         echo(line)
     if gate:
         echo(mismatch_screen(verdict))
-    json_path = request.json_path
-    if json_path is not None and not gate:
-        json_path.write_text(json.dumps(verdict.claims, indent=2, sort_keys=True) + "\n")
-        json_path = None
-    write_outputs((mismatch_json(verdict), mismatch_junit(verdict)), json_path, request.junit_path)
+    data = mismatch_json(verdict) if gate else verdict.claims
+    write_outputs((data, mismatch_junit(verdict)), request.json_path, request.junit_path)
     return verdict.exit_code if gate else 0

@@ -20,7 +20,7 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, id_problem, load_items
 from kvreplay.core.options import option
-from kvreplay.core.outputs import Inputs, check_file_target
+from kvreplay.core.outputs import Inputs, check_file_target, write_output
 from kvreplay.core.stages import load_plan, plan_budget
 from kvreplay.model.embedded import DEFAULT_MODEL
 from kvreplay.model.precision import DTYPES
@@ -212,9 +212,6 @@ def _still_new(out: Path) -> None:
 
 def write_items(items: list[Item], out: Path) -> None:
     """The items as JSONL at ``out`` (written whole, then renamed into place)."""
-    from kvreplay.ledger import write_text_atomic
-
     _still_new(out)  # nothing took the name while the generations ran
-    write_text_atomic(
-        out, "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items)
-    )
+    text = "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items)
+    write_output(out, text.encode("utf-8"))

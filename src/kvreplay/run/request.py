@@ -15,6 +15,7 @@ from kvreplay.contract.config import RunSettings
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import BUILTIN_ITEMS
 from kvreplay.core.options import option
+from kvreplay.core.outputs import check_run_folder
 from kvreplay.core.paths import check_name
 from kvreplay.core.scoring import get_extractor
 from kvreplay.core.stages import BUILTIN_PLANS, StagePlan, load_plan
@@ -113,5 +114,9 @@ class RunRequest(RunOptions):
     extra: dict[str, Any] = field(default_factory=dict)  # the experiment's own options
 
     def check(self) -> None:
+        """The shared options, and the run folder as an output (design: output writer):
+        not a link, a device or a file, not in a kernel folder or a model folder the run
+        reads, in a folder that takes files."""
         check_name(self.out, "--out")
+        check_run_folder(self.out, (self.items, self.plan, self.model))
         super().check()
