@@ -55,9 +55,10 @@ def report(run_dir: Path, out_dir: Path | None) -> None:
 
     target = out_dir or run_dir.resolve()
     check_folder_target("--out-dir", target, Inputs())
-    for name in REPORT_FILES:  # the names it replaces, each a file of its own
-        check_file_target("--out-dir", target / name, Inputs())
-    check_folder_target("--out-dir", target / FIGURES, Inputs())
+    if target.is_dir():  # the names it replaces there, each a file or folder of its own
+        for name in REPORT_FILES:
+            check_file_target("--out-dir", target / name, Inputs())
+        check_folder_target("--out-dir", target / FIGURES, Inputs())
     try:
         paths = build_report(run_dir, out_dir)
     except OSError as error:
