@@ -30,10 +30,16 @@ SETTING_INTS = (0, 2**20)
 
 
 class PlainGroup(click.Group):
-    """Every refusal, from option parsing on, ends in one sentence on stderr and exit 2."""
+    """Every refusal, from option parsing on, ends in one sentence on stderr and exit 2;
+    so does a registry's refusal of an entry while the commands were made (an
+    experiment declared without a schema), for every command."""
+
+    refusal: str | None = None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            if self.refusal is not None:
+                raise KvreplayError(self.refusal)
             return super().invoke(ctx)
         except click.UsageError as exc:
             exit_plainly(exc.format_message())
@@ -269,9 +275,6 @@ def _run_commands() -> None:
         _run_command(declaration)
 
 
-_run_commands()
-
-
 def check_request(values: dict[str, Any], command: list[str] | None = None) -> Any:
     """The typed request of ``kvreplay check`` from its parsed options; its recorded
     command is spelled from the request itself unless given."""
@@ -320,7 +323,17 @@ def _check_command() -> None:
     )
 
 
-_check_command()
+def _registered_commands() -> None:
+    """The commands made from the registries: one run per experiment, and the check (its
+    options are the greedy experiment's and the rollout's)."""
+    try:
+        _run_commands()
+        _check_command()
+    except KvreplayError as exc:  # said by every command, not as an import's traceback
+        main.refusal = str(exc)  # type: ignore[attr-defined]
+
+
+_registered_commands()
 
 
 def _threads_option() -> click.Option:

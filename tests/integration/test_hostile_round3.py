@@ -296,7 +296,7 @@ def test_an_unknown_key_in_an_experiment_entry_is_named(run: Path) -> None:
 
 def test_a_verdict_added_to_a_config_with_its_hash_recomputed_is_named(run: Path) -> None:
     _set_config(run, "verdict", "pass")
-    _named(run, "experiments.matched.config.verdict is not one matched records")
+    _named(run, "experiments.matched.config.verdict is not a field a run writes")
 
 
 def test_an_engine_note_of_the_wrong_type_is_named(run: Path) -> None:
