@@ -23,10 +23,9 @@ import click
 from kvreplay.core.errors import KvreplayError, exit_plainly, plain_errors
 from kvreplay.core.options import Declared, build, every
 from kvreplay.core.paths import OutputPath, UserPath
+from kvreplay.engines.placement import MAX_WORKERS
 
 KEEP = object()  # an option's default is its field's
-# A backend's integer settings are bounded here at least (each backend checks its own).
-SETTING_INTS = (0, 2**20)
 
 
 class PlainGroup(click.Group):
@@ -59,20 +58,18 @@ def _parsed(parse: Callable[[Any], Any]) -> Callable[[click.Context, click.Param
     return callback
 
 
-def _click_type(spec: Declared, ints: tuple[int, int] | None = None) -> Any:
-    """The click type of a declared option's values."""
+def _click_type(spec: Declared) -> Any:
+    """The click type of a declared option's values (a number within its declared bounds;
+    NaN, which no range excludes, is refused as the request is built)."""
     o = spec.option
     if spec.kind == "path":
         return OutputPath(o.output) if o.output else UserPath(path_type=Path)
     if o.choices:
         return click.Choice(list(o.choices))
-    low, high = (o.minimum, o.maximum) if (o.minimum, o.maximum) != (None, None) else (None, None)
     if spec.kind == "int":
-        if (low, high) == (None, None) and ints:
-            low, high = ints
-        return click.IntRange(low, high) if (low, high) != (None, None) else int  # type: ignore[arg-type]
+        return click.IntRange(o.minimum, o.maximum)  # type: ignore[arg-type]
     if spec.kind == "float":
-        return click.FloatRange(low, high) if (low, high) != (None, None) else float
+        return click.FloatRange(o.minimum, o.maximum)
     return str
 
 
@@ -81,7 +78,6 @@ def click_option(
     default: Any = KEEP,
     help: str | None = None,
     given_only: bool = False,
-    ints: tuple[int, int] | None = None,
 ) -> click.Option:
     """The click option of one declared field. Its default is the field's (or
     ``default``); ``given_only`` keeps it None unless given (an experiment's own options,
@@ -98,7 +94,7 @@ def click_option(
     shown = None if given_only or value is None else spec.text(value)
     return click.Option(
         [o.flag, spec.name],
-        type=_click_type(spec, ints),
+        type=_click_type(spec),
         default=shown if spec.kind == "parsed" else (None if given_only else value),
         show_default=shown not in (None, ""),
         callback=_parsed(o.parse) if o.parse else None,
@@ -143,7 +139,6 @@ def backend_options() -> tuple[click.Option, ...]:
                 s.declared,
                 help=f"{', '.join(s.backends)}: {s.declared.option.help}",
                 given_only=True,
-                ints=SETTING_INTS,
             )
             for s in setting_options().values()
         ),
@@ -347,10 +342,10 @@ def _threads_option() -> click.Option:
 @main.command("demo", params=[_threads_option()])
 @click.option("--out", type=OutputPath("folder"), default=Path("runs/demo"), show_default=True)
 @click.option(
-    "--n", type=click.IntRange(min=1), default=3, show_default=True, help="Items per experiment."
+    "--n", type=click.IntRange(1, 1000), default=3, show_default=True, help="Items per experiment."
 )
 @click.option(
-    "--workers", type=click.IntRange(min=1), default=None,
+    "--workers", type=click.IntRange(1, MAX_WORKERS), default=None,
     help="Local worker processes (default: one per core, at most one per row).",
 )  # fmt: skip
 @plain_errors

@@ -12,38 +12,23 @@ import itertools
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import click
 import pytest
-from helpers import GOOD, assert_one_sentence, invoke, jsonl
+from helpers import GOOD, assert_one_sentence, cli_commands, cli_params, invoke, jsonl
 
-from kvreplay.cli import main
 from kvreplay.core.paths import OutputPath, UserPath
 
 TINY = ["--plan", "short", "--dtypes", "fp32", "--n", "1"]
-
-
-def commands(group: click.Group = main, path: tuple[str, ...] = ()) -> Iterator[tuple]:
-    """Every command of the command line, by its words (``("run", "matched")``)."""
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            yield from commands(command, (*path, name))
-        else:
-            yield (*path, name), command
-
-
-def params(command: click.Command) -> list[click.Parameter]:
-    return command.get_params(click.Context(command))
 
 
 def output_options() -> list[tuple[tuple[str, ...], str, str]]:
     """(command words, flag, file or folder) of every output option."""
     return [
         (words, max(param.opts, key=len), param.type.kind)
-        for words, command in commands()
-        for param in params(command)
+        for words, command in cli_commands()
+        for param in cli_params(command)
         if isinstance(param.type, OutputPath)
     ]
 
@@ -53,14 +38,14 @@ OUTPUTS = output_options()
 
 def names(words: tuple[str, ...], flag: str) -> list[str]:
     """Every name of the option ``flag`` of the command ``words`` (``-o``, ``--output``)."""
-    command = dict(commands())[words]
-    return next(p.opts for p in params(command) if flag in p.opts)
+    command = dict(cli_commands())[words]
+    return next(p.opts for p in cli_params(command) if flag in p.opts)
 
 
 def test_every_path_a_command_takes_is_an_input_or_an_output() -> None:
     """A path option typed neither way would escape the walk below."""
-    for words, command in commands():
-        for param in params(command):
+    for words, command in cli_commands():
+        for param in cli_params(command):
             if isinstance(param.type, click.Path):
                 assert isinstance(param.type, UserPath), (words, param.name)
     found = {(words[0], flag) for words, flag, _ in OUTPUTS}

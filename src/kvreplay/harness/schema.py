@@ -55,6 +55,11 @@ class Value:
     each: Value | None = None
     optional: bool = False
 
+    def __post_init__(self) -> None:
+        listed = self.kinds if isinstance(self.kinds, tuple) else (self.kinds,)
+        if not all(isinstance(kind, type) for kind in listed):
+            raise TypeError(f"A declared value's kinds are JSON types, not {self.kinds!r}.")
+
     def problems(self, value: Any, where: str) -> Iterator[str]:
         """What ``value`` at ``where`` breaks of this declaration, each once."""
         if not typed(value, self.kinds):

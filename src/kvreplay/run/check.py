@@ -20,7 +20,7 @@ from typing import Any
 
 from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.options import Declared, arguments, option
+from kvreplay.core.options import COUNTS, Declared, arguments, option
 from kvreplay.experiments.registry import check_experiment, declared
 from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
 from kvreplay.run.enginelog import engine_log
@@ -70,7 +70,10 @@ class CheckRequest(RunOptions):
     max_divergent: int | None = field(
         default=None,
         metadata=option(
-            "--max-divergent", "Items allowed to diverge under --expect max-divergent.", minimum=0
+            "--max-divergent",
+            "Items allowed to diverge under --expect max-divergent.",
+            minimum=0,
+            maximum=COUNTS[1],
         ),
     )
     max_rate: float | None = field(
@@ -80,6 +83,8 @@ class CheckRequest(RunOptions):
             "Run as many items as a pass needs to bound the divergence rate under this rate "
             "at 95% (e.g. 0.05: 72 items), stopping as soon as the bound is out of reach; "
             "replaces --n.",
+            minimum=0,
+            maximum=1,
         ),
     )
     margin: float | None = field(
@@ -87,6 +92,8 @@ class CheckRequest(RunOptions):
         metadata=option(
             "--margin",
             f"Equivalence margin of --expect faithful, in (0, 1) (default {DEFAULT_MARGIN:g}).",
+            minimum=0,
+            maximum=1,
         ),
     )
     samples: int | None = field(

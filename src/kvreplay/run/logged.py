@@ -28,6 +28,7 @@ from kvreplay.core.options import option
 from kvreplay.core.outputs import Outputs
 from kvreplay.core.paths import read_regular
 from kvreplay.core.rollout import Scored, Turn
+from kvreplay.engines.placement import MAX_THREADS
 from kvreplay.engines.threads import DEFAULT_THREADS
 from kvreplay.experiments.rollout.section import summary_lines
 from kvreplay.model.embedded import DEFAULT_MODEL
@@ -198,7 +199,9 @@ class LoggedRequest:
     )
     threads: int = field(
         default=DEFAULT_THREADS,
-        metadata=option("--threads", "torch threads of the rescoring engine.", minimum=1),
+        metadata=option(
+            "--threads", "torch threads of the rescoring engine.", minimum=1, maximum=MAX_THREADS
+        ),
     )
 
 

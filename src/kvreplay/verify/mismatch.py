@@ -36,6 +36,7 @@ DEFAULT_MAX_K3_KL = 1e-3
 """The numbers level's default: RL practice reads a k3 KL around 1e-3 as a healthy
 dense-model pair and 1e-2 as significantly off-policy."""
 HOLDS, FAILS = 0, 1
+MAX_GATE = 1e6  # a gate's bound: far past any mismatch two stacks of one model show
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,17 @@ class MismatchBounds:
             "--max-k3-kl",
             "A mismatch gate: the largest k3 KL estimate that passes "
             f"(default {DEFAULT_MAX_K3_KL:g}).",
+            minimum=0,
+            maximum=MAX_GATE,
         ),
     )
     max_abs_logp: float | None = field(
         default=None,
         metadata=option(
-            "--max-abs-logp", "A mismatch gate: the largest |delta log p| any token may have."
+            "--max-abs-logp",
+            "A mismatch gate: the largest |delta log p| any token may have.",
+            minimum=0,
+            maximum=MAX_GATE,
         ),
     )
 

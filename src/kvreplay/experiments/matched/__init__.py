@@ -32,7 +32,7 @@ DECLARATION = Declaration(
         {
             "left_construction": optional(str),
             "source": optional(dict),
-            "screen_margins": optional(list_of(NUMBER)),
+            "screen_margins": optional(list, each=Value(NUMBER)),
         },  # fmt: skip
         kinds=("prefix",),
     ),

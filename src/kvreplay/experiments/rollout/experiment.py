@@ -16,6 +16,7 @@ The CSV and the section are :mod:`kvreplay.experiments.rollout.table` and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
 FOLLOWUP = "Check your answer, then state it again."
+MAX_TOKENS = 2**17  # a turn's cap: the longest context windows served today
+MAX_SAMPLES = 1024  # rollouts per item: a row holds them all
+MAX_TURNS = 64
 MARK = "\u2063kvreplay-answer\u2063"  # stands for an answer while a chat template renders
 
 
@@ -56,7 +60,9 @@ class RolloutOptions:
     )
     top_k: int = field(
         default=0,
-        metadata=option("--top-k", "Sample from the k likeliest tokens (0: off).", minimum=0),
+        metadata=option(
+            "--top-k", "Sample from the k likeliest tokens (0: off).", minimum=0, maximum=2**20
+        ),
     )
     logprobs: str = field(
         default="raw",
@@ -68,7 +74,13 @@ class RolloutOptions:
         ),
     )
     max_tokens: int = field(
-        default=128, metadata=option("--max-tokens", "Tokens a turn samples at most.", minimum=1)
+        default=128,
+        metadata=option(
+            "--max-tokens",
+            "Tokens a turn samples at most (every turn's within the model's context window).",
+            minimum=1,
+            maximum=MAX_TOKENS,
+        ),
     )
     ignore_eos: bool = field(
         default=False,
@@ -76,7 +88,12 @@ class RolloutOptions:
     )
     samples: int = field(
         default=1,
-        metadata=option("--samples", "Rollouts per item (seeds --seed, --seed+1, ...).", minimum=1),
+        metadata=option(
+            "--samples",
+            "Rollouts per item (seeds --seed, --seed+1, ...).",
+            minimum=1,
+            maximum=MAX_SAMPLES,
+        ),
     )
     turns: int = field(
         default=1,
@@ -84,6 +101,7 @@ class RolloutOptions:
             "--turns",
             "Turns per rollout; each later one re-sends the earlier answer and --followup.",
             minimum=1,
+            maximum=MAX_TURNS,
         ),
     )
     followup: str = field(
@@ -147,6 +165,17 @@ def check_scorers(specs: list[ScorerSpec], scope: Scope) -> None:
     from kvreplay.model.reading import load_tokenizer
 
     config = scope.config
+    seen: dict[tuple[Any, ...], str] = {}
+    for spec in specs:
+        model = spec.model or config.model
+        same = (spec.backend, spec.precision, spec.schedule, os.path.realpath(model)
+                if os.path.exists(model) else model)  # fmt: skip
+        if same in seen:
+            raise KvreplayError(
+                f"--scorers names one scorer twice, as {seen[same]} and {spec.label} (the same "
+                "backend, precision, schedule and model files); list each scorer once."
+            )
+        seen[same] = spec.label
     ours = None
     for spec in specs:
         if spec.backend is None:
@@ -160,6 +189,33 @@ def check_scorers(specs: list[ScorerSpec], scope: Scope) -> None:
             raise KvreplayError(
                 f"The scorer {spec.label} has a tokenizer whose ids are not the rollout "
                 f"model's ({config.model}), so it would score other tokens than those sampled."
+            )
+
+
+def check_context(options: RolloutOptions, items: list[Item], scope: Scope) -> None:
+    """Refuse (one sentence, before anything runs) rollouts whose last turn would run
+    past the model's context window: the prompt, every turn at ``--max-tokens`` and every
+    follow-up between them."""
+    from kvreplay.model.reading import load_tokenizer, text_config
+
+    run = scope.config
+    trusts = run.backend.trusts_remote_code
+    window = run.backend.context_window(
+        int(getattr(text_config(run.model, trusts), "max_position_embeddings", 0) or 0)
+    )
+    if not window:
+        return
+    tokenizer = load_tokenizer(run.model, trusts)
+    followup = followup_ids(tokenizer, options.followup, run.chat) if options.turns > 1 else []
+    added = options.turns * options.max_tokens + (options.turns - 1) * len(followup)
+    for item in items:
+        prompt = len(encode_prompt(tokenizer, item.prompt, run.chat))
+        if prompt + added > window:
+            raise KvreplayError(
+                f"Item {item.id}'s rollout would span {prompt + added} tokens (its prompt, "
+                f"{options.turns} turn(s) of --max-tokens {options.max_tokens} and the "
+                f"follow-ups), past the model's context window of {window}; give fewer "
+                "--turns or --max-tokens."
             )
 
 
@@ -192,7 +248,9 @@ class Rollout(Experiment):
                 "name at least one scorer."
             )
         check_scorers(specs, scope)
-        return super().select(scope, rows)
+        selection = super().select(scope, rows)
+        check_context(options, selection.items, scope)
+        return selection
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         from kvreplay.model.reading import load_tokenizer
@@ -226,6 +284,14 @@ class Rollout(Experiment):
             ],
             "companions": int(getattr(run.backend, "companions", 0)) if batches else 0,
         }
+
+    def row_values(self, scope: Scope) -> tuple[int, str]:
+        """Per sample and turn, each token's id, log-probability and margin on every side
+        (the decode, the engine's prefill, each scorer, a control) and its argmax pair."""
+        options = own_options(RolloutOptions, scope, "rollout's")
+        sides = 3 + len(parse_scorers(options.scorers))
+        tokens = options.samples * options.turns * options.max_tokens
+        return tokens * sides * 4, "--samples, --turns, --max-tokens or --scorers"
 
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
