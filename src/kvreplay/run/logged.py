@@ -27,7 +27,7 @@ from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.core.options import option
 from kvreplay.core.outputs import Outputs
 from kvreplay.core.paths import read_regular
-from kvreplay.core.rollout import Scored, Turn
+from kvreplay.core.rollout import Scored, Turn, ids_problem, logprobs_problem
 from kvreplay.engines.placement import MAX_THREADS
 from kvreplay.engines.threads import DEFAULT_THREADS
 from kvreplay.experiments.rollout.section import summary_lines
@@ -61,25 +61,14 @@ def _line_problem(data: Any) -> str | None:
     if not isinstance(data["id"], str) or not data["id"]:
         return "its 'id' is not a non-empty string"
     for key in IDS:
-        ids = data[key]
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-        ):
-            return f"its {key!r} is not a non-empty list of token ids"
+        problem = ids_problem(data[key])
+        if problem is not None:
+            return f"its {key!r} {problem}"
     tokens = len(data["response_ids"])
     for key in (k for k in LOGPROBS if k in data):
-        values = data[key]
-        if not isinstance(values, list) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in values
-        ):
-            return f"its {key!r} is not a list of numbers"
-        if len(values) != tokens:
-            return f"its {key!r} holds {len(values)} values for {tokens} response tokens"
-        bad = next((v for v in values if not v <= 0), None)
-        if bad is not None:
-            return f"its {key!r} holds {bad!r}, not a log-probability (a number at most 0)"
+        problem = logprobs_problem(data[key], tokens)
+        if problem is not None:
+            return f"its {key!r} {problem}"
     return None
 
 

@@ -78,6 +78,17 @@ class MismatchExpectation:
     max_k3_kl: float | None = DEFAULT_MAX_K3_KL
     max_abs_logp: float | None = None
 
+    def __post_init__(self) -> None:
+        """A bound is a finite number of at least 0 (a NaN bound would pass nothing and
+        say "at most nan"), however the expectation was made."""
+        for name, value in (("max_k3_kl", self.max_k3_kl), ("max_abs_logp", self.max_abs_logp)):
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if value is not None and not (number and math.isfinite(value) and value >= 0):
+                raise KvreplayError(
+                    f"The expectation's {name} is {repr(value)[:20]}, not a finite number of "
+                    "at least 0."
+                )
+
     @property
     def level(self) -> str:
         return "bits" if self.bitwise else "numbers"
