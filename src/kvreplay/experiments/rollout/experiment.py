@@ -28,6 +28,7 @@ from kvreplay.core.items import Item, chat_messages, encode_prompt
 from kvreplay.core.options import option
 from kvreplay.core.rollout import LOGPROB_MODES, Conversation, Sampling
 from kvreplay.experiments.rollout.roll import Bench, roll
+from kvreplay.experiments.rollout.schema import MAX_SAMPLES, MAX_TOKENS, MAX_TOP_K, MAX_TURNS
 from kvreplay.experiments.rollout.section import rollout_claims, summary_lines
 from kvreplay.experiments.rollout.table import RolloutRow
 from kvreplay.harness.experiment import Experiment, planned_keys
@@ -39,9 +40,6 @@ from kvreplay.harness.units import Clock, Unit, UnitKey, Workbench
 from kvreplay.ledger import Record
 
 FOLLOWUP = "Check your answer, then state it again."
-MAX_TOKENS = 2**17  # a turn's cap: the longest context windows served today
-MAX_SAMPLES = 1024  # rollouts per item: a row holds them all
-MAX_TURNS = 64
 MARK = "\u2063kvreplay-answer\u2063"  # stands for an answer while a chat template renders
 
 
@@ -61,7 +59,7 @@ class RolloutOptions:
     top_k: int = field(
         default=0,
         metadata=option(
-            "--top-k", "Sample from the k likeliest tokens (0: off).", minimum=0, maximum=2**20
+            "--top-k", "Sample from the k likeliest tokens (0: off).", minimum=0, maximum=MAX_TOP_K
         ),
     )
     logprobs: str = field(
@@ -219,6 +217,23 @@ def check_context(options: RolloutOptions, items: list[Item], scope: Scope) -> N
             )
 
 
+SHARED_INPUTS = ("sampling", "seeds", "turns", "followup_token_ids", "engine", "scorers")
+
+
+def unit_inputs(config: dict[str, Any], items: list[Item]) -> dict[str, dict[str, Any]]:
+    """Each item's unit inputs, by item id: the config's sampling, seeds, turns,
+    follow-up, scorers, and the prompts of the items after it as its batch's companions."""
+    shared = {k: config[k] for k in SHARED_INPUTS}
+    found = {}
+    for index, item in enumerate(items):
+        others = [items[(index + k) % len(items)] for k in range(1, len(items))]
+        found[item.id] = {
+            **shared,
+            "companions": [o.prompt for o in others[: config["companions"]]],
+        }
+    return found
+
+
 class Rollout(Experiment):
     """The rollout experiment, on a backend that runs in process (hf, llamacpp)."""
 
@@ -296,18 +311,24 @@ class Rollout(Experiment):
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        config = self.config(scope, selection)
-        items = selection.items
-        keys = ("sampling", "seeds", "turns", "followup_token_ids", "engine", "scorers")
-        shared = {k: config[k] for k in keys}
-        units = []
-        for dtype in scope.dtypes:
-            for index, item in enumerate(items):
-                others = [items[(index + k) % len(items)] for k in range(1, len(items))]
-                companions = [o.prompt for o in others[: config["companions"]]]
-                inputs = {**shared, "companions": companions}
-                units.append(Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs))
-        return units
+        inputs = unit_inputs(self.config(scope, selection), selection.items)
+        return [
+            Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs[item.id])
+            for dtype in scope.dtypes
+            for item in selection.items
+        ]
+
+    def derived_inputs(
+        self, config: dict[str, Any], run: Any, items: dict[str, Item]
+    ) -> dict[str, dict[str, Any]]:
+        """Every row's inputs are its config's sampling, seeds, turns, follow-up, scorers
+        and companions: a config edited with its hash recomputed contradicts its rows."""
+        inputs = unit_inputs(config, [items[i] for i in config["item_ids"]])
+        return {
+            str(UnitKey(self.name, item_id, dtype)): inputs[item_id]
+            for dtype in config["dtypes"]
+            for item_id in config["item_ids"]
+        }
 
     def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)

@@ -11,9 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.backends.rollout import ENGINE, SCHEDULES, ScorerSpec
-from kvreplay.core.rollout import LOGPROB_MODES
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.rollout import LOGPROB_MODES, Sampling
+from kvreplay.core.sampler import Sampler
 from kvreplay.experiments.rollout.roll import BATCHED, MISS
 from kvreplay.harness.schema import NUMBER, Schema, Value, list_of, optional
+
+# The bounds of a rollout's options (experiment.RolloutOptions declares them), which a
+# recorded config is held to as well.
+MAX_TOKENS = 2**17  # a turn's cap: the longest context windows served today
+MAX_SAMPLES = 1024  # rollouts per item: a row holds them all
+MAX_TURNS = 64
+MAX_TOP_K = 2**20
+MAX_COMPANIONS = 64
 
 SAMPLING = {
     "temperature": Value(NUMBER),
@@ -81,11 +91,26 @@ def config_relations(config: dict[str, Any]) -> list[str]:
     """What a rollout config's own fields contradict: its seeds are the sampling seed on,
     a follow-up only with later turns, each scorer labelled as its spec names it."""
     problems = []
-    sampling, seeds = config["sampling"], config["seeds"]
+    sampling, seeds, turns = config["sampling"], config["seeds"], config["turns"]
     if not seeds or seeds != list(range(sampling["seed"], sampling["seed"] + len(seeds))):
         problems.append("seeds are not the sampling seed on, one per sample")
-    if config["turns"] < 1 or (config["turns"] > 1) != bool(config["followup_token_ids"]):
-        problems.append("turns and followup_token_ids disagree (a follow-up with later turns only)")
+    later = turns > 1
+    if later != bool(config["followup_token_ids"]) or later != (config["followup"] is not None):
+        problems.append("turns and the follow-up disagree (a follow-up with later turns only)")
+    for name, value, low, high in (
+        ("turns", turns, 1, MAX_TURNS),
+        ("seeds", len(seeds), 1, MAX_SAMPLES),
+        ("sampling.max_tokens", sampling["max_tokens"], 1, MAX_TOKENS),
+        ("sampling.top_k", sampling["top_k"], 0, MAX_TOP_K),
+        ("companions", config["companions"], 0, MAX_COMPANIONS),
+    ):
+        if not low <= value <= high:
+            problems.append(f"{name} is {value}, outside what a run takes ({low} to {high})")
+    try:
+        Sampling(**sampling).check(LOGPROB_MODES, "the run's")
+        Sampler(sampling["temperature"], sampling["top_p"], seeds[-1] if seeds else 0)
+    except KvreplayError as exc:
+        problems.append(f"sampling is not one a run takes ({str(exc).rstrip('.')})")
     for scorer in config["scorers"]:
         spec = ScorerSpec(scorer["backend"], scorer["precision"], scorer["schedule"],
                           scorer["model"])  # fmt: skip
