@@ -83,7 +83,7 @@ def load_logged(path: Path) -> list[dict[str, Any]]:
         raise KvreplayError(f"The logged rollouts {path} are not UTF-8 text.") from None
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # JSON strings may hold U+2028
         if not line.strip():
             continue
         try:

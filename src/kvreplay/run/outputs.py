@@ -6,6 +6,7 @@ the environment it ran in."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,21 @@ def write_outputs(
 
 
 def json_bytes(data: Any) -> bytes:
-    """A verdict or claims as ``--json`` writes them."""
-    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    """A verdict or claims as ``--json`` writes them: strict JSON, which every reader
+    parses (a number that is not finite, a k3 KL past float range, say, is written as
+    null: ``Infinity`` and ``NaN`` are not JSON)."""
+    return (json.dumps(finite(data), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
 
 
 def recorded_environment(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from kvreplay.core.rollout import (
     listed,
     logprobs_problem,
 )
-from kvreplay.experiments.rollout.experiment import MAX_SAMPLES
 from kvreplay.experiments.rollout.roll import BATCHED, MISS, Bench, roll
+from kvreplay.experiments.rollout.schema import MAX_SAMPLES
 from kvreplay.experiments.rollout.sides import Sequences, read_sides
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_SIDE, ROLLOUT_TABLE
 from kvreplay.ledger import Record

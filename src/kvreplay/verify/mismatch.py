@@ -241,7 +241,21 @@ def judge(
     environment: dict[str, Any] | None = None,
 ) -> MismatchVerdict:
     """The verdict of every precision's sequences: the rollout's log-probabilities
-    against the trainer's (a scorer's label), pooled over precisions."""
+    against the trainer's (a scorer's label), pooled over precisions. A mismatch past
+    float range (a ratio exp(delta) of a delta in the hundreds) is an infinite metric,
+    said as such, not a warning on the terminal."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _judge(by_precision, trainer, expectation, rollout, temperature, environment)
+
+
+def _judge(
+    by_precision: dict[str, Sequences],
+    trainer: str,
+    expectation: MismatchExpectation,
+    rollout: str,
+    temperature: float,
+    environment: dict[str, Any] | None,
+) -> MismatchVerdict:
     outcomes: list[SequenceOutcome] = []
     rollout_sides: list[list[float]] = []
     trainer_sides: list[list[float]] = []
