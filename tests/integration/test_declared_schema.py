@@ -95,14 +95,17 @@ CONFIG_EDITS: dict[str, tuple[Callable[[Config], None], str]] = {
     ),
     "seeds off the sampling seed": (lambda c: c.__setitem__("seeds", [5, 9]), "seeds"),
     "a sampling flag its rows' inputs do not hold": (
-        lambda c: c["sampling"].__setitem__("ignore_eos", True), "inputs.sampling is not what"
+        lambda c: c["sampling"].__setitem__("ignore_eos", True),
+        "inputs.sampling is not what",
     ),
     "turns past their bound": (lambda c: c.__setitem__("turns", 10**9), "turns"),
     "top-k past its bound": (
-        lambda c: c["sampling"].__setitem__("top_k", 10**9), "sampling.top_k is 1000000000"
+        lambda c: c["sampling"].__setitem__("top_k", 10**9),
+        "sampling.top_k is 1000000000",
     ),
     "a temperature no sampler takes": (
-        lambda c: c["sampling"].__setitem__("temperature", 1e-300), "sampling is not one"
+        lambda c: c["sampling"].__setitem__("temperature", 1e-300),
+        "sampling is not one",
     ),
     "a logprobs mode no run writes": (
         lambda c: c["sampling"].__setitem__("logprobs", "both"),

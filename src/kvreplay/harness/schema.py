@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvreplay.core.comparison import RETIRED, STAT_FIELDS
 from kvreplay.harness.rows import PREFIX_FIELDS
 
 JsonType = type | tuple[type, ...]
@@ -54,6 +55,7 @@ class Value:
     fields: Mapping[str, Value] | None = None
     each: Value | None = None
     optional: bool = False
+    minimum: float | None = None  # a number's least value (a token id's 0)
 
     def __post_init__(self) -> None:
         listed = self.kinds if isinstance(self.kinds, tuple) else (self.kinds,)
@@ -68,6 +70,9 @@ class Value:
         if self.values and value not in self.values:
             listed = ", ".join(repr(v) for v in self.values)
             yield f"{where} is {str(value)[:40]!r}, not one a run writes ({listed})"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and self.minimum is not None and value < self.minimum:
+            yield f"{where} is {value!r}, below {self.minimum:g}"
         if isinstance(value, dict) and self.fields is not None:
             yield from object_problems(value, self.fields, f"{where}.")
         elif isinstance(value, dict) and self.each is not None:
@@ -171,33 +176,67 @@ class Schema:
         return self.clones and key.endswith("_clone")
 
 
-# A prefix as every panel row and prefix row records it (harness/prefixes.py).
+NUMBER = (int, float)
+TOKEN = Value(int, minimum=0)
+# A prefix as every panel row and prefix row records it (harness/prefixes.py), each
+# stage it decoded with its tokens, margins and opener.
+STAGE = {
+    "stage": Value(str),
+    "token_ids": Value(list, each=TOKEN),
+    "margins": Value(list, each=Value(NUMBER, minimum=0)),
+    "opener_ids": Value(list, each=TOKEN),
+    "stop_reason": Value(str),
+}
 PREFIX: dict[str, Value] = {
-    "prefix_token_ids": optional(list, each=Value(int)),
-    "prompt_token_count": optional(int),
-    "prefix_token_count": optional(int),
+    "prefix_token_ids": optional(list, each=TOKEN),
+    "prompt_token_count": optional(int, minimum=0),
+    "prefix_token_count": optional(int, minimum=0),
     "prefix_sha256": optional(str),
     "prefix_reached": optional(bool),
     "prefix_reason": optional(str),
-    "prefix_stages": optional(list),
+    "prefix_stages": optional(list, each=Value(dict, fields=STAGE)),
 }
 assert set(PREFIX) == set(PREFIX_FIELDS)
 # Where a row's prefix came from: another row (its key and hash), the item's own
-# trajectory, or generated live (a prefix row).
-SOURCE = Value(dict)
-# A completed panel row's own records (harness/rows.py: PanelRow.to_dict), each typed
-# there: the typed row's round trip names what it does not write.
+# trajectory, or generated live (a prefix row); an in-process matched row's is empty.
+SOURCE = optional(dict, fields={"key": optional(str), "row_sha256": optional(str),
+                                "generated": optional(bool)})  # fmt: skip
+STATS = Value(dict, fields={n: Value(bool if n == "exact" else NUMBER) for n in STAT_FIELDS})
+# A comparison of two boundary states (core/comparison.py: Comparison), with the field
+# rows recorded as null before it was retired.
+COMPARISON = {
+    **{part: Value(dict, fields=STATS.fields) for part in ("cache", "keys", "values", "logits")},
+    "per_layer": Value(list, each=Value(dict, fields={n: STATS for n in ("k", "v", "kv")})),
+    "boundary_argmax_equal": Value(bool),
+    "layer_lengths_equal": Value(bool),
+    RETIRED: optional(type(None)),
+}
+# The compared pair's labels (harness/rows.py: PairLabels).
+LABELS = {
+    "suffix_equal": Value(bool),
+    "trace_equal": Value(bool),
+    "merge_equal": Value(bool),
+    "answer_equal": Value(bool),
+    "first_suffix_divergence_index": Value((int, type(None))),
+}
+# What states in an engine's blocks cover (backends/vllm_blocks.py: coverage).
+BLOCK_KV = ("block_size", "cached_tokens", "tail_tokens")
+# A completed panel row's own records (harness/rows.py: PanelRow.to_dict): its arms,
+# samples and gates are typed there, and the typed row's round trip names what it does
+# not write; what a row keeps as given (its comparison, labels, source) is declared here.
 PANEL: dict[str, Value] = {
     **PREFIX,
     "arms": optional(dict, each=Value(dict)),
     "samples": optional(dict, each=Value(list, each=Value(dict))),
     "replicas": optional(dict, each=Value(dict)),
-    "comparison": optional(dict),
+    "comparison": optional(dict, fields=COMPARISON),
     "functional_state_equal": optional((bool, type(None))),
     "all_storage_disjoint": optional((bool, type(None))),
     "all_layers_transplanted": optional(bool),
-    "block_kv": optional(dict, each=Value(int)),
-    "labels": optional(dict),
+    "block_kv": optional(dict, fields={n: Value(int, minimum=0) for n in BLOCK_KV}),
+    "labels": optional(dict, fields=LABELS),
+    "source": SOURCE,
+    "left_construction": optional(str),
     "backend": optional(str),  # a served row: the backend that served it
 }
 PANEL_STATUSES = ("ok", "unreached")
@@ -213,6 +252,3 @@ def panel_schema(
 
 def list_of(kinds: JsonType) -> Value:
     return Value(list, each=Value(kinds))
-
-
-NUMBER = (int, float)

@@ -16,6 +16,7 @@ lengths, token ids, finite log-probabilities at most 0.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 from kvreplay.backends.rollout import ENGINE
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import MAX_ID_LENGTH
 from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.core.options import option
 from kvreplay.core.outputs import Outputs
@@ -60,6 +62,8 @@ def _line_problem(data: Any) -> str | None:
         return f"it has a field {unknown!r} the format does not know"
     if not isinstance(data["id"], str) or not data["id"]:
         return "its 'id' is not a non-empty string"
+    if len(data["id"]) > MAX_ID_LENGTH or any(unicodedata.category(c) == "Cc" for c in data["id"]):
+        return f"its 'id' is longer than {MAX_ID_LENGTH} characters or holds a control character"
     for key in IDS:
         problem = ids_problem(data[key])
         if problem is not None:

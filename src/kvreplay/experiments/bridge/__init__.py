@@ -20,10 +20,18 @@ DECLARATION = Declaration(
     schema=panel_schema(
         {"dtype": Value(str), "item_ids": list_of(str), "selection": Value(dict)},
         {
-            "historical": optional((dict, type(None))),
-            "selection_index": optional(int),
-            "num_layers": optional(int),
-            "boundary_cache_sequence_len": optional(int),
+            "historical": optional(
+                (dict, type(None)),
+                fields={
+                    "key": Value(str),
+                    "row_sha256": Value(str),
+                    "prefix_token_count": Value(int, minimum=0),
+                    "prefix_sha256": Value(str),
+                },
+            ),  # fmt: skip
+            "selection_index": optional(int, minimum=0),
+            "num_layers": optional(int, minimum=1),
+            "boundary_cache_sequence_len": optional(int, minimum=0),
         },
         clones=True,  # live_clone, teacher_clone: checked, never continued
     ),

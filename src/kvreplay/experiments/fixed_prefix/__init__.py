@@ -6,7 +6,7 @@ which matched shares (:mod:`kvreplay.experiments.matrix`)."""
 from kvreplay.experiments.matrix.section import MATRIX as SECTION
 from kvreplay.experiments.matrix.table import FIXED_PREFIX, FIXED_PREFIX_TABLE
 from kvreplay.harness.declaration import Declaration
-from kvreplay.harness.schema import Value, list_of, optional, panel_schema
+from kvreplay.harness.schema import Value, list_of, panel_schema
 
 DECLARATION = Declaration(
     name=FIXED_PREFIX,
@@ -24,7 +24,6 @@ DECLARATION = Declaration(
             "prefix_dtype": Value(str),
             "prefix_from": Value((str, type(None))),
         },
-        {"left_construction": optional(str), "source": optional(dict)},
         kinds=("prefix", "matrix"),
     ),
 )

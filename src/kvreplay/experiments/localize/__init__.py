@@ -24,11 +24,22 @@ DECLARATION = Declaration(
             "selection": Value(dict),
         },
         {
-            "left_construction": optional(str),
-            "num_layers": optional(int),
-            "source": optional(dict),
+            "num_layers": optional(int, minimum=1),
             "divergent": optional(bool),
-            "probes": optional(list, each=Value(dict)),
+            "probes": optional(
+                list,
+                each=Value(
+                    dict,
+                    fields={
+                        "direction": Value(str),
+                        "sweep": Value(str),
+                        "layers": Value(list, each=Value(int, minimum=0)),
+                        "component": Value(str),
+                        "recovers_donor": Value(bool),
+                        "first_divergence_index": Value((int, type(None))),
+                    },
+                ),
+            ),  # fmt: skip
             "boundary_argmax_equal": optional(bool),
         },
     ),

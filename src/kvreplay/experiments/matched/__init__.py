@@ -29,11 +29,7 @@ DECLARATION = Declaration(
             "fragile": optional(dict, fields={"n": Value(int), "window": Value(int)}),
         },
         # a fragile screen's rows are prefix rows with the margins it ranks by
-        {
-            "left_construction": optional(str),
-            "source": optional(dict),
-            "screen_margins": optional(list, each=Value(NUMBER)),
-        },  # fmt: skip
+        {"screen_margins": optional(list, each=Value(NUMBER, minimum=0))},
         kinds=("prefix",),
     ),
 )

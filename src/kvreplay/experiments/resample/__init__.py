@@ -34,6 +34,17 @@ DECLARATION = Declaration(
             "margin": Value(NUMBER),
             "batching": Value(str, values=("singleton",)),
         },
-        {"resample": optional(dict)},
+        {
+            "resample": optional(
+                dict,
+                fields={
+                    "seeds": list_of(int),
+                    "replica_samples": Value(int, minimum=1),
+                    "margin": Value(NUMBER),
+                    "temperature": Value(NUMBER),
+                    "top_p": Value(NUMBER),
+                },
+            ),
+        },  # fmt: skip
     ),
 )

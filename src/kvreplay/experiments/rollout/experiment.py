@@ -321,8 +321,15 @@ class Rollout(Experiment):
     def derived_inputs(
         self, config: dict[str, Any], run: Any, items: dict[str, Item]
     ) -> dict[str, dict[str, Any]]:
-        """Every row's inputs are its config's sampling, seeds, turns, follow-up, scorers
-        and companions: a config edited with its hash recomputed contradicts its rows."""
+        """Every row's inputs are its config's sampling, seeds, turns, follow-up (its ids
+        the run's tokenizer makes of its text), scorers and companions: a config edited
+        with its hash recomputed contradicts its rows."""
+        if config["turns"] > 1 and run is not None:
+            from kvreplay.model.reading import load_tokenizer
+
+            tokenizer = load_tokenizer(run.model, run.backend.trusts_remote_code)
+            ids = followup_ids(tokenizer, config["followup"], run.chat)
+            config = {**config, "followup_token_ids": ids}
         inputs = unit_inputs(config, [items[i] for i in config["item_ids"]])
         return {
             str(UnitKey(self.name, item_id, dtype)): inputs[item_id]

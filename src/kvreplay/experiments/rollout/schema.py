@@ -15,7 +15,7 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import LOGPROB_MODES, Sampling
 from kvreplay.core.sampler import Sampler
 from kvreplay.experiments.rollout.roll import BATCHED, MISS
-from kvreplay.harness.schema import NUMBER, Schema, Value, list_of, optional
+from kvreplay.harness.schema import NUMBER, TOKEN, Schema, Value, list_of, optional
 
 # The bounds of a rollout's options (experiment.RolloutOptions declares them), which a
 # recorded config is held to as well.
@@ -54,17 +54,18 @@ CONFIG = {
     "scorers": Value(list, each=Value(dict, fields=SCORER)),
     "companions": Value(int),
 }
+MARGINS = Value((list, type(None)), each=Value(NUMBER, minimum=0))
 TURN = {
-    "token_ids": list_of(int),
+    "token_ids": Value(list, each=TOKEN),
     "logprobs": list_of(NUMBER),
-    "margins": Value((list, type(None)), each=Value(NUMBER)),
-    "cached_tokens": Value((int, type(None))),
+    "margins": MARGINS,
+    "cached_tokens": Value((int, type(None)), minimum=0),
     "finish": Value(str),
 }
 SCORED = {
     "logprobs": list_of(NUMBER),
-    "margins": Value((list, type(None)), each=Value(NUMBER)),
-    "argmax_differs": Value((list, type(None)), each=list_of(int)),
+    "margins": MARGINS,
+    "argmax_differs": Value((list, type(None)), each=Value(list, each=TOKEN)),
 }
 TURN_RECORD = {
     **TURN,
@@ -76,7 +77,7 @@ TURN_RECORD = {
 }
 ROW = {
     "temperature": Value(NUMBER),
-    "prompt_token_ids": list_of(int),
+    "prompt_token_ids": Value(list, each=TOKEN),
     "rollouts": Value(
         list,
         each=Value(
@@ -166,6 +167,11 @@ def _turn_problems(
             )
         if len(turn["token_ids"]) > config["sampling"]["max_tokens"]:
             problems.append(f"{at}.token_ids holds more tokens than the config's max_tokens")
+        sides = [turn, *turn.get("controls", {}).values()]
+        if any(
+            s["margins"] is not None and len(s["margins"]) != len(s["token_ids"]) for s in sides
+        ):
+            problems.append(f"{at}.margins does not hold one gap per token")
         controls = set(turn.get("controls", {}))
         if controls != ({MISS} if number else {BATCHED} if config["companions"] else set()):
             problems.append(f"{at}.controls names {sorted(controls)}, not what the config runs")

@@ -25,10 +25,17 @@ DECLARATION = Declaration(
             "selection": Value(dict),
         },
         {
-            "panel": optional(dict),
-            "num_layers": optional(int),
-            "left_construction": optional(str),
-            "source": optional(dict),
+            "panel": optional(
+                dict,
+                fields={
+                    "checkpoint_alias": Value(str),
+                    "selection_index": Value(int, minimum=0),
+                    "selection_basis": Value(str),
+                    "historical_stratum": Value(str),
+                    "panel": Value(str),
+                },
+            ),
+            "num_layers": optional(int, minimum=1),
         },  # fmt: skip
         kinds=("prefix", "transplant"),
     ),
