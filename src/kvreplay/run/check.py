@@ -22,8 +22,8 @@ from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import COUNTS, Declared, arguments, option
 from kvreplay.experiments.registry import check_experiment, declared
-from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
-from kvreplay.run.enginelog import engine_log
+from kvreplay.ledger import RunLedger, parse_rows
+from kvreplay.run.enginelog import engine_log, run_line
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.repro import repro_pack
 from kvreplay.run.request import RunOptions, RunRequest
@@ -207,9 +207,7 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
     if pack is not None:
         echo(f"repro pack: {pack.folder}; reproduce the first divergence with: {pack.command}")
-    log = out / ENGINE_LOG
-    said = f"; the engine's own log is {log}" if log.is_file() and not request.verbose else ""
-    echo(f"check run: {out} (kvreplay audit {out} re-executes it{said})")
+    echo(run_line(out, request.verbose))
     return verdict
 
 

@@ -46,3 +46,11 @@ def engine_log(out: Path, verbose: bool) -> Iterator[None]:
             if (out / MANIFEST).is_file() and log.tell():
                 log.seek(0)
                 append_output(out / ENGINE_LOG, log)
+
+
+def run_line(out: Path, verbose: bool) -> str:
+    """A check's last line: its run folder, how to audit it, and where the engine's log
+    went (nothing when it is on the terminal or the engine said nothing)."""
+    log = out / ENGINE_LOG
+    said = f"; the engine's own log is {log}" if log.is_file() and not verbose else ""
+    return f"check run: {out} (kvreplay audit {out} re-executes it{said})"

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvreplay.backends.rollout import ScorerSpec
 from kvreplay.core.errors import KvreplayError
-from kvreplay.run.enginelog import engine_log
+from kvreplay.run.enginelog import engine_log, run_line
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.request import RunOptions, RunRequest
 from kvreplay.verify.mismatch import MismatchBounds, MismatchVerdict, judge, parse_expectation
@@ -73,7 +73,7 @@ def run_mismatch_check(
     echo(mismatch_screen(verdict))
     rendered = (mismatch_json(verdict), mismatch_junit(verdict))
     write_outputs(rendered, request.json_path, request.junit_path)
-    echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
+    echo(run_line(out, request.verbose))
     return verdict
 
 
