@@ -1,4 +1,5 @@
-"""The hostile-input probe of issue 34, items 1-4, and of issue 45 (``hostile_round3.py``),
+"""The hostile-input probe of issue 34, items 1-4, of issue 45 (``hostile_round3.py``) and
+of issue 49 (``hostile_round4.py``),
 as an adversary would try it: a forged
 run folder's environment and ``--venv`` targets given to ``kvreplay env``, addresses and
 credentials given to ``probe``/``run``, servers that redirect, stream without end,
@@ -6,7 +7,7 @@ trickle or echo the key, and every field a server's answer holds replaced by a v
 of the wrong type or range, on the probe's answers and on completions from the second
 row of a run on (then audited against the same server).
 
-Usage: python bench/hostile_probe.py [--quick] [--round2-only]
+Usage: python bench/hostile_probe.py [--quick] [--round2-only | --round4-only]
 
 Prints, per family, the cases tried, how many ended clean and the ones left. A case is
 clean when it ends in one sentence on stderr and exit 2 with every completed row kept
@@ -333,6 +334,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="every 7th completion mutation")
     parser.add_argument("--round2-only", action="store_true", help="issue 34's families alone")
+    parser.add_argument("--round4-only", action="store_true", help="issue 49's families alone")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="hostile-probe-"))
     model = save_tiny(scratch / "model", "qwen2")
@@ -341,25 +343,35 @@ def main() -> None:
     try:
         args_, run = run_args("matched", made(scratch / "base"), model)
         assert invoke(*args_, "--n", "1", "--dtypes", "fp32").exit_code == 0
-        families = [
-            env_family(run, made(scratch / "env")),
-            venv_family(run, made(scratch / "venv")),
-            address_family(model, made(scratch / "addresses")),
-            key_family(tiny, model, scratch / "key"),
-            exhaustion_family(),
-            probe_answers_family(tiny),
-            completion_family(tiny, model, scratch / "completions", args.quick),
-        ]
-        if not args.round2_only:
+        families = (
+            []
+            if args.round4_only
+            else [
+                env_family(run, made(scratch / "env")),
+                venv_family(run, made(scratch / "venv")),
+                address_family(model, made(scratch / "addresses")),
+                key_family(tiny, model, scratch / "key"),
+                exhaustion_family(),
+                probe_answers_family(tiny),
+                completion_family(tiny, model, scratch / "completions", args.quick),
+            ]
+        )
+        if not args.round2_only and not args.round4_only:
             from hostile_round3 import families as round3  # issue 45's families
 
             families += round3(made(scratch / "round3"), tiny, model, args.quick)
+        if not args.round2_only:
+            from hostile_round4 import families as round4  # issue 49's families
+
+            families += round4(made(scratch / "round4"), model, args.quick)
     finally:
         tiny.close()
     for family in families:
         print(family.line())
         for case in family.left:
             print(f"    left: {case}")
+        for case in family.reexecuted:
+            print(f"    named on re-execution: {case}")
     tried = sum(f.tried for f in families)
     left = sum(len(f.left) for f in families)
     print(f"{'all':<24} tried {tried:>4}  clean {tried - left:>4}  left {left}")

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import itertools
 import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -32,66 +30,27 @@ from pathlib import Path
 from typing import Any
 
 from click.testing import Result
-from helpers import GOOD, invoke, run_args
-from hostile_cases import KEY_ENV, SECRET, WRONG, Family, made, refusal
+from helpers import GOOD, run_args
+from hostile_cases import (
+    KEY_ENV,
+    SECRET,
+    WRONG,
+    Family,
+    digests,
+    made,
+    named,
+    refusal,
+    refused,
+    timed,
+)
 from loopback import Loopback, Reply, Sent, TinyVllm
 from tiny import save_tiny
-
-CASE_SECONDS = int(os.environ.get("HOSTILE_CASE_SECONDS", "120"))
 
 
 def check_of(run: list[Any], model: Path, out: Path, n: int) -> list[Any]:
     """A short-plan ``kvreplay check`` of ``n`` items on the items a run's arguments name."""
     items = run[run.index("--items") + 1]
     return ["check", "--model", model, "--items", items, "--plan", "short", "--n", n, "--out", out]
-
-
-def timed(*args: object) -> Result:
-    """``kvreplay ARGS`` cut off after :data:`CASE_SECONDS` (a hang is a problem too)."""
-
-    def expire(*_: object) -> None:
-        raise TimeoutError(f"no answer within {CASE_SECONDS} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(CASE_SECONDS)
-    try:
-        return invoke(*args)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def digests(*paths: Path) -> dict[Path, str | None]:
-    """Each protected file's bytes (its digest), None where it is not a regular file."""
-    found: dict[Path, str | None] = {}
-    for path in paths:
-        for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-            regular = file.is_file() and not file.is_symlink()
-            found[file] = hashlib.sha256(file.read_bytes()).hexdigest() if regular else None
-    return found
-
-
-def refused(result: Result, before: dict[Path, str | None], out: Path | None = None) -> str | None:
-    """None when ``result`` is one sentence and exit 2, the protected files unchanged and
-    (``out``) no manifest written; else what it did."""
-    problem = refusal(result)
-    if problem is None and digests(*before) != before:
-        problem = "a protected file changed"
-    if problem is None and out is not None and (out / "manifest.json").exists():
-        problem = "a manifest was left"
-    return problem
-
-
-def named(result: Result, needle: str) -> str | None:
-    """None when an audit exits 1 naming ``needle`` or refuses in one sentence."""
-    if result.exit_code == 1 and any(
-        line.startswith("  - ") and needle in line for line in result.stdout.splitlines()
-    ):
-        return None
-    if result.exit_code == 2:
-        return refusal(result)
-    problem = refusal(result) if result.exception else None
-    return problem or f"exit {result.exit_code}, {needle!r} not named"
 
 
 # Family: a secret that comes back.

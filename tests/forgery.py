@@ -46,9 +46,14 @@ def write_manifest(folder: Path, data: dict) -> None:
 
 
 def rechain(
-    folder: Path, rows: list[dict], contract_hash: str | None = None, derive_csv: bool = True
+    folder: Path,
+    rows: list[dict],
+    contract_hash: str | None = None,
+    derive_csv: bool = True,
+    experiment: str = "matched",
 ) -> None:
-    """Rewrite rows.jsonl as a valid chain and re-derive the CSV, as a forger would."""
+    """Rewrite rows.jsonl as a valid chain and re-derive the experiment's CSV, as a forger
+    would."""
     contract_hash = contract_hash or sha256_json(manifest(folder)["contract"])
     records, prev = [], GENESIS
     for seq, row in enumerate(rows):
@@ -60,6 +65,7 @@ def rechain(
     if not derive_csv:
         return
     recorded = manifest(folder)
-    table = recorded_table("matched", recorded)  # a served run's is the served table
+    table = recorded_table(experiment, recorded)  # a served run's is the served table
     assert table is not None
-    (folder / CSV).write_text(table.csv(records, recorded["experiments"]["matched"]["config"]))
+    config = recorded["experiments"][experiment]["config"]
+    (folder / table.csv_name(config)).write_text(table.csv(records, config))

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import numpy as np
 import pytest
 import torch
@@ -127,6 +128,22 @@ def perturbed(state: BoundaryState, seed: int = 0) -> BoundaryState:
                 tensor.add_(noise * 0.1)
     copy.construction = "perturbed"
     return copy
+
+
+def cli_commands(
+    group: click.Group = main, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+    """Every command of the command line, by its words (``("run", "matched")``)."""
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from cli_commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def cli_params(command: click.Command) -> list[click.Parameter]:
+    """A command's parameters, those made when it is first parsed included."""
+    return command.get_params(click.Context(command))
 
 
 def invoke(*args: object) -> Result:

@@ -144,7 +144,8 @@ def settings_markdown(name: str) -> str:
         connection = (
             " Not recorded: give it again to resume or audit." if (key in cls.connection) else ""
         )
-        lines.append(f"| `{spec.flag}` | {default} | {spec.option.help}{connection} |")
+        text = spec.option.help + _bounds(spec.option.minimum, spec.option.maximum)
+        lines.append(f"| `{spec.flag}` | {default} | {text}{connection} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,6 +168,7 @@ def options_markdown(experiment: str) -> str:
             continue
         flags = ", ".join(f"`{flag}`" for flag in (*param.opts, *param.secondary_opts))
         text = " ".join((param.help or "").split()).replace("|", "\\|")
+        text += _bounds(getattr(param.type, "min", None), getattr(param.type, "max", None))
         lines.append(f"| {flags} | {_default(param)} | {text} |")
     return "\n".join(lines) + "\n"
 
@@ -188,8 +190,17 @@ def declared_markdown(command: str) -> str:
     for spec in specs:
         default = "" if spec.default in (None, False, "") else f"`{spec.text(spec.default)}`"
         text = " ".join(spec.option.help.split()).replace("|", "\\|")
+        text += _bounds(spec.option.minimum, spec.option.maximum)
         lines.append(f"| `{spec.flag}` | {default} | {text} |")
     return "\n".join(lines) + "\n"
+
+
+def _bounds(low: float | None, high: float | None) -> str:
+    """A number option's declared bounds, as its table says them."""
+    if low is None or high is None:
+        return ""
+    low_, high_ = (f"{int(x):,}" if float(x).is_integer() else f"{x:g}" for x in (low, high))
+    return f" (from {low_} to {high_})"
 
 
 def _default(param: click.Option) -> str:

@@ -22,18 +22,21 @@ import click
 
 from kvreplay.core.errors import KvreplayError, exit_plainly, plain_errors
 from kvreplay.core.options import Declared, build, every
-from kvreplay.core.paths import UserPath
+from kvreplay.core.paths import OutputPath, UserPath
+from kvreplay.engines.placement import MAX_WORKERS
 from kvreplay.run.supervise import supervise, watched
 
 KEEP = object()  # an option's default is its field's
-# A backend's integer settings are bounded here at least (each backend checks its own).
-SETTING_INTS = (0, 2**20)
 
 
 class PlainGroup(click.Group):
     """Every refusal, from option parsing on, ends in one sentence on stderr and exit 2;
-    so does an engine that takes the process down (the command line's engine commands
-    run in a watched child, :mod:`kvreplay.run.supervise`)."""
+    so does a registry's refusal of an entry while the commands were made (an
+    experiment declared without a schema), for every command, and an engine that takes
+    the process down (the command line's engine commands run in a watched child,
+    :mod:`kvreplay.run.supervise`)."""
+
+    refusal: str | None = None
 
     def main(self, args: Any = None, *more: Any, **options: Any) -> Any:
         if args is None and watched(sys.argv[1:]):
@@ -47,6 +50,8 @@ class PlainGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            if self.refusal is not None:
+                raise KvreplayError(self.refusal)
             return super().invoke(ctx)
         except click.UsageError as exc:
             exit_plainly(exc.format_message())
@@ -66,20 +71,18 @@ def _parsed(parse: Callable[[Any], Any]) -> Callable[[click.Context, click.Param
     return callback
 
 
-def _click_type(spec: Declared, ints: tuple[int, int] | None = None) -> Any:
-    """The click type of a declared option's values."""
+def _click_type(spec: Declared) -> Any:
+    """The click type of a declared option's values (a number within its declared bounds;
+    NaN, which no range excludes, is refused as the request is built)."""
     o = spec.option
     if spec.kind == "path":
-        return UserPath(path_type=Path, dir_okay=o.target != "file", file_okay=o.target != "folder")
+        return OutputPath(o.output) if o.output else UserPath(path_type=Path)
     if o.choices:
         return click.Choice(list(o.choices))
-    low, high = (o.minimum, o.maximum) if (o.minimum, o.maximum) != (None, None) else (None, None)
     if spec.kind == "int":
-        if (low, high) == (None, None) and ints:
-            low, high = ints
-        return click.IntRange(low, high) if (low, high) != (None, None) else int  # type: ignore[arg-type]
+        return click.IntRange(o.minimum, o.maximum)  # type: ignore[arg-type]
     if spec.kind == "float":
-        return click.FloatRange(low, high) if (low, high) != (None, None) else float
+        return click.FloatRange(o.minimum, o.maximum)
     return str
 
 
@@ -88,7 +91,6 @@ def click_option(
     default: Any = KEEP,
     help: str | None = None,
     given_only: bool = False,
-    ints: tuple[int, int] | None = None,
 ) -> click.Option:
     """The click option of one declared field. Its default is the field's (or
     ``default``); ``given_only`` keeps it None unless given (an experiment's own options,
@@ -105,7 +107,7 @@ def click_option(
     shown = None if given_only or value is None else spec.text(value)
     return click.Option(
         [o.flag, spec.name],
-        type=_click_type(spec, ints),
+        type=_click_type(spec),
         default=shown if spec.kind == "parsed" else (None if given_only else value),
         show_default=shown not in (None, ""),
         callback=_parsed(o.parse) if o.parse else None,
@@ -150,7 +152,6 @@ def backend_options() -> tuple[click.Option, ...]:
                 s.declared,
                 help=f"{', '.join(s.backends)}: {s.declared.option.help}",
                 given_only=True,
-                ints=SETTING_INTS,
             )
             for s in setting_options().values()
         ),
@@ -248,8 +249,8 @@ def run_group() -> None:
     """Run (or resume) an experiment, one of the commands below."""
 
 
-def _out(help: str) -> click.Option:
-    return click.Option(["--out", "out"], type=UserPath(path_type=Path), required=True, help=help)
+def _out(help: str, kind: str = "folder") -> click.Option:
+    return click.Option(["--out", "out"], type=OutputPath(kind), required=True, help=help)
 
 
 def _run_command(declaration: Any) -> None:
@@ -280,9 +281,6 @@ def _run_commands() -> None:
 
     for declaration in EXPERIMENTS.values():
         _run_command(declaration)
-
-
-_run_commands()
 
 
 def check_request(values: dict[str, Any], command: list[str] | None = None) -> Any:
@@ -333,7 +331,17 @@ def _check_command() -> None:
     )
 
 
-_check_command()
+def _registered_commands() -> None:
+    """The commands made from the registries: one run per experiment, and the check (its
+    options are the greedy experiment's and the rollout's)."""
+    try:
+        _run_commands()
+        _check_command()
+    except KvreplayError as exc:  # said by every command, not as an import's traceback
+        main.refusal = str(exc)  # type: ignore[attr-defined]
+
+
+_registered_commands()
 
 
 def _threads_option() -> click.Option:
@@ -345,12 +353,12 @@ def _threads_option() -> click.Option:
 
 
 @main.command("demo", params=[_threads_option()])
-@click.option("--out", type=UserPath(path_type=Path), default=Path("runs/demo"), show_default=True)
+@click.option("--out", type=OutputPath("folder"), default=Path("runs/demo"), show_default=True)
 @click.option(
-    "--n", type=click.IntRange(min=1), default=3, show_default=True, help="Items per experiment."
+    "--n", type=click.IntRange(1, 1000), default=3, show_default=True, help="Items per experiment."
 )
 @click.option(
-    "--workers", type=click.IntRange(min=1), default=None,
+    "--workers", type=click.IntRange(1, MAX_WORKERS), default=None,
     help="Local worker processes (default: one per core, at most one per row).",
 )  # fmt: skip
 @plain_errors
@@ -440,6 +448,7 @@ def backends_command() -> None:
 @click.argument("run_dir", type=UserPath(path_type=Path))
 @click.option(
     "--venv",
+    type=OutputPath("folder", named=True),
     default=None,
     help="Build this virtual environment (a new or empty folder) with the run's "
     "environment (else print it).",
@@ -505,7 +514,7 @@ def cut_refeed_command(out: Path, **values: Any) -> None:
 def _cut_refeed_options() -> list[click.Option]:
     from kvreplay.run.refeed import RefeedPlan
 
-    out = _out("The JSONL file to write (it must not exist).")
+    out = _out("The JSONL file to write (it must not exist).", "file")
     return [*(click_option(s) for s in every(RefeedPlan)), out, _threads_option()]
 
 

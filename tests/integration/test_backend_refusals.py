@@ -33,8 +33,8 @@ def test_kv_experiments_refused_on_a_server(tmp_path: Path, tiny_dirs, experimen
     ("option", "value", "message"),
     [
         ("--block-size", 48, "multiple of 32"),
-        ("--max-num-seqs", 0, "--max-num-seqs must be from 1 to 1024"),
-        ("--max-num-seqs", 5000, "--max-num-seqs must be from 1 to 1024"),
+        ("--max-num-seqs", 0, "'--max-num-seqs': 0 is not in the range 1<=x<=1024"),
+        ("--max-num-seqs", 5000, "'--max-num-seqs': 5000 is not in the range 1<=x<=1024"),
         ("--companions", 8, "--companions must be from 0 to 7"),
     ],
 )
@@ -142,7 +142,7 @@ def test_traffic_needs_a_server(tmp_path: Path, tiny_dirs, backend: str) -> None
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(-1, "-1 is not in the range"), (17, "--traffic must be from 0 to 16 clients.")],
+    [(-1, "-1 is not in the range"), (17, "17 is not in the range 0<=x<=16")],
 )
 def test_a_negative_or_huge_traffic_is_refused(tmp_path: Path, tiny_dirs, value, message) -> None:
     output = refused(

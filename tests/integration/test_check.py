@@ -204,11 +204,11 @@ def test_sampled_check_is_judged_by_the_certificate(tmp_path: Path, tiny_dirs, i
     [
         (("--expect", "identical"), "Invalid value for '--expect'"),
         (("--expect", "faithful"), "give --temperature above 0"),
-        (("--temperature", 0.7, "--margin", 1.5), "--margin must lie in (0, 1)"),
+        (("--temperature", 0.7, "--margin", 1.5), "1.5 is not in the range 0<=x<=1"),
         (("--margin", 0.1), "--margin applies to --expect faithful only"),
         (("--samples", 8), "--samples applies at --temperature above 0 only"),
         (("--max-rate", 0), "--max-rate is a divergence rate strictly between 0 and 1"),
-        (("--max-rate", 1.5), "got 1.5"),
+        (("--max-rate", 1.5), "'--max-rate': 1.5 is not in the range 0<=x<=1"),
         (("--max-rate", "nan"), "got nan"),
         (("--max-rate", 0.05), "--max-rate 0.05 sets how many items run (72); leave out --n"),
         (("--expect", "bitwise", "--temperature", 0.7), "at --temperature above 0 use"),

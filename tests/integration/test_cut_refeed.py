@@ -82,9 +82,9 @@ def test_a_run_takes_the_token_ids_as_they_are_and_audits(
 @pytest.mark.parametrize(
     ("extra", "sentence"),
     [
-        (("--cuts", 0), "--cuts must be from 1 to 64, not 0."),
+        (("--cuts", 0), "'--cuts': 0 is not in the range 1<=x<=64."),
         (("--tokens", 3, "--cuts", 6), "--tokens (3) must exceed --cuts (6)"),
-        (("--sources", 100), "--sources must be from 1 to 64, not 100."),
+        (("--sources", 100), "'--sources': 100 is not in the range 1<=x<=64."),
         (("--from", "nowhere.jsonl"), "neither a built-in set"),
     ],
 )

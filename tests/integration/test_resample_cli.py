@@ -151,12 +151,12 @@ def test_audit_names_a_forged_sample(run: Path) -> None:
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (("--samples", 0), "--samples is 0"),
-        (("--samples", -3), "--samples is -3"),
+        (("--samples", 0), "'--samples': 0 is not in the range 1<=x<=10000"),
+        (("--samples", -3), "'--samples': -3 is not in the range 1<=x<=10000"),
         (("--temperature", 0), "resample samples at a temperature above 0"),
         (("--margin", 0), "--margin is 0.0"),
-        (("--margin", 1.5), "--margin is 1.5"),
-        (("--top-p", 0), "0 < top_p <= 1"),
+        (("--margin", 1.5), "'--margin': 1.5 is not in the range 0<=x<=1"),
+        (("--top-p", 0), "--top-p must be above 0"),
     ],
 )
 def test_bad_input_is_one_sentence_exit_2_and_writes_nothing(

@@ -133,3 +133,20 @@ def test_processed_log_probabilities_are_refused(tmp_path: Path, model: Path) ->
     assert last.startswith("kvreplay: error: The rollout stack vllm reports raw log-probabilities")
     assert "Traceback" not in done.stderr
     assert not out.exists()
+
+
+def test_a_trainer_check_keeps_vllms_log_off_the_terminal(tmp_path: Path, model: Path) -> None:
+    """Issue 49: vLLM's own log goes to the check's engine.log, as a live vs prefill
+    check's does; the terminal shows the verdict."""
+    items = write_items(tmp_path / "items.jsonl", PROMPTS[:1], "v", "5")
+    out = tmp_path / "check"
+    done = kvreplay(
+        "check", "--backend", "vllm", "--trainer", "hf:bf16", "--model", model, "--items",
+        items, "--n", 1, "--dtypes", "bf16", "--max-tokens", 8, "--max-k3-kl", 1, "--out", out,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    logged = (out / "engine.log").read_text(errors="replace").splitlines()
+    engine = [line for line in logged if "INFO" in line][:8]  # vLLM starting its engine
+    assert engine, logged[:20]
+    shown = done.stdout + done.stderr
+    assert not [line for line in engine if line in shown], shown[-3000:]

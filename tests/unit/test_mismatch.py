@@ -117,7 +117,7 @@ def test_turns_and_scores_refuse_values_that_are_no_log_probability() -> None:
         Turn([1, 2], [-0.1, math.nan])
     with pytest.raises(KvreplayError, match="not a finite number at most 0"):
         Turn([1], [math.inf])
-    with pytest.raises(KvreplayError, match="2 log-probabilities for 1 tokens"):
+    with pytest.raises(KvreplayError, match="2 values for 1 tokens"):
         Turn([1], [-0.1, -0.2])
     with pytest.raises(KvreplayError, match="gaps"):
         Scored([-0.1], [0.1, 0.2])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.analysis.sections.registry import sections
-from kvreplay.core.paths import replace_file
+from kvreplay.core.outputs import write_output
 from kvreplay.harness.section import Reading
 from kvreplay.measure.rates import Json
 
@@ -40,7 +40,7 @@ def analyze_dir(folder: Path) -> Json:
 
 def write_claims(claims: Json, path: Path) -> None:
     """Sorted keys and a trailing newline, so reruns diff cleanly."""
-    replace_file(path, (json.dumps(claims, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    write_output(path, (json.dumps(claims, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def summary_lines(claims: Json) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvreplay.core.options import option
+from kvreplay.core.options import COUNTS, SEEDS, bounds, option
 from kvreplay.engines.placement import Placement
 
 
@@ -23,9 +23,12 @@ class AuditRequest:
             "tokens, snapshots) run on every row whatever K is; --sample 0 is those checks "
             "alone: structure only, no row re-executed (see docs/audit.md).",
             minimum=0,
+            maximum=COUNTS[1],
         ),
     )
-    seed: int = field(default=0, metadata=option("--seed", "Seed of the --sample draw."))
+    seed: int = field(
+        default=0, metadata=option("--seed", "Seed of the --sample draw.", **bounds(SEEDS))
+    )
     placement: Placement = field(default_factory=Placement)
     trust_remote_code: bool = field(
         default=False,

@@ -5,6 +5,7 @@ extractor, its inputs against the config, and its snapshots."""
 from __future__ import annotations
 
 import functools
+import json
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.audit.consistency import Scorer, row_problems
@@ -15,15 +16,9 @@ from kvreplay.contract.config import RunConfig
 from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.items import Item
 from kvreplay.experiments import recorded_experiment
-from kvreplay.harness.rows import (
-    PREFIX_FIELDS,
-    PanelRow,
-)
+from kvreplay.harness.rows import PREFIX_FIELDS, PanelRow, row_as_written
 from kvreplay.harness.units import UnitKey
-from kvreplay.ledger import (
-    Record,
-    RunLedger,
-)
+from kvreplay.ledger import Record, RunLedger, diff_fields
 from kvreplay.model.reading import load_tokenizer
 
 if TYPE_CHECKING:
@@ -53,6 +48,22 @@ def read_record(
         return experiment.read_row(data), None
     except Exception as exc:  # noqa: BLE001 - hand-edited data can fail in any way
         return None, f"does not read as a {record.experiment} row ({type(exc).__name__}: {exc})"
+
+
+APART = ("inputs", "kind")  # checked apart: against the config, and the row's key
+
+
+def round_trip_problems(data: dict[str, Any], row: PanelRow) -> list[str]:
+    """A completed panel row against the typed row it reads as, written back: a field
+    the typed row does not write (one added inside an arm, a comparison or a gate) is
+    named by its path."""
+    recorded, written = (
+        json.loads(canonical({k: v for k, v in d.items() if k not in APART}))
+        for d in (row_as_written(data), row.to_dict())
+    )
+    return [
+        f"field {path} is not one its typed row writes" for path in diff_fields(recorded, written)
+    ]
 
 
 def consistency_problems(record: Record, row: PanelRow | None, scorer: Scorer | None) -> list[str]:
@@ -90,6 +101,7 @@ class RowChecks:
         self.experiments: dict[str, Experiment | None] = {}
         self.tokenizer: Any = None
         self.scorer: Scorer | None = None
+        self.backend = config.backend if config is not None else None
         self.snapshot_check: SnapshotCheck | None = None
         if config is not None:
             layout = functools.cache(
@@ -115,10 +127,29 @@ class RowChecks:
             self.unread.add(record.key)
             return
         self.snapshots.update(str(entry.get("file")) for _, _, entry in snapshots)
+        self.problems += self.schema_problems(record, row)
         self.problems += self.input_problems(record)
         if self.snapshot_check is not None:
             self.problems += self.snapshot_check(record)
             self.problems += consistency_problems(record, row, self.scorer)
+
+    def schema_problems(self, record: Record, row: PanelRow | None) -> list[str]:
+        """The row against its experiment's declared schema (:mod:`kvreplay.harness.schema`):
+        its fields, their types and values, its key, its relations to the config, and a
+        panel row's nested records as its typed row writes them back."""
+        experiment = self.experiments[record.experiment]
+        if experiment is None:
+            return []  # an experiment this kvreplay does not know: named elsewhere
+        schema = experiment.declaration.schema
+        assert schema is not None  # a declaration without one is refused
+        entry = self.manifest["experiments"].get(record.experiment)
+        config = entry.get("config") if isinstance(entry, dict) else None
+        found = schema.row_problems(record.data, config, self.backend)
+        if str(UnitKey.of(record)) != record.key:
+            found.append("field item_id, precision or kind is not its key's")
+        if schema.round_trip and row is not None and not found:
+            found += round_trip_problems(record.data, row)
+        return [f"row {record.key}: {p}" for p in found]
 
     def input_problems(self, record: Record) -> list[str]:
         """What a row's recorded inputs may hold, checked before they are re-executed.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.extras import INSTALL, missing, require
-from kvreplay.core.options import Declared, declared, option
+from kvreplay.core.options import Declared, check_bounds, declared, option
 
 if TYPE_CHECKING:
     from kvreplay.backends.roles import RolloutStack, Scorer
@@ -78,6 +78,8 @@ def companions_setting() -> Any:
         metadata=option(
             "--companions",
             "Other items' requests sharing the batch-composition arm's batches (0: no such arm).",
+            minimum=0,
+            maximum=64,
         ),
     )
 
@@ -125,6 +127,7 @@ class Backend:
             value, kind = getattr(self, name), SETTING_TYPES[setting.kind]
             if not isinstance(value, kind) or (isinstance(value, bool) != (setting.kind == "bool")):
                 raise KvreplayError(f"{setting.flag} must be {KIND_NAMES[setting.kind]}.")
+        check_bounds(self)
         self.validate()
 
     def validate(self) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from kvreplay.backends.base import SERVED, Backend, ModelRef, companions_setting, option
 from kvreplay.backends.served import Reply, Request, served_stage
 from kvreplay.backends.server import Client, Probe, ServerAdapter, parse_address
-from kvreplay.backends.traffic import NEW_TOKENS, REQUEST_SECONDS, Traffic, check_clients, evict
+from kvreplay.backends.traffic import MAX_CLIENTS, NEW_TOKENS, REQUEST_SECONDS, Traffic, evict
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.registry import Registry, located
 
@@ -92,7 +92,8 @@ class HttpBackend(Backend):
         metadata=option("--server", f"Which server it is: auto or {', '.join(ADAPTERS)}."),
     )
     timeout: float = field(
-        default=600.0, metadata=option("--timeout", "Seconds to wait for one response.")
+        default=600.0,
+        metadata=option("--timeout", "Seconds to wait for one response.", minimum=0, maximum=86400),
     )
     companions: int = companions_setting()
     traffic: int = field(
@@ -101,6 +102,8 @@ class HttpBackend(Backend):
             "--traffic",
             "Loopback clients sending other prompts to the server while an arm that takes "
             "traffic runs (history; 0: none).",
+            minimum=0,
+            maximum=MAX_CLIENTS,
             elsewhere="it runs loopback clients against a server, and this backend has none "
             "(the in-process vllm engine serves one request list per step, so nothing could "
             "arrive beside an arm); use --backend http",
@@ -113,11 +116,8 @@ class HttpBackend(Backend):
             parse_address(self.url)
         if self.server not in ("auto", *ADAPTERS):
             raise KvreplayError(f"--server must be auto or one of {', '.join(ADAPTERS)}.")
-        if not 0 < self.timeout <= 86400:
-            raise KvreplayError("--timeout must be from 0 to 86400 seconds.")
-        if not 0 <= self.companions <= 64:
-            raise KvreplayError("--companions must be from 0 to 64.")
-        check_clients(self.traffic)
+        if self.timeout == 0:
+            raise KvreplayError("--timeout must be above 0 seconds.")
 
     @property
     def traffic_clients(self) -> int:

@@ -41,15 +41,18 @@ class LlamaCppBackend(Backend):
     libraries = {"llama_cpp_python": ("llama-cpp-python", "llama_cpp_python")}
     n_ctx: int = field(
         default=2048,
-        metadata=option("--n-ctx", "llama.cpp context size; every chunk is one micro-batch."),
+        metadata=option(
+            "--n-ctx",
+            "llama.cpp context size; every chunk is one micro-batch.",
+            minimum=16,
+            maximum=131072,
+        ),
     )
     flash_attn: str = field(
         default="off", metadata=option("--flash-attn", "llama.cpp flash attention: on or off.")
     )
 
     def validate(self) -> None:
-        if not 16 <= self.n_ctx <= 131072:
-            raise KvreplayError("--n-ctx must be from 16 to 131072.")
         if self.flash_attn not in ("on", "off"):
             raise KvreplayError("--flash-attn must be on or off.")
 

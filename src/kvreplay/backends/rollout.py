@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 ENGINE = "engine"  # the rollout stack's own prefill, as --scorers names it
 SCHEDULES = ("prefill", "replay")
+MAX_SCORERS = 8  # each loads its model and scores every rollout
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,14 @@ def _schedule(name: str, text: str) -> str:
 
 
 def parse_scorers(text: str) -> list[ScorerSpec]:
-    """``--scorers``: comma-separated specs, each once."""
-    specs = [ScorerSpec.parse(part) for part in text.split(",") if part.strip()]
+    """``--scorers``: comma-separated specs, each once, at most :data:`MAX_SCORERS`."""
+    parts = [part for part in text.split(",") if part.strip()]
+    if len(parts) > MAX_SCORERS:
+        raise KvreplayError(
+            f"--scorers names {len(parts)} scorers; a run scores every rollout with each, so "
+            f"it takes at most {MAX_SCORERS}."
+        )
+    specs = [ScorerSpec.parse(part) for part in parts]
     labels = [s.label for s in specs]
     repeated = next((label for label in labels if labels.count(label) > 1), None)
     if repeated is not None:

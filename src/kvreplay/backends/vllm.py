@@ -83,10 +83,16 @@ class VllmBackend(Backend):
     extra = "vllm"
     requires = ("vllm", "transformers")
     block_size: int = field(
-        default=32, metadata=option("--block-size", "KV block size (a multiple of 32 on CPU).")
+        default=32,
+        metadata=option(
+            "--block-size", "KV block size (a multiple of 32 on CPU).", minimum=32, maximum=65536
+        ),
     )
     max_num_seqs: int = field(
-        default=8, metadata=option("--max-num-seqs", "Most requests the engine batches together.")
+        default=8,
+        metadata=option(
+            "--max-num-seqs", "Most requests the engine batches together.", minimum=1, maximum=1024
+        ),
     )
     companions: int = companions_setting()
     trust_remote_code: bool = trust_remote_code_setting()
@@ -98,10 +104,8 @@ class VllmBackend(Backend):
         return self.block_kv
 
     def validate(self) -> None:
-        if self.block_size < 1 or self.block_size % 32:
+        if self.block_size % 32:
             raise KvreplayError("--block-size must be a positive multiple of 32.")
-        if not 1 <= self.max_num_seqs <= 1024:
-            raise KvreplayError("--max-num-seqs must be from 1 to 1024.")
         if not 0 <= self.companions < self.max_num_seqs:
             raise KvreplayError(
                 f"--companions must be from 0 to {self.max_num_seqs - 1} "

@@ -8,6 +8,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+# What a comparison records of each of cache, keys, values and logits (and per layer of
+# k, v and kv): model/state.py: DiffStats.summary writes these.
+STAT_FIELDS = (
+    "exact",
+    "max_abs_diff",
+    "mean_abs_diff",
+    "delta_l2_norm",
+    "left_l2_norm",
+    "right_l2_norm",
+    "relative_l2_diff",
+)
 RETIRED = "first_suffix_divergence_index"
 """A field rows recorded before it was dropped: a comparison of boundary states never
 knew where the suffixes part (the pair's labels say it), so it was always null."""

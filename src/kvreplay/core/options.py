@@ -12,23 +12,38 @@ where units run, and a check's expectation are all declared this way.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
+
+from kvreplay.core.errors import KvreplayError
+
+SEEDS = (0, 2**63 - 1)  # a seed's bounds: torch's and the sampler's generators take these
+COUNTS = (1, 10_000_000)  # a count of items or rows: far past any run a machine completes
+
+
+def bounds(pair: tuple[float, float]) -> dict[str, float]:
+    """Shared bounds as an option's ``minimum`` and ``maximum``."""
+    return {"minimum": pair[0], "maximum": pair[1]}
 
 
 @dataclass(frozen=True)
 class Option:
     """How a field appears on the command line.
 
-    ``flag`` and ``help`` as ``--help`` shows them; ``choices``, ``minimum`` and
-    ``maximum`` bound the values (checked by the command line before anything runs);
+    ``flag`` and ``help`` as ``--help`` shows them; ``choices`` list the values a text
+    takes, and ``minimum`` and ``maximum`` bound a number (design: option bounds: every
+    integer and float option declares both, and they are checked before anything runs,
+    on the command line and on a request built in Python, :func:`check_bounds`);
     ``negative`` names the flag that sets a tri-state switch off (``--no-chat``);
     ``parse`` turns the text given into the field's value (``--dtypes bf16,fp32``) and
     ``spell`` turns a value back into text; ``elsewhere`` says why a backend that does not
-    take the setting refuses it; ``target`` says what a path names (``file``, ``folder``,
-    or either).
+    take the setting refuses it; ``output`` marks a path the command writes and says what
+    it names (``file`` or ``folder``): the command line makes it an
+    :class:`~kvreplay.core.paths.OutputPath`, which the output writer checks before any
+    work (design: output writer).
     """
 
     flag: str
@@ -40,7 +55,7 @@ class Option:
     parse: Callable[[Any], Any] | None = None
     spell: Callable[[Any], str] | None = None
     elsewhere: str = ""
-    target: str = ""
+    output: str = ""
 
 
 def option(flag: str, help: str, **details: Any) -> dict[str, Option]:
@@ -148,7 +163,8 @@ def every(cls: type) -> Iterator[Declared]:
 def build(cls: type, values: Mapping[str, Any], **given: Any) -> Any:
     """``cls`` made from option values by field name (those not given keep the field's
     default), its nested option dataclasses made the same way; ``given`` supplies the
-    fields that are not options (a run's folder, its backend)."""
+    fields that are not options (a run's folder, its backend). Every number is checked
+    against its declared bounds (:func:`check_bounds`)."""
     kwargs = dict(given)
     for name, inner in nested(cls).items():
         if name not in kwargs:
@@ -156,7 +172,39 @@ def build(cls: type, values: Mapping[str, Any], **given: Any) -> Any:
     for name in declared(cls):
         if name in values and values[name] is not None and name not in kwargs:
             kwargs[name] = values[name]
-    return cls(**kwargs)
+    return check_bounds(cls(**kwargs))
+
+
+def bounds_problem(spec: Declared, value: Any) -> str | None:
+    """Why ``value`` is not a number ``spec`` takes (outside its declared bounds, not a
+    number of its kind, or not finite), or None (a value that is not a number's kind is
+    its field's own check)."""
+    if value is None or spec.kind not in ("int", "float"):
+        return None
+    low, high = spec.option.minimum, spec.option.maximum
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or (spec.kind == "int" and not isinstance(value, int)):
+        return f"{spec.flag} must be {'an integer' if spec.kind == 'int' else 'a number'}"
+    if (
+        not math.isfinite(value)
+        or (low is not None and value < low)
+        or (high is not None and value > high)
+    ):
+        shown = repr(value) if isinstance(value, float) else str(value)
+        return f"{spec.flag} must lie between {low:g} and {high:g}; got {shown[:40]}"
+    return None
+
+
+def check_bounds(instance: Any) -> Any:
+    """Refuse (one sentence) a number of ``instance``'s options, or of the option
+    dataclasses it holds, outside its declared bounds; return ``instance``."""
+    for name, spec in declared(type(instance)).items():
+        problem = bounds_problem(spec, getattr(instance, name))
+        if problem is not None:
+            raise KvreplayError(problem + ".")
+    for name in nested(type(instance)):
+        check_bounds(getattr(instance, name))
+    return instance
 
 
 def arguments(instance: Any) -> list[str]:

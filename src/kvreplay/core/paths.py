@@ -102,6 +102,21 @@ class UserPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+class OutputPath(UserPath):
+    """A path a command writes, a ``file`` or a ``folder`` (design: output writer): the
+    type marks it, so that every output option of every command can be found from the
+    command line itself (the output writer, :mod:`kvreplay.core.outputs`, checks it
+    before any work). ``named`` keeps the text as given, for a command that checks the
+    name itself (``env --venv`` refuses a name starting with ``-`` before anything)."""
+
+    def __init__(self, kind: str, named: bool = False) -> None:
+        super().__init__(path_type=Path, dir_okay=kind != "file", file_okay=kind != "folder")
+        self.kind, self.named = kind, named
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if self.named else super().convert(value, param, ctx)
+
+
 def _new_file(folder: Path, name: str) -> tuple[int, Path]:
     """A new file (never an existing one, never through a symlink) with a random name
     beside ``name`` in ``folder``, opened for writing with the umask's permissions."""

@@ -19,6 +19,7 @@ refuses those in one sentence.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -169,19 +170,54 @@ class Scored:
         return cls(**data)
 
 
+def listed(value: Any) -> Any:
+    """A sequence as a list (an array's or a tensor's ``tolist()``); anything else as is."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def ids_problem(ids: Any) -> str | None:
+    """Why ``ids`` is not a non-empty list of token ids (integers of at least 0, not
+    flags, not floats), or None."""
+    ids = listed(ids)
+    if not isinstance(ids, list) or not ids:
+        return "is not a non-empty list of token ids"
+    bad = [t for t in ids if not _integer(t) or t < 0][:1]
+    if bad:
+        return f"holds {repr(bad[0])[:20]}, not a token id (an integer of at least 0)"
+    return None
+
+
+def logprobs_problem(values: Any, tokens: int) -> str | None:
+    """Why ``values`` are not one log-probability per token (numbers, not flags or
+    text, each finite and at most 0), or None."""
+    values = listed(values)
+    if not isinstance(values, list):
+        return "is not a list of log-probabilities"
+    if len(values) != tokens:
+        return f"holds {len(values)} values for {tokens} tokens"
+    bad = [v for v in values if not _real(v) or not (math.isfinite(v) and v <= 0)][:1]
+    if bad:
+        return f"holds {repr(bad[0])[:20]}, not a finite number at most 0 (a log-probability)"
+    return None
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_logprobs(logprobs: list[float], tokens: int, who: str) -> None:
     """Refuse (one sentence) log-probabilities that cannot be a token's: a count other
     than the tokens', or a value that is not a finite number at most 0."""
-    if len(logprobs) != tokens:
+    problem = logprobs_problem(logprobs, tokens)
+    if problem is not None:
         raise KvreplayError(
-            f"{who[0].upper()}{who[1:]} returned {len(logprobs)} log-probabilities for "
-            f"{tokens} tokens."
-        )
-    bad = next((v for v in logprobs if not (math.isfinite(v) and v <= 0)), None)
-    if bad is not None:
-        raise KvreplayError(
-            f"{who[0].upper()}{who[1:]} returned the log-probability {bad!r}, not a finite "
-            "number at most 0."
+            f"{who[0].upper()}{who[1:]} returned a list of log-probabilities that {problem}."
         )
 
 

@@ -7,15 +7,18 @@ core install vs extras).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.options import option
+from kvreplay.core.options import SEEDS, bounds, check_bounds, option
 
 if TYPE_CHECKING:
     import torch
+
+
+MIN_TEMPERATURE = 1e-4  # above 0, the least: logits divided by less overflow float32
+MAX_TEMPERATURE = 100.0  # past this every sampler's distribution is uniform to float precision
 
 
 @dataclass(frozen=True)
@@ -31,24 +34,31 @@ class Sampler:
         metadata=option(
             "--temperature",
             "0 is greedy; above 0 samples with --seed (several samples an item take seeds "
-            "--seed, --seed+1, ...).",
+            f"--seed, --seed+1, ...); from {MIN_TEMPERATURE:g} up when above 0.",
+            minimum=0,
+            maximum=MAX_TEMPERATURE,
         ),
     )
     top_p: float = field(
-        default=1.0, metadata=option("--top-p", "Nucleus sampling's probability mass (1: off).")
+        default=1.0,
+        metadata=option(
+            "--top-p", "Nucleus sampling's probability mass (1: off).", minimum=0, maximum=1
+        ),
     )
-    seed: int = field(default=0, metadata=option("--seed", "The sampler's seed."))
+    seed: int = field(default=0, metadata=option("--seed", "The sampler's seed.", **bounds(SEEDS)))
 
     def __post_init__(self) -> None:
-        """Refuse NaN and infinities too (a comparison alone lets NaN through)."""
-        if not (math.isfinite(self.temperature) and self.temperature >= 0 and 0 < self.top_p <= 1):
-            raise KvreplayError("Sampling needs a finite temperature >= 0 and 0 < top_p <= 1.")
-        if (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not 0 <= self.seed < 2**63
-        ):
-            raise KvreplayError("The sampling seed must be an integer in [0, 2**63).")
+        """Its declared bounds (NaN and infinities refused too), a top-p above 0, and a
+        temperature above 0 that divides no logit into an overflow."""
+        check_bounds(self)
+        if self.top_p == 0:
+            raise KvreplayError("--top-p must be above 0 (1 turns nucleus sampling off).")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise KvreplayError(
+                f"--temperature {self.temperature!r} is above 0 and below {MIN_TEMPERATURE:g}: "
+                "logits divided by it overflow, so no distribution is sampled; use 0 (greedy) "
+                f"or at least {MIN_TEMPERATURE:g}."
+            )
 
     @property
     def greedy(self) -> bool:

@@ -107,7 +107,8 @@ class Placement:
         ),
     )
     gpus_per_worker: float = field(
-        default=0.0, metadata=option("--gpus-per-worker", "GPUs per Ray worker.", minimum=0)
+        default=0.0,
+        metadata=option("--gpus-per-worker", "GPUs per Ray worker.", minimum=0, maximum=64),
     )
     ray_address: str | None = field(
         default=None, metadata=option("--ray-address", "Join this Ray cluster.")

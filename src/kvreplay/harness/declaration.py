@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import Declared, declared
 from kvreplay.core.registry import load
+from kvreplay.harness.schema import Schema
 from kvreplay.harness.table import Table
 
 if TYPE_CHECKING:
@@ -33,8 +35,10 @@ class Declaration:
     ``traffic``) or the capability (``rollout``); the role it plays in ``kvreplay check``
     (``greedy``, ``faithful``, ``traffic``); whether a verdict judges its rows
     (``judged``: they hold a compared pair of arms); and where a later panel reads prior
-    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first); the
-    keys and types of its manifest config."""
+    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first); and
+    its schema (:class:`~kvreplay.harness.schema.Schema`: its manifest config's and its
+    rows' fields, types, values and relations, which the audit checks every run
+    against), without which a declaration is refused."""
 
     name: str
     summary: str
@@ -53,10 +57,16 @@ class Declaration:
     check: str | None = None  # the role it plays in kvreplay check (None: none)
     judged: bool = False  # a verdict judges its rows
     outcome_rank: int | None = None  # a source of prior outcomes for panels, by preference
-    # The keys its manifest config holds (what ``Experiment.config`` writes, besides the
-    # table's schema version) and the JSON type(s) of each: the audit names any other key
-    # or type in a recorded config (None: not declared, not checked).
-    config: dict[str, type | tuple[type, ...]] | None = None
+    schema: Schema | None = None  # required: checked by __post_init__
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schema, Schema):
+            raise KvreplayError(
+                f"The experiment {self.name!r} declares no schema: every experiment states "
+                "the fields of its manifest config and of its rows, their types, values and "
+                "relations (kvreplay.harness.schema.Schema), which the audit checks every run "
+                "against; add schema=Schema(...) to its declaration."
+            )
 
     def runs_on(self, backend_cls: type) -> bool:
         """Whether a backend of this class runs it: it has the K/V access, the served

@@ -102,6 +102,12 @@ class Experiment(ABC):
         another row are checked by the audit itself (their ``source``)."""
         return {}
 
+    def row_values(self, scope: Scope) -> tuple[int, str]:
+        """How many values one row will record at most, from the run's options, and the
+        options that set it (the memory guard, :mod:`kvreplay.harness.memory`); 0: a
+        row's size is set by the plan, which the context window bounds."""
+        return 0, ""
+
     def run_summary(
         self, rows: list[Record], config: dict[str, Any]
     ) -> tuple[dict[str, Any], str] | None:

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from kvreplay.contract.config import RunConfig
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
+from kvreplay.core.options import check_bounds
 from kvreplay.ledger import Record
 
 
@@ -45,7 +46,7 @@ def own_options(kind: type[T], scope: Scope, owner: str) -> T:
     unknown = sorted(set(scope.options) - {f.name for f in fields(kind)})
     if unknown:
         raise KvreplayError(f"Option {unknown[0]!r} is not one of {owner}.")
-    return kind(**scope.options)
+    return check_bounds(kind(**scope.options))
 
 
 @dataclass(frozen=True)

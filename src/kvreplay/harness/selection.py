@@ -17,7 +17,7 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, items_digest
-from kvreplay.core.options import option
+from kvreplay.core.options import COUNTS, SEEDS, bounds, option
 from kvreplay.harness.scope import Scope, Selection, own_options
 from kvreplay.ledger import Record, RunLedger
 from kvreplay.model.reading import load_tokenizer
@@ -61,14 +61,20 @@ class PanelOptions:
             f"Divergent rows to take from --from (default {DEFAULT_DIVERGENT} for a "
             "stratified panel; every one for localize).",
             minimum=0,
+            maximum=COUNTS[1],
         ),
     )
     controls: int = field(
         default=DEFAULT_CONTROLS,
-        metadata=option("--controls", "Exact control rows to take from --from.", minimum=0),
+        metadata=option(
+            "--controls", "Exact control rows to take from --from.", minimum=0, maximum=COUNTS[1]
+        ),
     )
     panel_seed: int = field(
-        default=0, metadata=option("--panel-seed", "Seed that orders equal-length rows in a panel.")
+        default=0,
+        metadata=option(
+            "--panel-seed", "Seed that orders equal-length rows in a panel.", **bounds(SEEDS)
+        ),
     )
     both_directions: bool = field(
         default=False,

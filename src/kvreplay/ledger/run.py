@@ -47,6 +47,8 @@ EXPERIMENT_ENTRY: dict[str, type] = {
 MAX_MANIFEST_BYTES = 64 * 2**20  # manifests take tens of kB (a config lists its item ids)
 CONTRACT_SCHEME = 4
 INFORMATIONAL = ("environment.platform",)
+# What a run records of its environment beside the contract (run/runner.py: _header).
+HEADER_ENVIRONMENT = ("python", "distributions")
 MANIFEST_TYPES: dict[str, type] = {
     "format": str,
     "contract": dict,
@@ -156,6 +158,14 @@ class RunLedger:
                 f"{run_dir}/manifest.json: field contract.scheme is {str(scheme)[:20]!r}, not a "
                 f"scheme this kvreplay knows (1 to {CONTRACT_SCHEME})."
             )
+        recorded = manifest.get("environment")
+        for key in recorded if isinstance(recorded, dict) else ():
+            if key not in HEADER_ENVIRONMENT:
+                raise KvreplayError(
+                    f"{run_dir}/manifest.json: field environment.{str(key)[:40]} is not one a "
+                    f"kvreplay run writes (it records {' and '.join(HEADER_ENVIRONMENT)}); "
+                    "kvreplay reads no run folder whose manifest adds to its environment."
+                )
         named = names_fault(manifest)
         if named is not None:
             raise KvreplayError(

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from kvreplay.core.errors import KvreplayError
 
 LOCK_FILE = ".kvreplay.lock"
+# Never through a link planted under the name (it would create or lock a file elsewhere),
+# never waiting on a FIFO.
+FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 class RunLock:
@@ -28,9 +32,15 @@ class RunLock:
             return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.run_dir / LOCK_FILE, FLAGS, 0o644)
         except OSError as exc:
-            raise KvreplayError(f"The output folder {self.run_dir} is not writable.") from exc
+            raise KvreplayError(
+                f"The output folder {self.run_dir} is not writable, or its {LOCK_FILE} is a "
+                "link or a FIFO."
+            ) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise KvreplayError(f"{self.run_dir / LOCK_FILE} is not a regular file; remove it.")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

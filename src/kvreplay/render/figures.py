@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.paths import replace_file
+from kvreplay.core.outputs import write_output
 from kvreplay.measure.rates import Json, rate_text
 
 PRECISION_COLOURS = {"bf16": "#c0392b", "fp32": "#2471a3"}
@@ -52,7 +52,7 @@ class Figures:
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=110, **options)
         path = self.path(name)
-        replace_file(path, buffer.getvalue())
+        write_output(path, buffer.getvalue())
         return path
 
     @staticmethod

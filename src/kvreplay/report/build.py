@@ -9,7 +9,8 @@ from pathlib import Path
 from kvreplay.analysis.claims import SCHEMA, build_claims, write_claims
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.core.jsonio import JsonError, parse_json
-from kvreplay.core.paths import read_regular, replace_file
+from kvreplay.core.outputs import write_output
+from kvreplay.core.paths import read_regular
 from kvreplay.harness.table import LedgerError
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Image, to_html, to_markdown
@@ -17,6 +18,8 @@ from kvreplay.render.figures import Figures
 from kvreplay.report.sections import report_blocks
 
 MAX_CLAIMS_BYTES = 64 * 2**20  # claims take a few kB
+REPORT_FILES = ("report.md", "report.html")
+FIGURES = "figures"
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,12 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> ReportPaths:
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     folder = load_ledger_dir(run_dir)
-    figures = Figures(out_dir / "figures")
+    figures = Figures(out_dir / FIGURES)
     figures.folder.mkdir(parents=True, exist_ok=True)
     claims = _load_claims(run_dir, folder, out_dir)
     blocks = report_blocks(run_dir, claims, folder, figures)
-    markdown, page = out_dir / "report.md", out_dir / "report.html"
-    replace_file(markdown, to_markdown(blocks, out_dir).encode("utf-8"))
-    replace_file(page, to_html(blocks).encode("utf-8"))
+    markdown, page = (out_dir / name for name in REPORT_FILES)
+    write_output(markdown, to_markdown(blocks, out_dir).encode("utf-8"))
+    write_output(page, to_html(blocks).encode("utf-8"))
     images = tuple(block.path for block in blocks if isinstance(block, Image))
     return ReportPaths(markdown, page, images)

@@ -14,18 +14,18 @@ import click
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.core.errors import KvreplayError, plain_errors
 from kvreplay.core.outputs import Inputs, check_file_target, check_folder_target
-from kvreplay.core.paths import UserPath
+from kvreplay.core.paths import OutputPath, UserPath
 
 
-def output_option(name: str, help: str, **kind: bool) -> Callable[[Any], Any]:
+def output_option(name: str, help: str, kind: str) -> Callable[[Any], Any]:
     """``-o``: where a command writes; by default, inside the folder it reads."""
-    return click.option("-o", name, type=UserPath(path_type=Path, **kind), default=None, help=help)
+    return click.option("-o", name, type=OutputPath(kind), default=None, help=help)
 
 
 @click.command()
 @click.argument("ledger_dir", type=UserPath(path_type=Path))
 @output_option(
-    "--output", "Where to write the claims JSON (default: LEDGER_DIR/claims.json).", dir_okay=False
+    "--output", "Where to write the claims JSON (default: LEDGER_DIR/claims.json).", "file"
 )
 @plain_errors
 def analyze(ledger_dir: Path, output: Path | None) -> None:
@@ -35,10 +35,7 @@ def analyze(ledger_dir: Path, output: Path | None) -> None:
     inputs.add_files(ledger_dir, but=("claims.json",))  # it reads the rest
     check_file_target("-o", output, inputs)
     claims = analyze_dir(ledger_dir)
-    try:
-        write_claims(claims, output)
-    except OSError as error:
-        raise KvreplayError(f"cannot write {output}: {error.strerror or error}.") from error
+    write_claims(claims, output)
     for line in summary_lines(claims):
         click.echo(line)
     click.echo(f"wrote {output}")
@@ -49,14 +46,19 @@ def analyze(ledger_dir: Path, output: Path | None) -> None:
 @output_option(
     "--out-dir",
     "Folder for report.md, report.html and figures/ (default: RUN_DIR).",
-    file_okay=False,
+    "folder",
 )
 @plain_errors
 def report(run_dir: Path, out_dir: Path | None) -> None:
     """Write report.md, a self-contained report.html and figures/ for RUN_DIR."""
-    from kvreplay.report.build import build_report  # matplotlib loads only for a report
+    from kvreplay.report.build import FIGURES, REPORT_FILES, build_report  # loads matplotlib
 
-    check_folder_target("--out-dir", out_dir or run_dir, Inputs())
+    target = out_dir or run_dir.resolve()
+    check_folder_target("--out-dir", target, Inputs())
+    if target.is_dir():  # the names it replaces there, each a file or folder of its own
+        for name in REPORT_FILES:
+            check_file_target("--out-dir", target / name, Inputs())
+        check_folder_target("--out-dir", target / FIGURES, Inputs())
     try:
         paths = build_report(run_dir, out_dir)
     except OSError as error:

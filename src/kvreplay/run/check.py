@@ -20,11 +20,10 @@ from typing import Any
 
 from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.options import Declared, arguments, option
-from kvreplay.core.outputs import Inputs, check_targets
+from kvreplay.core.options import COUNTS, Declared, arguments, option
 from kvreplay.experiments.registry import check_experiment, declared
-from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
-from kvreplay.run.enginelog import engine_log
+from kvreplay.ledger import RunLedger, parse_rows
+from kvreplay.run.enginelog import engine_log, run_line
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.repro import repro_pack
 from kvreplay.run.request import RunOptions, RunRequest
@@ -51,6 +50,7 @@ class CheckRequest(RunOptions):
             "--out",
             "Run folder of the check (default: kvreplay-check/<model>-<backend>-<dtypes>-"
             "t<temperature>); rerunning resumes it, and kvreplay audit re-executes it.",
+            output="folder",
         ),
     )
     expect: str | None = field(
@@ -70,7 +70,10 @@ class CheckRequest(RunOptions):
     max_divergent: int | None = field(
         default=None,
         metadata=option(
-            "--max-divergent", "Items allowed to diverge under --expect max-divergent.", minimum=0
+            "--max-divergent",
+            "Items allowed to diverge under --expect max-divergent.",
+            minimum=0,
+            maximum=COUNTS[1],
         ),
     )
     max_rate: float | None = field(
@@ -80,6 +83,8 @@ class CheckRequest(RunOptions):
             "Run as many items as a pass needs to bound the divergence rate under this rate "
             "at 95% (e.g. 0.05: 72 items), stopping as soon as the bound is out of reach; "
             "replaces --n.",
+            minimum=0,
+            maximum=1,
         ),
     )
     margin: float | None = field(
@@ -87,6 +92,8 @@ class CheckRequest(RunOptions):
         metadata=option(
             "--margin",
             f"Equivalence margin of --expect faithful, in (0, 1) (default {DEFAULT_MARGIN:g}).",
+            minimum=0,
+            maximum=1,
         ),
     )
     samples: int | None = field(
@@ -100,18 +107,18 @@ class CheckRequest(RunOptions):
     )
     json_path: Path | None = field(
         default=None,
-        metadata=option("--json", f"Write the verdict as JSON (schema {SCHEMA}).", target="file"),
+        metadata=option("--json", f"Write the verdict as JSON (schema {SCHEMA}).", output="file"),
     )
     junit_path: Path | None = field(
         default=None,
-        metadata=option("--junit", "Write JUnit XML: one test case per item.", target="file"),
+        metadata=option("--junit", "Write JUnit XML: one test case per item.", output="file"),
     )
     repro: Path | None = field(
         default=None,
         metadata=option(
             "--repro",
             "Repro pack of the first divergent item (default: <out>.repro).",
-            target="folder",
+            output="folder",
         ),
     )
     trainer: str | None = field(
@@ -180,12 +187,8 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     n = _item_count(request, expectation)
     out = request.out or default_out(request)
     repro = request.repro or out.with_name(out.name + ".repro")
-    check_outputs(out, request.json_path, request.junit_path, repro)
-    check_targets(
-        {"--json": request.json_path, "--junit": request.junit_path},
-        {"--repro": repro},
-        Inputs.of((out, request.items, request.model, request.plan)),
-    )
+    reads = (request.items, request.model, request.plan)
+    check_outputs(out, reads, request.json_path, request.junit_path, repro, request.verbose)
     shared = {f.name: getattr(request, f.name) for f in fields(RunOptions)}
     run_request = RunRequest(
         **shared | {"n": n}, experiment=name, out=out, extra=extra, command=request.command
@@ -204,9 +207,7 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
     if pack is not None:
         echo(f"repro pack: {pack.folder}; reproduce the first divergence with: {pack.command}")
-    log = out / ENGINE_LOG
-    said = f"; the engine's own log is {log}" if log.is_file() and not request.verbose else ""
-    echo(f"check run: {out} (kvreplay audit {out} re-executes it{said})")
+    echo(run_line(out, request.verbose))
     return verdict
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvreplay.contract.lock import run_environment
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.outputs import in_system_folder
+from kvreplay.core.outputs import in_system_folder, target_problem
 from kvreplay.core.paths import check_name
 
 
@@ -35,10 +35,9 @@ def check_venv(venv: str) -> Path:
     system = in_system_folder(target)
     if system is not None:
         raise KvreplayError(f"{shown} is inside {system}, which holds no files to build in.")
-    if target.is_symlink():
-        raise KvreplayError(f"{shown} is a symbolic link; name a new folder.")
-    if target.exists() and not target.is_dir():
-        raise KvreplayError(f"{shown} exists and is not a folder.")
+    problem = target_problem(target, folder=True)  # a link, a file, a device, a FIFO
+    if problem is not None:
+        raise KvreplayError(f"{shown} {problem}; name a new folder.")
     if target.is_dir() and any(target.iterdir()):
         raise KvreplayError(
             f"{shown} is a folder that already holds files; kvreplay builds only a new or "

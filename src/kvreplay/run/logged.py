@@ -16,7 +16,7 @@ lengths, token ids, finite log-probabilities at most 0.
 
 from __future__ import annotations
 
-import json
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +24,13 @@ from typing import Any
 
 from kvreplay.backends.rollout import ENGINE
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.items import MAX_ID_LENGTH
 from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.core.options import option
+from kvreplay.core.outputs import Outputs
 from kvreplay.core.paths import read_regular
-from kvreplay.core.rollout import Scored, Turn
+from kvreplay.core.rollout import Scored, Turn, ids_problem, logprobs_problem
+from kvreplay.engines.placement import MAX_THREADS
 from kvreplay.engines.threads import DEFAULT_THREADS
 from kvreplay.experiments.rollout.section import summary_lines
 from kvreplay.model.embedded import DEFAULT_MODEL
@@ -59,26 +62,17 @@ def _line_problem(data: Any) -> str | None:
         return f"it has a field {unknown!r} the format does not know"
     if not isinstance(data["id"], str) or not data["id"]:
         return "its 'id' is not a non-empty string"
+    if len(data["id"]) > MAX_ID_LENGTH or any(unicodedata.category(c) == "Cc" for c in data["id"]):
+        return f"its 'id' is longer than {MAX_ID_LENGTH} characters or holds a control character"
     for key in IDS:
-        ids = data[key]
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-        ):
-            return f"its {key!r} is not a non-empty list of token ids"
+        problem = ids_problem(data[key])
+        if problem is not None:
+            return f"its {key!r} {problem}"
     tokens = len(data["response_ids"])
     for key in (k for k in LOGPROBS if k in data):
-        values = data[key]
-        if not isinstance(values, list) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in values
-        ):
-            return f"its {key!r} is not a list of numbers"
-        if len(values) != tokens:
-            return f"its {key!r} holds {len(values)} values for {tokens} response tokens"
-        bad = next((v for v in values if not v <= 0), None)
-        if bad is not None:
-            return f"its {key!r} holds {bad!r}, not a log-probability (a number at most 0)"
+        problem = logprobs_problem(data[key], tokens)
+        if problem is not None:
+            return f"its {key!r} {problem}"
     return None
 
 
@@ -93,7 +87,7 @@ def load_logged(path: Path) -> list[dict[str, Any]]:
         raise KvreplayError(f"The logged rollouts {path} are not UTF-8 text.") from None
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # JSON strings may hold U+2028
         if not line.strip():
             continue
         try:
@@ -189,16 +183,18 @@ class LoggedRequest:
     json_path: Path | None = field(
         default=None,
         metadata=option(
-            "--json", "Write the verdict (with a gate) or the claims as JSON.", target="file"
+            "--json", "Write the verdict (with a gate) or the claims as JSON.", output="file"
         ),
     )
     junit_path: Path | None = field(
         default=None,
-        metadata=option("--junit", "Write JUnit XML: one test case per rollout.", target="file"),
+        metadata=option("--junit", "Write JUnit XML: one test case per rollout.", output="file"),
     )
     threads: int = field(
         default=DEFAULT_THREADS,
-        metadata=option("--threads", "torch threads of the rescoring engine.", minimum=1),
+        metadata=option(
+            "--threads", "torch threads of the rescoring engine.", minimum=1, maximum=MAX_THREADS
+        ),
     )
 
 
@@ -210,6 +206,9 @@ def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], Non
     expectation = (
         parse_expectation(request.expect, request.bounds) if gate else MismatchExpectation()
     )
+    outputs = Outputs.reading(path, request.model if request.rescore_with else None)
+    outputs.file("--json", request.json_path)
+    outputs.file("--junit", request.junit_path)
     rows = load_logged(path)
     if request.rescore_with is not None:
         rescore(rows, request.rescore_with, request.model)
@@ -218,9 +217,6 @@ def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], Non
         echo(line)
     if gate:
         echo(mismatch_screen(verdict))
-    json_path = request.json_path
-    if json_path is not None and not gate:
-        json_path.write_text(json.dumps(verdict.claims, indent=2, sort_keys=True) + "\n")
-        json_path = None
-    write_outputs((mismatch_json(verdict), mismatch_junit(verdict)), json_path, request.junit_path)
+    data = mismatch_json(verdict) if gate else verdict.claims
+    write_outputs((data, mismatch_junit(verdict)), request.json_path, request.junit_path)
     return verdict.exit_code if gate else 0

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvreplay.backends.rollout import ScorerSpec
 from kvreplay.core.errors import KvreplayError
+from kvreplay.run.enginelog import engine_log, run_line
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.request import RunOptions, RunRequest
 from kvreplay.verify.mismatch import MismatchBounds, MismatchVerdict, judge, parse_expectation
@@ -50,14 +51,16 @@ def run_mismatch_check(
     _refuse_elsewhere(request)
     items, default_out = defaults
     out = request.out or _default_out(default_out, trainer.label)
-    check_outputs(out, request.json_path, request.junit_path, out.with_name(out.name + ".repro"))
+    reads = (request.items, request.model, request.plan, trainer.model)
+    check_outputs(out, reads, request.json_path, request.junit_path, verbose=request.verbose)
     shared = {f.name: getattr(request, f.name) for f in fields(RunOptions)}
     extra = {**request.own, "scorers": trainer.label}
     run_request = RunRequest(
         **shared | {"n": request.n if request.n is not None else items},
         experiment=ROLLOUT, out=out, extra=extra, command=request.command,
     )  # fmt: skip
-    run(run_request, quiet=True)
+    with engine_log(out, request.verbose):
+        run(run_request, quiet=True)
     ledger = RunLedger.open_existing(out)
     records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
     rows = [r for r in records if r.experiment == ROLLOUT and r.data["status"] == "ok"]
@@ -70,7 +73,7 @@ def run_mismatch_check(
     echo(mismatch_screen(verdict))
     rendered = (mismatch_json(verdict), mismatch_junit(verdict))
     write_outputs(rendered, request.json_path, request.junit_path)
-    echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
+    echo(run_line(out, request.verbose))
     return verdict
 
 

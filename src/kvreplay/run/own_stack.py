@@ -20,16 +20,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.backends.rollout import ENGINE
-from kvreplay.core.rollout import Conversation, Sampling, Scored, Turn, check_logprobs
-from kvreplay.experiments.rollout.roll import Bench, roll
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.rollout import (
+    LOGPROB_MODES,
+    Conversation,
+    Sampling,
+    Scored,
+    Turn,
+    ids_problem,
+    listed,
+    logprobs_problem,
+)
+from kvreplay.experiments.rollout.roll import BATCHED, MISS, Bench, roll
+from kvreplay.experiments.rollout.schema import MAX_SAMPLES
 from kvreplay.experiments.rollout.sides import Sequences, read_sides
-from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
+from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_SIDE, ROLLOUT_TABLE
 from kvreplay.ledger import Record
 from kvreplay.verify.mismatch import MismatchExpectation, MismatchVerdict, judge
 
 SampleFn = Callable[[list[int], Sampling], tuple[Sequence[int], Sequence[float]]]
 ScoreFn = Callable[[list[int], list[int]], Sequence[float]]
 OWN = "own"  # the precision a row of your own stack is filed under
+RESERVED = (ROLLOUT_SIDE, ENGINE, MISS, BATCHED)  # the other sides' labels
 
 
 @dataclass
@@ -51,8 +63,8 @@ class CallableStack:
             for index in range(conversation.turns):
                 if index:
                     context += [*turns[-1].token_ids, *conversation.followups[index - 1]]
-                tokens, logprobs = self.sample_fn(list(context), conversation.sampling)
-                turns.append(Turn([int(t) for t in tokens], [float(v) for v in logprobs]))
+                returned = self.sample_fn(list(context), conversation.sampling)
+                turns.append(sampled(returned, conversation.sampling.max_tokens))
             found.append(turns)
         return found
 
@@ -66,9 +78,32 @@ class CallableScorer:
     name: str = "score()"
 
     def score(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> Scored:
-        values = [float(v) for v in self.score_fn(list(prompt_ids), list(token_ids))]
-        check_logprobs(values, len(token_ids), "the score callable")
-        return Scored(values)
+        values = listed(self.score_fn(list(prompt_ids), list(token_ids)))
+        problem = logprobs_problem(values, len(token_ids))
+        if problem is not None:
+            raise KvreplayError(f"{self.name} returned a result that {problem}.")
+        return Scored([float(v) for v in values])
+
+
+def sampled(returned: Any, max_tokens: int) -> Turn:
+    """What a ``sample`` callable returned, as a turn: a pair of token ids (at least one,
+    at most ``max_tokens``) and one log-probability for each; anything else is refused
+    in one sentence, as a logged rollout's line is."""
+    if not isinstance(returned, tuple | list) or len(returned) != 2:
+        raise KvreplayError(
+            f"sample() returned {type(returned).__name__}, not a pair (token ids, "
+            "log-probabilities)."
+        )
+    tokens, logprobs = (listed(part) for part in returned)
+    problem = ids_problem(tokens)
+    if problem is None and len(tokens) > max_tokens:
+        problem = f"holds {len(tokens)} tokens, more than the sampling's max_tokens {max_tokens}"
+    if problem is not None:
+        raise KvreplayError(f"sample() returned a list of token ids that {problem}.")
+    problem = logprobs_problem(logprobs, len(tokens))
+    if problem is not None:
+        raise KvreplayError(f"sample() returned a list of log-probabilities that {problem}.")
+    return Turn([int(t) for t in tokens], [float(v) for v in logprobs])
 
 
 @dataclass
@@ -98,15 +133,16 @@ def audit_own_stack(
     (the k3 KL at most 1e-3 by default). ``reports`` says which log-probabilities
     ``sample`` returns (raw, processed): settings under which they would be ambiguous
     are refused, as the CLI refuses them."""
+    check_request(prompts, sample, score, engine_score, reports, trainer, samples)
     sampling.check(reports, "sample()")
     scorers: list[tuple[str, Any]] = [(trainer, CallableScorer(score))]
     if engine_score is not None:
-        scorers.insert(0, (ENGINE, CallableScorer(engine_score)))
+        scorers.insert(0, (ENGINE, CallableScorer(engine_score, "engine_score()")))
     bench = Bench(CallableStack(sample), scorers)
     rows = []
     for index, prompt in enumerate(prompts):
         rollouts = [
-            roll(bench, Conversation(tuple(int(t) for t in prompt), (), sampling.seeded(seed)))
+            roll(bench, Conversation(tuple(prompt), (), sampling.seeded(seed)))
             for seed in range(sampling.seed, sampling.seed + samples)
         ]
         rows.append(
@@ -115,7 +151,7 @@ def audit_own_stack(
                 "precision": OWN,
                 "status": "ok",
                 "temperature": sampling.temperature,
-                "prompt_token_ids": [int(t) for t in prompt],
+                "prompt_token_ids": list(prompt),
                 "rollouts": rollouts,
             }
         )
@@ -124,6 +160,43 @@ def audit_own_stack(
         sequences, trainer, expectation or MismatchExpectation(), "sample()", sampling.temperature
     )
     return OwnStackResult(rows, sequences, verdict, verdict.claims)
+
+
+def check_request(
+    prompts: Any, sample: Any, score: Any, engine_score: Any, reports: Any, trainer: Any,
+    samples: Any,
+) -> None:  # fmt: skip
+    """Refuse (one sentence each) what the caller handed over before any callable runs:
+    prompts that are not non-empty lists of token ids, callables that are not callable,
+    ``reports`` that name no log-probability mode or an unknown one, a trainer label
+    that is another side's, a sample count out of bounds (an expectation checks its own
+    bounds)."""
+    listed_prompts = listed(prompts)
+    if not isinstance(listed_prompts, list) or not listed_prompts:
+        raise KvreplayError("audit_own_stack needs a non-empty list of prompts (token id lists).")
+    for index, prompt in enumerate(listed_prompts):
+        problem = ids_problem(prompt)
+        if problem is not None:
+            raise KvreplayError(f"Prompt {index} {problem}.")
+    for name, given in (("sample", sample), ("score", score), ("engine_score", engine_score)):
+        if not callable(given) and not (name == "engine_score" and given is None):
+            raise KvreplayError(f"{name} is a {type(given).__name__}, not a callable.")
+    if (
+        not isinstance(reports, tuple | list)
+        or not reports
+        or not set(reports) <= set(LOGPROB_MODES)
+    ):
+        raise KvreplayError(
+            f"reports must name the log-probabilities sample() returns: one or both of "
+            f"{', '.join(LOGPROB_MODES)}; got {str(reports)[:40]!r}."
+        )
+    if not isinstance(trainer, str) or not trainer.strip() or trainer in RESERVED:
+        raise KvreplayError(
+            f"trainer {str(trainer)[:40]!r} is not a label of its own (a non-empty name other "
+            f"than {', '.join(RESERVED)})."
+        )
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 0 < samples <= MAX_SAMPLES:
+        raise KvreplayError(f"samples must be an integer from 1 to {MAX_SAMPLES}; got {samples!r}.")
 
 
 def sides_of(rows: Sequence[dict[str, Any]]) -> dict[str, Sequences]:

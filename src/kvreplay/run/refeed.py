@@ -19,8 +19,8 @@ from typing import Any
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, id_problem, load_items
-from kvreplay.core.options import option
-from kvreplay.core.outputs import Inputs, check_file_target
+from kvreplay.core.options import SEEDS, bounds, check_bounds, option
+from kvreplay.core.outputs import Inputs, check_file_target, write_output
 from kvreplay.core.stages import load_plan, plan_budget
 from kvreplay.model.embedded import DEFAULT_MODEL
 from kvreplay.model.precision import DTYPES
@@ -55,16 +55,32 @@ class RefeedPlan:
         ),
     )
     sources: int = field(
-        default=4, metadata=option("--sources", "Generations: the first N items of --from.")
+        default=4,
+        metadata=option(
+            "--sources", "Generations: the first N items of --from.", minimum=1, maximum=MAX_SOURCES
+        ),
     )
     cuts: int = field(
-        default=6, metadata=option("--cuts", "Seeded cut points per generation; each is one item.")
+        default=6,
+        metadata=option(
+            "--cuts",
+            "Seeded cut points per generation; each is one item.",
+            minimum=1,
+            maximum=MAX_CUTS,
+        ),
     )
     tokens: int = field(
         default=256,
-        metadata=option("--tokens", "The most tokens each generation runs (it ends early at EOS)."),
+        metadata=option(
+            "--tokens",
+            "The most tokens each generation runs (it ends early at EOS).",
+            minimum=1,
+            maximum=MAX_TOKENS,
+        ),
     )
-    seed: int = field(default=0, metadata=option("--seed", "Seed of the cut points."))
+    seed: int = field(
+        default=0, metadata=option("--seed", "Seed of the cut points.", **bounds(SEEDS))
+    )
     run_plan: str = field(
         default="instruct",
         metadata=option(
@@ -75,13 +91,7 @@ class RefeedPlan:
     )
 
     def check(self) -> None:
-        for name, value, most in (
-            ("--sources", self.sources, MAX_SOURCES),
-            ("--cuts", self.cuts, MAX_CUTS),
-            ("--tokens", self.tokens, MAX_TOKENS),
-        ):
-            if not 1 <= value <= most:
-                raise KvreplayError(f"{name} must be from 1 to {most}, not {value}.")
+        check_bounds(self)
         if self.tokens <= self.cuts:
             raise KvreplayError(
                 f"--tokens ({self.tokens}) must exceed --cuts ({self.cuts}): each cut is a "
@@ -212,9 +222,6 @@ def _still_new(out: Path) -> None:
 
 def write_items(items: list[Item], out: Path) -> None:
     """The items as JSONL at ``out`` (written whole, then renamed into place)."""
-    from kvreplay.ledger import write_text_atomic
-
     _still_new(out)  # nothing took the name while the generations ran
-    write_text_atomic(
-        out, "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items)
-    )
+    text = "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items)
+    write_output(out, text.encode("utf-8"))

@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.core.items import load_jsonl
-from kvreplay.core.paths import replace_file
+from kvreplay.core.outputs import write_output
 from kvreplay.harness.experiment import Experiment
 from kvreplay.harness.rows import PanelRow
 from kvreplay.ledger import ITEMS, Record
 from kvreplay.verify.outcome import ItemOutcome
 from kvreplay.verify.render import SCHEMA
 from kvreplay.verify.verdict import Verdict
+
+REPRO_FILES = ("item.jsonl", "repro.json")  # what a pack's folder holds
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,12 @@ def repro_pack(
     )  # fmt: skip
     row = experiment.read_row(record.data)
     folder.mkdir(parents=True, exist_ok=True)
-    item_line = folder / "item.jsonl"
+    item_line, pack_file = (folder / name for name in REPRO_FILES)
     item = next(i for i in load_jsonl(run_dir / ITEMS) if i.id == first.item_id)
-    replace_file(item_line, (json.dumps(item.to_dict(), sort_keys=True) + "\n").encode())
+    write_output(item_line, (json.dumps(item.to_dict(), sort_keys=True) + "\n").encode())
     command = rerun(item_line, folder / "rerun", first.precision)
     pack = _pack(verdict, first, row, shlex.join(command))
-    replace_file(
-        folder / "repro.json", (json.dumps(pack, indent=2, sort_keys=True) + "\n").encode()
-    )
+    write_output(pack_file, (json.dumps(pack, indent=2, sort_keys=True) + "\n").encode())
     return ReproPack(folder, pack["command"])
 
 

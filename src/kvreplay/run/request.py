@@ -14,7 +14,8 @@ from typing import Any
 from kvreplay.contract.config import RunSettings
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import BUILTIN_ITEMS
-from kvreplay.core.options import option
+from kvreplay.core.options import COUNTS, bounds, check_bounds, option
+from kvreplay.core.outputs import check_run_folder
 from kvreplay.core.paths import check_name
 from kvreplay.core.scoring import get_extractor
 from kvreplay.core.stages import BUILTIN_PLANS, StagePlan, load_plan
@@ -54,7 +55,8 @@ class RunOptions(RunSettings):
         ),
     )
     n: int | None = field(
-        default=None, metadata=option("--n", "How many items (default: all).", minimum=1)
+        default=None,
+        metadata=option("--n", "How many items (default: all).", **bounds(COUNTS)),
     )
     dtypes: tuple[str, ...] = field(
         default=("bf16", "fp32"),
@@ -89,7 +91,9 @@ class RunOptions(RunSettings):
     def check(self) -> None:
         """Refuse, before anything is read or written, options that cannot run together:
         precisions the backend does not run, a device this machine lacks, a placement
-        that cannot be made, workers on a backend whose workers would share a server."""
+        that cannot be made, workers on a backend whose workers would share a server;
+        and every number within its declared bounds (a request built in Python too)."""
+        check_bounds(self)
         parse_dtypes(self.dtypes, self.backend.precisions)
         parse_device(self.device)
         self.placement.check(self.device)
@@ -113,5 +117,9 @@ class RunRequest(RunOptions):
     extra: dict[str, Any] = field(default_factory=dict)  # the experiment's own options
 
     def check(self) -> None:
+        """The shared options, and the run folder as an output (design: output writer):
+        not a link, a device or a file, not in a kernel folder or a model folder the run
+        reads, in a folder that takes files."""
         check_name(self.out, "--out")
+        check_run_folder(self.out, (self.items, self.plan, self.model))
         super().check()

@@ -29,6 +29,7 @@ from kvreplay.core.version import VERSION
 from kvreplay.engines import EngineSession, make_engine
 from kvreplay.engines.threads import check_recorded, intra_op_threads
 from kvreplay.experiments import get_experiment
+from kvreplay.harness.memory import check_memory
 from kvreplay.harness.scope import Scope, SourceRun
 from kvreplay.harness.units import Unit
 from kvreplay.ledger import (
@@ -194,6 +195,8 @@ def prepare(request: RunRequest) -> tuple[RunLedger, Scope]:
     source = _source_run(request.prefix_from, config, scheme)
     scope = Scope(config, items, tuple(request.dtypes), request.n, source, request.extra)
     experiment.select(scope, scope.source_rows())  # a bad selection is refused before any write
+    values, options = experiment.row_values(scope)
+    check_memory(values, count * len(request.dtypes), options)
     contract = build_contract(config, info, request.items, items, scheme)
     return _open_ledger(request, contract, items), scope
 

@@ -36,6 +36,7 @@ DEFAULT_MAX_K3_KL = 1e-3
 """The numbers level's default: RL practice reads a k3 KL around 1e-3 as a healthy
 dense-model pair and 1e-2 as significantly off-policy."""
 HOLDS, FAILS = 0, 1
+MAX_GATE = 1e6  # a gate's bound: far past any mismatch two stacks of one model show
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,17 @@ class MismatchBounds:
             "--max-k3-kl",
             "A mismatch gate: the largest k3 KL estimate that passes "
             f"(default {DEFAULT_MAX_K3_KL:g}).",
+            minimum=0,
+            maximum=MAX_GATE,
         ),
     )
     max_abs_logp: float | None = field(
         default=None,
         metadata=option(
-            "--max-abs-logp", "A mismatch gate: the largest |delta log p| any token may have."
+            "--max-abs-logp",
+            "A mismatch gate: the largest |delta log p| any token may have.",
+            minimum=0,
+            maximum=MAX_GATE,
         ),
     )
 
@@ -71,6 +77,17 @@ class MismatchExpectation:
     bitwise: bool = False
     max_k3_kl: float | None = DEFAULT_MAX_K3_KL
     max_abs_logp: float | None = None
+
+    def __post_init__(self) -> None:
+        """A bound is a finite number of at least 0 (a NaN bound would pass nothing and
+        say "at most nan"), however the expectation was made."""
+        for name, value in (("max_k3_kl", self.max_k3_kl), ("max_abs_logp", self.max_abs_logp)):
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if value is not None and not (number and math.isfinite(value) and value >= 0):
+                raise KvreplayError(
+                    f"The expectation's {name} is {repr(value)[:20]}, not a finite number of "
+                    "at least 0."
+                )
 
     @property
     def level(self) -> str:
@@ -224,7 +241,21 @@ def judge(
     environment: dict[str, Any] | None = None,
 ) -> MismatchVerdict:
     """The verdict of every precision's sequences: the rollout's log-probabilities
-    against the trainer's (a scorer's label), pooled over precisions."""
+    against the trainer's (a scorer's label), pooled over precisions. A mismatch past
+    float range (a ratio exp(delta) of a delta in the hundreds) is an infinite metric,
+    said as such, not a warning on the terminal."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _judge(by_precision, trainer, expectation, rollout, temperature, environment)
+
+
+def _judge(
+    by_precision: dict[str, Sequences],
+    trainer: str,
+    expectation: MismatchExpectation,
+    rollout: str,
+    temperature: float,
+    environment: dict[str, Any] | None,
+) -> MismatchVerdict:
     outcomes: list[SequenceOutcome] = []
     rollout_sides: list[list[float]] = []
     trainer_sides: list[list[float]] = []

@@ -12,6 +12,7 @@ from xml.etree import ElementTree
 from kvreplay.core.power import percent, rate_upper_bound
 from kvreplay.experiments.rollout.section import dominance
 from kvreplay.verify.mismatch import SCHEMA, MismatchVerdict, SequenceOutcome
+from kvreplay.verify.render import xml_document
 
 
 def mismatch_sentence(v: MismatchVerdict) -> str:
@@ -110,7 +111,7 @@ def mismatch_junit(v: MismatchVerdict) -> str:
             message = f"k3 KL {v.kl_k3:.3g} above {bound:g}"
             ElementTree.SubElement(case, "failure", message=message)
     ElementTree.SubElement(suite, "system-out").text = mismatch_sentence(v)
-    return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+    return xml_document(suite)
 
 
 def mismatch_screen(v: MismatchVerdict) -> str:

@@ -6,6 +6,7 @@ which matched shares (:mod:`kvreplay.experiments.matrix`)."""
 from kvreplay.experiments.matrix.section import MATRIX as SECTION
 from kvreplay.experiments.matrix.table import FIXED_PREFIX, FIXED_PREFIX_TABLE
 from kvreplay.harness.declaration import Declaration
+from kvreplay.harness.schema import Value, list_of, panel_schema
 
 DECLARATION = Declaration(
     name=FIXED_PREFIX,
@@ -16,10 +17,13 @@ DECLARATION = Declaration(
     section=SECTION,
     judged=True,
     outcome_rank=1,
-    config={
-        "dtypes": list,
-        "item_ids": list,
-        "prefix_dtype": str,
-        "prefix_from": (str, type(None)),
-    },
+    schema=panel_schema(
+        {
+            "dtypes": list_of(str),
+            "item_ids": list_of(str),
+            "prefix_dtype": Value(str),
+            "prefix_from": Value((str, type(None))),
+        },
+        kinds=("prefix", "matrix"),
+    ),
 )

@@ -6,6 +6,8 @@ served panels on the http backend, so its class and its served class are the sam
 from kvreplay.experiments.history.section import HISTORY as SECTION
 from kvreplay.experiments.history.table import HISTORY, HISTORY_TABLE
 from kvreplay.harness.declaration import Declaration
+from kvreplay.harness.schema import list_of, optional, panel_schema
+from kvreplay.harness.served import EVERY_STAGE
 
 DECLARATION = Declaration(
     name=HISTORY,
@@ -18,5 +20,11 @@ DECLARATION = Declaration(
     section=SECTION,
     needs="traffic",  # its loopback clients: a server's experiment
     check="traffic",
-    config={"dtypes": list, "item_ids": list, "miss": str},
+    schema=panel_schema(
+        {
+            "dtypes": list_of(str),
+            "item_ids": list_of(str),
+            "miss": optional(str, values=(EVERY_STAGE,)),  # absent in runs before it
+        },
+    ),
 )

@@ -5,6 +5,7 @@ declared here and registered by one line in :mod:`kvreplay.experiments.registry`
 from kvreplay.experiments.localize.section import LOCALIZE as SECTION
 from kvreplay.experiments.localize.table import LOCALIZE, LOCALIZE_TABLE
 from kvreplay.harness.declaration import Declaration
+from kvreplay.harness.schema import Value, list_of, optional, panel_schema
 
 DECLARATION = Declaration(
     name=LOCALIZE,
@@ -15,5 +16,31 @@ DECLARATION = Declaration(
     takes=("divergent", "panel_seed", "both_directions"),
     source="Take the divergent rows and their prefixes from this run.",
     section=SECTION,
-    config={"precision": str, "directions": list, "sweeps": list, "selection": dict},
+    schema=panel_schema(
+        {
+            "precision": Value(str),
+            "directions": list_of(str),
+            "sweeps": list_of(str),
+            "selection": Value(dict),
+        },
+        {
+            "num_layers": optional(int, minimum=1),
+            "divergent": optional(bool),
+            "probes": optional(
+                list,
+                each=Value(
+                    dict,
+                    fields={
+                        "direction": Value(str),
+                        "sweep": Value(str),
+                        "layers": Value(list, each=Value(int, minimum=0)),
+                        "component": Value(str),
+                        "recovers_donor": Value(bool),
+                        "first_divergence_index": Value((int, type(None))),
+                    },
+                ),
+            ),  # fmt: skip
+            "boundary_argmax_equal": optional(bool),
+        },
+    ),
 )

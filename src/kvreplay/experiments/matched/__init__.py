@@ -6,6 +6,8 @@ matrix's, which fixed-prefix shares (:mod:`kvreplay.experiments.matrix`)."""
 from kvreplay.experiments.matrix.section import MATRIX as SECTION
 from kvreplay.experiments.matrix.table import MATCHED, MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.harness.declaration import Declaration
+from kvreplay.harness.schema import NUMBER, Value, list_of, optional, panel_schema
+from kvreplay.harness.served import EVERY_STAGE
 
 DECLARATION = Declaration(
     name=MATCHED,
@@ -19,5 +21,15 @@ DECLARATION = Declaration(
     check="greedy",
     judged=True,
     outcome_rank=2,
-    config={"dtypes": list, "item_ids": list, "miss": str, "fragile": dict},
+    schema=panel_schema(
+        {
+            "dtypes": list_of(str),
+            "item_ids": list_of(str),
+            "miss": optional(str, values=(EVERY_STAGE,)),  # a served run's
+            "fragile": optional(dict, fields={"n": Value(int), "window": Value(int)}),
+        },
+        # a fragile screen's rows are prefix rows with the margins it ranks by
+        {"screen_margins": optional(list, each=Value(NUMBER, minimum=0))},
+        kinds=("prefix",),
+    ),
 )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.options import option
+from kvreplay.core.options import COUNTS, option
 from kvreplay.core.stages import StagePlan
 from kvreplay.core.trajectory import Trajectory
 from kvreplay.harness.prefixes import prefix_record, prompt_ids
@@ -54,6 +54,7 @@ class MatchedOptions:
             f"Candidates --select fragile screens (the first of the item set; default "
             f"{DEFAULT_SCREEN}, or --n if larger); each costs one short live generation.",
             minimum=1,
+            maximum=COUNTS[1],
         ),
     )
 

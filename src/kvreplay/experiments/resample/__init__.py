@@ -5,6 +5,8 @@ declared here and registered by one line in :mod:`kvreplay.experiments.registry`
 from kvreplay.experiments.resample.section import RESAMPLE as SECTION
 from kvreplay.experiments.resample.table import RESAMPLE, RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.harness.declaration import Declaration
+from kvreplay.harness.schema import NUMBER, Value, list_of, optional, panel_schema
+from kvreplay.harness.served import EVERY_STAGE
 
 DECLARATION = Declaration(
     name=RESAMPLE,
@@ -19,16 +21,30 @@ DECLARATION = Declaration(
     section=SECTION,
     check="faithful",
     judged=True,
-    config={
-        "dtypes": list,
-        "item_ids": list,
-        "miss": str,
-        "samples": int,
-        "seeds": list,
-        "replica_samples": int,
-        "temperature": (int, float),
-        "top_p": (int, float),
-        "margin": (int, float),
-        "batching": str,
-    },
+    schema=panel_schema(
+        {
+            "dtypes": list_of(str),
+            "item_ids": list_of(str),
+            "miss": optional(str, values=(EVERY_STAGE,)),  # a served run's
+            "samples": Value(int),
+            "seeds": list_of(int),
+            "replica_samples": Value(int),
+            "temperature": Value(NUMBER),
+            "top_p": Value(NUMBER),
+            "margin": Value(NUMBER),
+            "batching": Value(str, values=("singleton",)),
+        },
+        {
+            "resample": optional(
+                dict,
+                fields={
+                    "seeds": list_of(int),
+                    "replica_samples": Value(int, minimum=1),
+                    "margin": Value(NUMBER),
+                    "temperature": Value(NUMBER),
+                    "top_p": Value(NUMBER),
+                },
+            ),
+        },  # fmt: skip
+    ),
 )

@@ -41,15 +41,25 @@ class ResampleOptions:
     """The own options of ``resample``, typed and checked before anything is written."""
 
     samples: int = field(
-        default=16, metadata=option("--samples", "Seeded samples per arm and row.")
+        default=16,
+        metadata=option(
+            "--samples", "Seeded samples per arm and row.", minimum=1, maximum=MAX_SAMPLES
+        ),
     )
     replica_samples: int = field(
         default=2,
-        metadata=option("--replica-samples", "Seeds each replica continues to gate determinism."),
+        metadata=option(
+            "--replica-samples",
+            "Seeds each replica continues to gate determinism.",
+            minimum=1,
+            maximum=MAX_SAMPLES,
+        ),
     )
     margin: float = field(
         default=0.05,
-        metadata=option("--margin", "Equivalence margin of the certificate, in (0, 1)."),
+        metadata=option(
+            "--margin", "Equivalence margin of the certificate, in (0, 1).", minimum=0, maximum=1
+        ),
     )
 
     @classmethod
@@ -63,12 +73,6 @@ class ResampleOptions:
             raise KvreplayError(
                 "resample samples at a temperature above 0, but --temperature is 0."
             )
-        if not 1 <= self.samples <= MAX_SAMPLES:
-            raise KvreplayError(
-                f"--samples is {self.samples}; resample needs from 1 to {MAX_SAMPLES}."
-            )
-        if self.replica_samples < 1:
-            raise KvreplayError(f"--replica-samples is {self.replica_samples}; it must be >= 1.")
         if not 0 < self.margin < 1:
             raise KvreplayError(f"--margin is {self.margin}; it must lie strictly between 0 and 1.")
         replace(sampler, seed=sampler.seed + self.samples - 1)  # the last seed must be valid

@@ -4,6 +4,7 @@
 section of the analysis and report (``section``), declared here and registered by one
 line in :mod:`kvreplay.experiments.registry`."""
 
+from kvreplay.experiments.rollout.schema import SCHEMA
 from kvreplay.experiments.rollout.section import ROLLOUT_SECTION
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
 from kvreplay.harness.declaration import Declaration
@@ -20,4 +21,5 @@ DECLARATION = Declaration(
     temperature=1.0,
     section=ROLLOUT_SECTION,
     capability="rollout",
+    schema=SCHEMA,
 )

@@ -16,6 +16,7 @@ The CSV and the section are :mod:`kvreplay.experiments.rollout.table` and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from kvreplay.core.items import Item, chat_messages, encode_prompt
 from kvreplay.core.options import option
 from kvreplay.core.rollout import LOGPROB_MODES, Conversation, Sampling
 from kvreplay.experiments.rollout.roll import Bench, roll
+from kvreplay.experiments.rollout.schema import MAX_SAMPLES, MAX_TOKENS, MAX_TOP_K, MAX_TURNS
 from kvreplay.experiments.rollout.section import rollout_claims, summary_lines
 from kvreplay.experiments.rollout.table import RolloutRow
 from kvreplay.harness.experiment import Experiment, planned_keys
@@ -56,7 +58,9 @@ class RolloutOptions:
     )
     top_k: int = field(
         default=0,
-        metadata=option("--top-k", "Sample from the k likeliest tokens (0: off).", minimum=0),
+        metadata=option(
+            "--top-k", "Sample from the k likeliest tokens (0: off).", minimum=0, maximum=MAX_TOP_K
+        ),
     )
     logprobs: str = field(
         default="raw",
@@ -68,7 +72,13 @@ class RolloutOptions:
         ),
     )
     max_tokens: int = field(
-        default=128, metadata=option("--max-tokens", "Tokens a turn samples at most.", minimum=1)
+        default=128,
+        metadata=option(
+            "--max-tokens",
+            "Tokens a turn samples at most (every turn's within the model's context window).",
+            minimum=1,
+            maximum=MAX_TOKENS,
+        ),
     )
     ignore_eos: bool = field(
         default=False,
@@ -76,7 +86,12 @@ class RolloutOptions:
     )
     samples: int = field(
         default=1,
-        metadata=option("--samples", "Rollouts per item (seeds --seed, --seed+1, ...).", minimum=1),
+        metadata=option(
+            "--samples",
+            "Rollouts per item (seeds --seed, --seed+1, ...).",
+            minimum=1,
+            maximum=MAX_SAMPLES,
+        ),
     )
     turns: int = field(
         default=1,
@@ -84,6 +99,7 @@ class RolloutOptions:
             "--turns",
             "Turns per rollout; each later one re-sends the earlier answer and --followup.",
             minimum=1,
+            maximum=MAX_TURNS,
         ),
     )
     followup: str = field(
@@ -147,6 +163,17 @@ def check_scorers(specs: list[ScorerSpec], scope: Scope) -> None:
     from kvreplay.model.reading import load_tokenizer
 
     config = scope.config
+    seen: dict[tuple[Any, ...], str] = {}
+    for spec in specs:
+        model = spec.model or config.model
+        same = (spec.backend, spec.precision, spec.schedule, os.path.realpath(model)
+                if os.path.exists(model) else model)  # fmt: skip
+        if same in seen:
+            raise KvreplayError(
+                f"--scorers names one scorer twice, as {seen[same]} and {spec.label} (the same "
+                "backend, precision, schedule and model files); list each scorer once."
+            )
+        seen[same] = spec.label
     ours = None
     for spec in specs:
         if spec.backend is None:
@@ -161,6 +188,50 @@ def check_scorers(specs: list[ScorerSpec], scope: Scope) -> None:
                 f"The scorer {spec.label} has a tokenizer whose ids are not the rollout "
                 f"model's ({config.model}), so it would score other tokens than those sampled."
             )
+
+
+def check_context(options: RolloutOptions, items: list[Item], scope: Scope) -> None:
+    """Refuse (one sentence, before anything runs) rollouts whose last turn would run
+    past the model's context window: the prompt, every turn at ``--max-tokens`` and every
+    follow-up between them."""
+    from kvreplay.model.reading import load_tokenizer, text_config
+
+    run = scope.config
+    trusts = run.backend.trusts_remote_code
+    window = run.backend.context_window(
+        int(getattr(text_config(run.model, trusts), "max_position_embeddings", 0) or 0)
+    )
+    if not window:
+        return
+    tokenizer = load_tokenizer(run.model, trusts)
+    followup = followup_ids(tokenizer, options.followup, run.chat) if options.turns > 1 else []
+    added = options.turns * options.max_tokens + (options.turns - 1) * len(followup)
+    for item in items:
+        prompt = len(encode_prompt(tokenizer, item.prompt, run.chat))
+        if prompt + added > window:
+            raise KvreplayError(
+                f"Item {item.id}'s rollout would span {prompt + added} tokens (its prompt, "
+                f"{options.turns} turn(s) of --max-tokens {options.max_tokens} and the "
+                f"follow-ups), past the model's context window of {window}; give fewer "
+                "--turns or --max-tokens."
+            )
+
+
+SHARED_INPUTS = ("sampling", "seeds", "turns", "followup_token_ids", "engine", "scorers")
+
+
+def unit_inputs(config: dict[str, Any], items: list[Item]) -> dict[str, dict[str, Any]]:
+    """Each item's unit inputs, by item id: the config's sampling, seeds, turns,
+    follow-up, scorers, and the prompts of the items after it as its batch's companions."""
+    shared = {k: config[k] for k in SHARED_INPUTS}
+    found = {}
+    for index, item in enumerate(items):
+        others = [items[(index + k) % len(items)] for k in range(1, len(items))]
+        found[item.id] = {
+            **shared,
+            "companions": [o.prompt for o in others[: config["companions"]]],
+        }
+    return found
 
 
 class Rollout(Experiment):
@@ -192,7 +263,9 @@ class Rollout(Experiment):
                 "name at least one scorer."
             )
         check_scorers(specs, scope)
-        return super().select(scope, rows)
+        selection = super().select(scope, rows)
+        check_context(options, selection.items, scope)
+        return selection
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         from kvreplay.model.reading import load_tokenizer
@@ -227,21 +300,42 @@ class Rollout(Experiment):
             "companions": int(getattr(run.backend, "companions", 0)) if batches else 0,
         }
 
+    def row_values(self, scope: Scope) -> tuple[int, str]:
+        """Per sample and turn, each token's id, log-probability and margin on every side
+        (the decode, the engine's prefill, each scorer, a control) and its argmax pair."""
+        options = own_options(RolloutOptions, scope, "rollout's")
+        sides = 3 + len(parse_scorers(options.scorers))
+        tokens = options.samples * options.turns * options.max_tokens
+        return tokens * sides * 4, "--samples, --turns, --max-tokens or --scorers"
+
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        config = self.config(scope, selection)
-        items = selection.items
-        keys = ("sampling", "seeds", "turns", "followup_token_ids", "engine", "scorers")
-        shared = {k: config[k] for k in keys}
-        units = []
-        for dtype in scope.dtypes:
-            for index, item in enumerate(items):
-                others = [items[(index + k) % len(items)] for k in range(1, len(items))]
-                companions = [o.prompt for o in others[: config["companions"]]]
-                inputs = {**shared, "companions": companions}
-                units.append(Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs))
-        return units
+        inputs = unit_inputs(self.config(scope, selection), selection.items)
+        return [
+            Unit(UnitKey(self.name, item.id, dtype), item, dtype, inputs[item.id])
+            for dtype in scope.dtypes
+            for item in selection.items
+        ]
+
+    def derived_inputs(
+        self, config: dict[str, Any], run: Any, items: dict[str, Item]
+    ) -> dict[str, dict[str, Any]]:
+        """Every row's inputs are its config's sampling, seeds, turns, follow-up (its ids
+        the run's tokenizer makes of its text), scorers and companions: a config edited
+        with its hash recomputed contradicts its rows."""
+        if config["turns"] > 1 and run is not None:
+            from kvreplay.model.reading import load_tokenizer
+
+            tokenizer = load_tokenizer(run.model, run.backend.trusts_remote_code)
+            ids = followup_ids(tokenizer, config["followup"], run.chat)
+            config = {**config, "followup_token_ids": ids}
+        inputs = unit_inputs(config, [items[i] for i in config["item_ids"]])
+        return {
+            str(UnitKey(self.name, item_id, dtype)): inputs[item_id]
+            for dtype in config["dtypes"]
+            for item_id in config["item_ids"]
+        }
 
     def planned(self, config: dict[str, Any], rows: Mapping[str, Record]) -> list[str]:
         return planned_keys(self.name, config["item_ids"], config["dtypes"], rows)

@@ -5,6 +5,7 @@ declared here and registered by one line in :mod:`kvreplay.experiments.registry`
 from kvreplay.experiments.transplant.section import TRANSPLANT as SECTION
 from kvreplay.experiments.transplant.table import TRANSPLANT, TRANSPLANT_TABLE
 from kvreplay.harness.declaration import Declaration
+from kvreplay.harness.schema import Value, list_of, optional, panel_schema
 
 DECLARATION = Declaration(
     name=TRANSPLANT,
@@ -15,11 +16,27 @@ DECLARATION = Declaration(
     takes=("panel", "alias", "name", "divergent", "controls", "panel_seed"),
     source="Take the panel and its prefixes from this run.",
     section=SECTION,
-    config={
-        "precision": str,
-        "prefix_dtype": str,
-        "arms": list,
-        "csv_name": str,
-        "selection": dict,
-    },
+    schema=panel_schema(
+        {
+            "precision": Value(str),
+            "prefix_dtype": Value(str),
+            "arms": list_of(str),
+            "csv_name": Value(str),
+            "selection": Value(dict),
+        },
+        {
+            "panel": optional(
+                dict,
+                fields={
+                    "checkpoint_alias": Value(str),
+                    "selection_index": Value(int, minimum=0),
+                    "selection_basis": Value(str),
+                    "historical_stratum": Value(str),
+                    "panel": Value(str),
+                },
+            ),
+            "num_layers": optional(int, minimum=1),
+        },  # fmt: skip
+        kinds=("prefix", "transplant"),
+    ),
 )
