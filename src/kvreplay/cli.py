@@ -287,11 +287,18 @@ def check_request(values: dict[str, Any], command: list[str] | None = None) -> A
 def _check_options() -> list[click.Option]:
     """A check's options: the shared ones with the check's own defaults, what must hold
     and where the verdict goes, and the options of the experiment it runs greedily."""
-    from kvreplay.run.check import CHECK_DEFAULTS, DEFAULT_ITEMS, CheckRequest, check_own_options
+    from kvreplay.run.check import (
+        CHECK_DEFAULTS,
+        DEFAULT_ITEMS,
+        DTYPES_HELP,
+        CheckRequest,
+        check_own_options,
+    )
     from kvreplay.run.request import RunOptions
 
     shared = {s.name for s in every(RunOptions)}
-    helps = {"n": f"How many items (default {DEFAULT_ITEMS}; --max-rate sets it)."}
+    helps = {"n": f"How many items (default {DEFAULT_ITEMS}; --max-rate sets it).",
+             "dtypes": DTYPES_HELP}  # fmt: skip
     checks = [click_option(s) for s in every(CheckRequest) if s.name not in shared]
     return [
         *shared_options(CHECK_DEFAULTS, helps),

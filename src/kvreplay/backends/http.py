@@ -237,6 +237,7 @@ class HttpBackend(Backend):
             self.context_window(0),
             self.probe.restores,
             vocabulary_size(text_config(model.spec), tokenizer),
+            int(self.probe.identity["settings"]["block_size"]),
         )
 
 
@@ -251,9 +252,16 @@ class HttpServed:
     context_length: int
     restores: bool
     vocabulary: int
+    block_size: int
 
     def reset_cache(self) -> None:
         self.adapter.reset()
+
+    def pool_tokens(self) -> int | None:
+        return self.adapter.pool_tokens()
+
+    def preemptions(self) -> float | None:
+        return self.adapter.load().get("preemptions")
 
     def round_trip(self) -> None:
         """The arm's slot (0) saved and loaded back in place (only where ``restores``)."""

@@ -150,6 +150,9 @@ class LlamaServer:
         slots = self.client.ok("GET", "/props")["total_slots"].integer(1, MAX_COUNT)
         return slots - 1 - client
 
+    def pool_tokens(self) -> int | None:
+        return None  # each slot keeps its own K/V: no pool shared between requests
+
     def eviction_tokens(self, computed: int) -> int:
         """One unrelated prompt as long as P on the arm's slot replaces what it holds."""
         return computed

@@ -52,6 +52,8 @@ class ServedModel(Protocol):
 
     context_length: int
     restores: bool  # whether round_trip works: the hit's replica is then a restored state
+    block_size: int  # tokens per cached block (1: the engine reuses any common prefix)
+    vocabulary: int  # token ids the model has
 
     def reset_cache(self) -> None:
         """Drop every prefix-cache block, so that the next request is a miss."""
@@ -69,6 +71,13 @@ class ServedModel(Protocol):
     def evict(self, computed: int, seed: str) -> int:
         """Send unrelated prompts that overwrite part of the ``computed`` tokens of P the
         arm's requests wrote; the tokens sent."""
+
+    def pool_tokens(self) -> int | None:
+        """Tokens the engine's K/V pool holds for requests (None: it does not say, or it
+        keeps each request's K/V apart, as llama-server's slots do)."""
+
+    def preemptions(self) -> float | None:
+        """Requests the engine has preempted since it started (None: it does not say)."""
 
 
 @dataclass(frozen=True)

@@ -361,6 +361,11 @@ class ServerAdapter(Protocol):
         """The slot a traffic client's requests go to: never the arm's or a companion's."""
         ...
 
+    def pool_tokens(self) -> int | None:
+        """Tokens the server's K/V pool holds for requests (None: it does not say, or its
+        slots keep their K/V apart)."""
+        ...
+
     def eviction_tokens(self, computed: int) -> int:
         """Tokens of unrelated prompts, sent on the arm's slot after it wrote P's
         ``computed`` tokens, that overwrite part of them."""

@@ -1,39 +1,50 @@
 """The fault suite, declared once (design: fault): each planted defect's name, the
-engine it is planted in, the published bug it is shaped like, the code path it fires on
-and when. The detection table (``bench/faults.py``) and the tests read this list; the
-engine modules (:mod:`kvreplay.faults.vllm_engine`, :mod:`kvreplay.faults.llamacpp_engine`,
-:mod:`kvreplay.faults.hf_engine`) implement one hook per name."""
+function that plants it (its *hook*, ``module:function`` under :mod:`kvreplay.faults`,
+loaded when the fault is planted), the engine it is planted in, the published bug it is
+shaped like, the code path it fires on and when. The detection table, the docs' fault
+table (:mod:`kvreplay.faults.tables`) and the tests read this list, and nothing else
+names a fault."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvreplay.core.registry import Registry
+from kvreplay.core.registry import Registry, load
+from kvreplay.faults.patches import Patch
 
 ENV = "KVREPLAY_FAULT"
 """The one setting that enables a fault in an engine's process: the fault's name. Only
-the fault hooks read it (vLLM's general plugin, :mod:`kvreplay.faults.plugin`); no run
-folder, manifest or item file can set it."""
+vLLM's general plugin (:mod:`kvreplay.faults.plugin`) reads it, in a process whose path
+holds the plugin folder; no run folder, manifest or item file can set it."""
 
 Engine = Literal["vllm", "llamacpp", "hf"]
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One planted defect: ``shaped_like`` names the real bug, ``path`` the engine code it
-    hooks, ``fires`` when it changes anything."""
+    """One planted defect: ``hook`` is the function (``module:function`` under
+    :mod:`kvreplay.faults`) that returns its patches, ``shaped_like`` names the real bug,
+    ``path`` the engine code it hooks, ``fires`` when it changes anything."""
 
     name: str
+    hook: str
     engine: Engine
     shaped_like: str
     path: str
     fires: str
 
+    def patches(self) -> list[Patch]:
+        """The fault's patches, made by its hook (importing its engine)."""
+        make: Callable[[], list[Patch]] = load(f"kvreplay.faults.{self.hook}")
+        return make()
+
 
 FAULTS: tuple[Fault, ...] = (
     Fault(
         "vllm-hit-ulp",
+        "vllm_engine:hit_ulp",
         "vllm",
         "TensorRT-LLM #15503: block reuse changes the first token's logits",
         "model runner, before the forward of a request that hits the prefix cache: every K "
@@ -42,6 +53,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-aligned-stale",
+        "vllm_engine:aligned_stale",
         "vllm",
         "SGLang #22819: KV corruption when the prefix length equals the block size",
         "model runner, after the forward of a hit on a block-aligned prompt: the last full "
@@ -50,6 +62,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-hash-truncated",
+        "vllm_engine:hash_truncated",
         "vllm",
         "a prefix-cache block-hash collision: two different prefixes served from one block",
         "scheduler, kv_cache_utils.hash_block_tokens: a block's hash covers only the first "
@@ -58,6 +71,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-stale-slot",
+        "vllm_engine:stale_slot",
         "vllm",
         "vLLM PR #42245: a reused buffer not cleared, so results depend on request order",
         "model runner, after the forward of a hit: the first recomputed token's K/V slot "
@@ -66,6 +80,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-tail-position",
+        "vllm_engine:tail_position",
         "vllm",
         "llama.cpp #4902, #28527: a cached prompt's tail evaluated at another position",
         "model runner, _prepare_inputs of a hit's first step: the recomputed tail's "
@@ -74,6 +89,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-concurrent-race",
+        "vllm_engine:concurrent_race",
         "vllm",
         "a write race between requests batched in one step",
         "model runner, after a step that batches a hit's first forward with another "
@@ -82,6 +98,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-evict-stale-hash",
+        "vllm_engine:evict_stale_hash",
         "vllm",
         "a block evicted and reused while its hash stays in the prefix-cache table",
         "scheduler, BlockPool._maybe_evict_cached_block: the hash entry is left behind, "
@@ -90,6 +107,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-second-hit-lossy",
+        "vllm_engine:second_hit_lossy",
         "vllm",
         "LMCache #717: a lossy serialisation of cached KV, visible only on the second use",
         "model runner, before the forward of a hit: a block hit for the second time since "
@@ -98,6 +116,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "vllm-hit-temperature",
+        "vllm_engine:hit_temperature",
         "vllm",
         "sampling state not restored on a prefix-cache hit (seeded outputs that differ)",
         "model runner, _sample: a request that began with a hit has its logits divided by "
@@ -106,6 +125,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "llamacpp-restore-perturbed",
+        "llamacpp_engine:restore_perturbed",
         "llamacpp",
         "LMCache #717: cached KV serialised lossily, seen only when restored",
         "llama_state_set_data / llama_state_seq_set_data: the lowest bit of one K element "
@@ -114,6 +134,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "llamacpp-reeval-last",
+        "llamacpp_engine:reeval_last",
         "llamacpp",
         "llama.cpp #4902, #28527: a cached prompt re-evaluates its last token differently",
         "llama_state_set_data: after a restore the last cached token is evaluated again "
@@ -122,6 +143,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "llamacpp-prefill-logits-ulp",
+        "llamacpp_engine:prefill_logits_ulp",
         "llamacpp",
         "prompt logprobs that move with the batch shape, not the tokens",
         "llama_get_logits_ith after a multi-token llama_decode (the prefill path): the "
@@ -130,6 +152,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "hf-lossy-cache",
+        "hf_engine:lossy_cache",
         "hf",
         "a KV cache that stores lossily what the chunk itself attended to in full "
         "(quantized caches; LMCache #717)",

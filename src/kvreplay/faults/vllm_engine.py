@@ -248,16 +248,3 @@ def hit_temperature() -> list[Patch]:
         return _sample
 
     return [step_hook(before), (GPUModelRunner, "_sample", make)]
-
-
-HOOKS: dict[str, Callable[[], list[Patch]]] = {
-    "vllm-hit-ulp": hit_ulp,
-    "vllm-aligned-stale": aligned_stale,
-    "vllm-hash-truncated": hash_truncated,
-    "vllm-stale-slot": stale_slot,
-    "vllm-tail-position": tail_position,
-    "vllm-concurrent-race": concurrent_race,
-    "vllm-evict-stale-hash": evict_stale_hash,
-    "vllm-second-hit-lossy": second_hit_lossy,
-    "vllm-hit-temperature": hit_temperature,
-}

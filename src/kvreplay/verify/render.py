@@ -29,7 +29,12 @@ def sentence(verdict: Verdict) -> str:
     level = verdict.expectation.level
     word = "HOLDS" if verdict.holds else "FAILS"
     where = {"tokens": " at token level", "bits": " bitwise"}.get(level, "")
-    head = f"{word}{where} ({verdict.expectation.describe()}): "
+    planted = f" with the fault {verdict.planted_fault} planted" if verdict.planted_fault else ""
+    expected = verdict.expectation.describe()
+    battery = verdict.shapes
+    if battery is not None and level == "tokens":
+        where, expected = " at the measured level", "every request shape's hit as its miss"
+    head = f"{word}{where} ({expected}){planted}: "
     if not verdict.reached:
         return head + "no item reached its boundary, so nothing was compared."
     if verdict.broken:
@@ -51,11 +56,45 @@ def sentence(verdict: Verdict) -> str:
     )
     if verdict.certificate is not None:
         return head + verdict.certificate["sentence"] + uncached + "; " + _bits_clause(verdict)
+    if battery is not None:
+        return head + _battery_clause(verdict, battery) + uncached + _stop_clause(verdict) + "."
     if level == "bits":
         body = _bits_clause(verdict, leading=True) + "; at token level " + _tokens_clause(verdict)
     else:
         body = _tokens_clause(verdict) + "; " + _bits_clause(verdict)
     return head + body + uncached + _stop_clause(verdict) + "."
+
+
+def _battery_clause(verdict: Verdict, shapes: dict[str, Any]) -> str:
+    """What the battery's shapes found: the first that parted hit from miss, or that
+    none did, at which levels, over how many items, and which shapes did not run."""
+    parted = verdict.divergent
+    if parted:
+        first = parted[0]
+        shape = next(s for s in first.shapes or [] if s["detected"])
+        return (
+            f"the hit after the {shape['shape']} shape parted from its miss on item "
+            f"{first.item_id} ({first.precision}): {shape['why']}, compared {_at(shape['level'])}"
+            f"; {len(parted)} of {len(verdict.judged)} item(s) parted"
+        )
+    levels = ", ".join(
+        f"{', '.join(names)} {_at(level)}" for level, names in shapes["levels"].items()
+    )
+    unexercised = shapes["unexercised"]
+    skipped = (
+        "; not exercised: " + "; ".join(f"{name} ({why})" for name, why in unexercised.items())
+        if unexercised
+        else ""
+    )
+    return (
+        f"no hit parted from its miss in {len(shapes['ran'])} request shape(s) on "
+        f"{len(verdict.judged)} item(s) in {', '.join(shapes['precisions'])}, compared {levels}"
+        f"{shapes['measured']}{skipped}" + _power(verdict, "tokens")
+    )
+
+
+def _at(level: str) -> str:
+    return {"bits": "bit for bit at the reported log-probabilities", "tokens": "at tokens"}[level]
 
 
 def _tokens_clause(verdict: Verdict) -> str:
@@ -166,6 +205,8 @@ def to_json(verdict: Verdict) -> dict[str, Any]:
         "certificate": verdict.certificate,
         "environment": verdict.environment,
         "traffic": verdict.traffic,
+        "planted_fault": verdict.planted_fault,
+        "shapes": verdict.shapes,
     }
 
 
