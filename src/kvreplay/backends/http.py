@@ -257,6 +257,10 @@ class HttpServed:
     def reset_cache(self) -> None:
         self.adapter.reset()
 
+    @property
+    def salts(self) -> bool:
+        return self.adapter.salts
+
     def pool_tokens(self) -> int | None:
         return self.adapter.pool_tokens()
 

@@ -39,6 +39,7 @@ class LlamaServer:
     rather than the whole arm served again."""
 
     name: ClassVar[str] = "llamacpp"
+    salts: ClassVar[bool] = False  # a slot keeps no salt: requests on it share its prefix
 
     def __init__(self, client: Client) -> None:
         self.client = client

@@ -34,6 +34,7 @@ class Request:
     stage: Stage
     sampler: Sampler
     opener: tuple[int, ...] = ()  # recorded in the segment
+    salt: str | None = None  # the request's cache_salt: only requests of one salt share blocks
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ServedModel(Protocol):
     restores: bool  # whether round_trip works: the hit's replica is then a restored state
     block_size: int  # tokens per cached block (1: the engine reuses any common prefix)
     vocabulary: int  # token ids the model has
+    salts: bool  # whether a request's salt keeps its cached blocks from other salts'
 
     def reset_cache(self) -> None:
         """Drop every prefix-cache block, so that the next request is a miss."""

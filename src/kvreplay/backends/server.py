@@ -328,6 +328,7 @@ class ServerAdapter(Protocol):
     loaded back."""
 
     name: ClassVar[str]
+    salts: ClassVar[bool]  # a request's cache_salt keeps its cached blocks apart
     client: Client
 
     def __init__(self, client: Client) -> None: ...

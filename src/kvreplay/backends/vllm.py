@@ -231,6 +231,7 @@ class VllmServed:
     block_size: int
     counts_preemptions: bool  # the engine keeps its statistics (a --kv-blocks pool)
     restores = False  # vLLM's engine cannot save and load back one sequence's blocks
+    salts = True  # a request's cache_salt enters its first block's hash
 
     def reset_cache(self) -> None:
         """Drop every prefix-cache block, so that the next request is a miss."""
@@ -276,7 +277,10 @@ class VllmServed:
             )
             for r in requests
         ]
-        prompts = [{"prompt_token_ids": list(r.context)} for r in requests]
+        prompts = [
+            {"prompt_token_ids": list(r.context), **({"cache_salt": r.salt} if r.salt else {})}
+            for r in requests
+        ]
         try:
             outputs = self.engine.generate(prompts, params, use_tqdm=False)
         except Exception as exc:  # noqa: BLE001 - the engine's kernels raise many kinds

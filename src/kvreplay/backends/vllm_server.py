@@ -49,6 +49,7 @@ class VllmServer:
     """vLLM's OpenAI-compatible server (``vllm serve``)."""
 
     name: ClassVar[str] = "vllm"
+    salts: ClassVar[bool] = True  # /v1/completions takes cache_salt
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -143,6 +144,8 @@ class VllmServer:
         }
         if not sampler.greedy:
             body["seed"] = sampler.seed
+        if request.salt:
+            body["cache_salt"] = request.salt
         answer = self.client.ok("POST", "/v1/completions", body, answer_limit(cap))
         choices = answer["choices"].list()
         if not choices:

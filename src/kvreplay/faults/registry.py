@@ -124,6 +124,69 @@ FAULTS: tuple[Fault, ...] = (
         "a hit sampled at temperature > 0",
     ),
     Fault(
+        "vllm-hit-before-write",
+        "vllm_engine:hit_before_write",
+        "vllm",
+        "vLLM PR #38715: a prefix-cache block hit before its K/V is written",
+        "model runner, after a step in which a hit reads blocks another request of the "
+        "same step writes: those blocks put back to what they held before the step",
+        "a hit scheduled in the same step as the request that writes its blocks",
+    ),
+    Fault(
+        "vllm-evict-before-pin",
+        "vllm_engine:evict_before_pin",
+        "vllm",
+        "vLLM PR #37164: a cached block evicted between the lookup and the pin",
+        "scheduler, KVCacheManager.allocate_slots: a found block still at the head of the "
+        "free queue is handed out again as one of the request's new blocks",
+        "a hit on blocks that are the next the free queue hands out",
+    ),
+    Fault(
+        "vllm-hash-drops-salt",
+        "vllm_engine:hash_drops_salt",
+        "vllm",
+        "vLLM GHSA-rm76-4mrf-v9r8, #44701, PR #42495: an extra key (cache_salt, LoRA id, "
+        "multimodal hash) dropped from the block hash",
+        "scheduler, kv_cache_utils.generate_block_hash_extra_keys: the cache_salt key dropped",
+        "prompts that agree but carry different cache_salt values",
+    ),
+    Fault(
+        "vllm-one-block-prefix",
+        "vllm_engine:one_block_prefix",
+        "vllm",
+        "SGLang #22819: KV corruption when the cached prefix is exactly one block",
+        "model runner, before the forward of a hit that reads exactly one block: that "
+        "block's K/V rounded to 8-bit floats (e4m3)",
+        "a hit whose cached prefix is exactly one block long",
+    ),
+    Fault(
+        "vllm-logprobs-stale",
+        "vllm_engine:logprobs_stale",
+        "vllm",
+        "vLLM PR #42245: a logprobs buffer not cleared between requests",
+        "model runner, _sample: a request that starts on a hit reports, at its first step, "
+        "the logprobs its batch row held the step before (its tokens unchanged)",
+        "the first step of every prefix-cache hit",
+    ),
+    Fault(
+        "vllm-reset-keeps-table",
+        "vllm_engine:reset_keeps_table",
+        "vllm",
+        "a phantom hit after the pool was fully evicted: a reset that leaves the prefix "
+        "table in place",
+        "scheduler, BlockPool.reset_prefix_cache: reports success and keeps every hash",
+        "every request after a reset whose prefix was cached before it",
+    ),
+    Fault(
+        "vllm-resume-position",
+        "vllm_engine:resume_position",
+        "vllm",
+        "vLLM's recompute after preemption: a resumed request's positions off by one",
+        "model runner, _prepare_inputs of a resumed request's step: its recomputed tokens' "
+        "positions shifted by one",
+        "a request preempted and resumed (a pool too small for the batch)",
+    ),
+    Fault(
         "llamacpp-restore-perturbed",
         "llamacpp_engine:restore_perturbed",
         "llamacpp",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kvreplay.core.comparison import first_divergence
 from kvreplay.core.trajectory import numeric_divergence
-from kvreplay.experiments.battery.outcome import is_battery, shape_outcomes
+from kvreplay.experiments.battery.outcome import calibration, is_battery, shape_outcomes
 from kvreplay.harness.experiment import Experiment
 from kvreplay.ledger import Record
 
@@ -155,10 +155,13 @@ def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome
 
 def _battery(row: PanelRow) -> ItemOutcome:
     """A battery row at both levels: tokens part where any shape's hit and miss part
-    (or read other cached tokens than they should), bits where any shape's numerics
-    part; it diverges where a shape parts at the shape's own level."""
+    (or read other cached tokens than they should, the calibration misses included),
+    bits where any shape's numerics part; it diverges where a shape parts at the shape's
+    own level. Its replicas hold when the calibration misses agree bit for bit."""
     shapes = [s for s in shape_outcomes(row) if s.ran and s.exercised is not False]
     pairs = [(s.hit, s.miss) for s in shapes]
+    deterministic, phantom = calibration(row)
+    reset = (RESET,) if phantom else ()
     parted = [s for s in shapes if not s.tokens_equal or not s.cache_as_written]
     first = next((s for s in shapes if s.detected), parted[0] if parted else None)
     steps = [s.first_step for s in shapes if not s.bits_equal and s.first_step is not None]
@@ -166,8 +169,8 @@ def _battery(row: PanelRow) -> ItemOutcome:
         item_id=row.item_id,
         precision=row.precision,
         reached=True,
-        replicas_ok=row.replicas_exact,
-        suffix_differs=bool(parted),
+        replicas_ok=deterministic,
+        suffix_differs=bool(parted) or bool(reset),
         answer_differs=any(a.answer != b.answer for a, b in pairs),  # type: ignore[union-attr]
         label_flips=any(a.correct != b.correct for a, b in pairs),  # type: ignore[union-attr]
         first_divergence=first.first_step if first is not None else None,
@@ -175,6 +178,18 @@ def _battery(row: PanelRow) -> ItemOutcome:
         logits_equal=all(a.logits_fingerprint == b.logits_fingerprint for a, b in pairs),  # type: ignore[union-attr]
         numerics_recorded=True,
         numeric_divergence=min(steps) if steps else None,
-        detected=tuple(s.shape for s in shapes if s.detected),
-        shapes=[s.to_json() for s in shape_outcomes(row)],
+        detected=reset + tuple(s.shape for s in shapes if s.detected),
+        shapes=[*_reset(phantom), *(s.to_json() for s in shape_outcomes(row))],
     )
+
+
+RESET = "reset"
+"""A battery's calibration as a shape: a miss after a reset that read cached tokens."""
+
+
+def _reset(phantom: int) -> list[dict[str, Any]]:
+    """The calibration where it detected a phantom hit (a verdict names it as a shape)."""
+    if not phantom:
+        return []
+    why = f"a miss read {phantom} cached tokens after a reset"
+    return [{"shape": RESET, "level": "tokens", "exercised": True, "detected": True, "why": why}]

@@ -73,9 +73,9 @@ def _battery_clause(verdict: Verdict, shapes: dict[str, Any]) -> str:
         first = parted[0]
         shape = next(s for s in first.shapes or [] if s["detected"])
         return (
-            f"the hit after the {shape['shape']} shape parted from its miss on item "
-            f"{first.item_id} ({first.precision}): {shape['why']}, compared {_at(shape['level'])}"
-            f"; {len(parted)} of {len(verdict.judged)} item(s) parted"
+            f"the {shape['shape']} shape parted hit from miss on item {first.item_id} "
+            f"({first.precision}): {shape['why']}, compared {_at(shape['level'])}; "
+            f"{len(parted)} of {len(verdict.judged)} item(s) parted"
         )
     levels = ", ".join(
         f"{', '.join(names)} {_at(level)}" for level, names in shapes["levels"].items()

@@ -29,7 +29,14 @@ from kvreplay.core.items import Item
 from kvreplay.core.options import option
 from kvreplay.core.scoring import score
 from kvreplay.core.trajectory import Trajectory
-from kvreplay.experiments.battery.outcome import FIELD, Level, ShapeOutcome, live_arm, miss_arm
+from kvreplay.experiments.battery.outcome import (
+    CALIBRATION,
+    FIELD,
+    Level,
+    ShapeOutcome,
+    live_arm,
+    miss_arm,
+)
 from kvreplay.experiments.battery.shapes import SHAPES, Lab, ShapeRun
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Panel
@@ -45,8 +52,6 @@ if TYPE_CHECKING:
     from kvreplay.backends.served import Reply, ServedModel
 
 LEVELS = ("measured", "bits", "tokens")
-CALIBRATION = "miss"
-"""The arm of P's first miss; its replica, served the same way, calibrates the row."""
 
 MEASURED: dict[tuple[str, str], str] = {
     ("vllm", "fp32"): "vLLM's CPU engine, whose clean hit and miss agree bit for bit there "

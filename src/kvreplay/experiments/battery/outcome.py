@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvreplay.core.trajectory import numeric_divergence
-from kvreplay.harness.rows import ArmResult, PanelRow
+from kvreplay.harness.rows import ArmResult, PanelRow, replica_name
 
 Level = Literal["bits", "tokens"]
 """Where a shape is compared: ``bits`` (tokens and every step's reported top-k
@@ -20,6 +20,12 @@ FIELD = "battery"
 """The row field that records the battery: its compared pair (the first shape that ran)
 and each shape's level, whether its history happened and what it did, in the order the
 shapes ran."""
+
+
+CALIBRATION = "miss"
+"""The arm of P's first miss; its replica, served the same way, calibrates the row: the
+two must agree bit for bit (else the stack is not deterministic) and neither may read a
+cached token (after a reset, a lookup that hits is a phantom)."""
 
 
 def miss_arm(shape: str) -> str:
@@ -147,6 +153,16 @@ class ShapeOutcome:
 
 def _cached(arm: ArmResult | None) -> int | None:
     return arm.served.cached_tokens[0] if arm is not None and arm.served is not None else None
+
+
+def calibration(row: PanelRow) -> tuple[bool, int]:
+    """Whether the calibration misses agree bit for bit, and the most cached tokens
+    either read after its reset (0 on a sound engine)."""
+    first, again = row.arms[CALIBRATION], row.arms[replica_name(CALIBRATION)]
+    agree = first.suffix_sha256 == again.suffix_sha256 and not (
+        numeric_divergence(first.suffix, again.suffix).parts
+    )
+    return agree, max(_cached(first) or 0, _cached(again) or 0)
 
 
 def shape_outcomes(row: PanelRow) -> list[ShapeOutcome]:

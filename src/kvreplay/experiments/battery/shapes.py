@@ -91,13 +91,15 @@ class Lab:
     def block(self) -> int:
         return self.served.block_size
 
-    def serve(self, *prompts: list[int], sampler: Sampler | None = None) -> Reply:
-        """The first prompt's continuation, served together with the others."""
+    def serve(self, *prompts: list[int], sampler: Sampler | None = None, salt: str | None = None,
+              at: int = 0) -> Reply:  # fmt: skip
+        """The continuation of prompt ``at``, served together with the others."""
         from kvreplay.backends.served import Request
 
         stage = Stage("battery", NEW_TOKENS)
         chosen = sampler or Sampler()
-        return self.served.serve([Request(list(p), stage, chosen) for p in prompts])[0]
+        requests = [Request(list(p), stage, chosen, salt=salt) for p in prompts]
+        return self.served.serve(requests)[at]
 
     def miss(self, prompt: list[int], sampler: Sampler | None = None) -> Reply:
         self.served.reset_cache()
@@ -108,12 +110,13 @@ class Lab:
         self.served.reset_cache()
         self.prefill(prompt)
 
-    def prefill(self, *prompts: list[int]) -> None:
+    def prefill(self, *prompts: list[int], salt: str | None = None) -> None:
         """A one-token request for each prompt, served together: their blocks written by
         a prefill and held at once."""
         from kvreplay.backends.served import Request
 
-        self.served.serve([Request(list(p), Stage("prefill", 1), Sampler()) for p in prompts])
+        stage, sampler = Stage("prefill", 1), Sampler()
+        self.served.serve([Request(list(p), stage, sampler, salt=salt) for p in prompts])
 
     def unrelated(self, length: int, salt: str) -> list[int]:
         """Seeded random token ids (the ids the engine serves, never P's)."""
@@ -198,6 +201,45 @@ def companion(lab: Lab) -> ShapeRun:
     probe = lab.serve(lab.p)
     return ShapeRun("companion", "bits", True, reference, probe, lab.hit(cut),
                     prompt_tokens=len(lab.p))  # fmt: skip
+
+
+def one_block(lab: Lab) -> ShapeRun:
+    """P's first block alone cached (a one-token prefill of one block and a token), then
+    P: a hit whose cached prefix is exactly one block."""
+    if lab.block == 1 or len(lab.p) <= lab.block:
+        why = "the engine caches token by token" if lab.block == 1 else "P is one block or less"
+        return skipped("one-block", why)
+    reference = lab.miss(lab.p)
+    lab.warm(lab.p[: lab.block + 1])
+    probe = lab.serve(lab.p)
+    return ShapeRun("one-block", "bits", True, reference, probe, lab.hit(lab.block),
+                    prompt_tokens=len(lab.p))  # fmt: skip
+
+
+def twin(lab: Lab) -> ShapeRun:
+    """P twice in one batch from a reset cache whose blocks last held unrelated prompts:
+    the second hits the blocks the first writes in the same step (tokens only: a batch
+    of two)."""
+    reference = lab.miss(lab.p)
+    pool = lab.pool_blocks()
+    churn = lab.fillers(pool, "twin") if pool is not None else None
+    if churn is not None:
+        lab.prefill(*churn)
+    lab.served.reset_cache()
+    probe = lab.serve(lab.p, lab.p, at=1)
+    expected = lab.hit(len(lab.p) - 1)
+    return ShapeRun("twin", "tokens", True, reference, probe, expected, prompt_tokens=len(lab.p))
+
+
+def salted(lab: Lab) -> ShapeRun:
+    """P cached under one cache salt, then served under another: it must share nothing."""
+    if not lab.served.salts:
+        return skipped("salted", "the engine takes no cache salt")
+    reference = lab.miss(lab.p)
+    lab.served.reset_cache()
+    lab.prefill(lab.p, salt=f"{lab.seed}:a")
+    probe = lab.serve(lab.p, salt=f"{lab.seed}:b")
+    return ShapeRun("salted", "bits", True, reference, probe, 0, prompt_tokens=len(lab.p))
 
 
 def concurrent(lab: Lab) -> ShapeRun:
@@ -297,9 +339,12 @@ def at_cut(live: Reply, at: int) -> Reply:
 SHAPES: dict[str, Callable[[Lab], ShapeRun]] = {
     "warm": warm,
     "aligned": aligned,
+    "one-block": one_block,
     "second": second,
     "interloper": interloper,
     "companion": companion,
+    "salted": salted,
+    "twin": twin,
     "concurrent": concurrent,
     "sampled": sampled,
     "cut": cut,
