@@ -288,6 +288,7 @@ def _check_options() -> list[click.Option]:
     """A check's options: the shared ones with the check's own defaults, what must hold
     and where the verdict goes, and the options of the experiment it runs greedily."""
     from kvreplay.run.check import (
+        BATTERY_ITEMS,
         CHECK_DEFAULTS,
         DEFAULT_ITEMS,
         DTYPES_HELP,
@@ -297,7 +298,8 @@ def _check_options() -> list[click.Option]:
     from kvreplay.run.request import RunOptions
 
     shared = {s.name for s in every(RunOptions)}
-    helps = {"n": f"How many items (default {DEFAULT_ITEMS}; --max-rate sets it).",
+    helps = {"n": f"How many items (default {DEFAULT_ITEMS}; a battery {BATTERY_ITEMS}; "
+                  "--max-rate sets it).",
              "dtypes": DTYPES_HELP}  # fmt: skip
     checks = [click_option(s) for s in every(CheckRequest) if s.name not in shared]
     return [

@@ -36,6 +36,7 @@ from kvreplay.verify.render import SCHEMA, junit, screen, to_json
 from kvreplay.verify.verdict import StopRule, Verdict, judge
 
 DEFAULT_ITEMS = 4  # items a check runs without --n or --max-rate
+BATTERY_ITEMS = 1  # a battery's items without --n: every shape of one item, a minute cold
 DEFAULT_SAMPLES = 8  # seeded samples per item at temperature > 0
 USER_PRECISION = "bf16"  # what a check compares at without --dtypes, but for a battery
 # The shared run options whose default a check sets otherwise than a run: the precision
@@ -195,7 +196,7 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     if name == BATTERY:
         request = replace(request, backend=request.backend.for_battery())
     request = replace(request, dtypes=precisions(request, name))
-    n = _item_count(request, expectation)
+    n = _item_count(request, expectation, BATTERY_ITEMS if name == BATTERY else DEFAULT_ITEMS)
     out = request.out or default_out(request)
     repro = request.repro or out.with_name(out.name + ".repro")
     check_outputs(out, request.json_path, request.junit_path, repro)
@@ -299,15 +300,15 @@ def check_own_options() -> dict[str, Declared]:
     }
 
 
-def _item_count(request: CheckRequest, expectation: Expectation) -> int:
-    """How many items the check runs: ``--n`` (:data:`DEFAULT_ITEMS` by default), or under
+def _item_count(request: CheckRequest, expectation: Expectation, default: int) -> int:
+    """How many items the check runs: ``--n`` (``default`` if not given), or under
     ``--max-rate`` as many as a pass needs to bound the rate under it, which the item set
     must hold."""
     from kvreplay.core.items import load_items
 
     needed = expectation.items_needed()
     if needed is None:
-        return request.n if request.n is not None else DEFAULT_ITEMS
+        return request.n if request.n is not None else default
     if request.n is not None:
         raise KvreplayError(
             f"--max-rate {expectation.max_rate:g} sets how many items run ({needed}); "
@@ -334,4 +335,11 @@ def _check_numerics(backend: Any, expectation: Expectation) -> None:
         )
 
 
-__all__ = ["CHECK_DEFAULTS", "DEFAULT_ITEMS", "SCHEMA", "CheckRequest", "run_check"]
+__all__ = [
+    "BATTERY_ITEMS",
+    "CHECK_DEFAULTS",
+    "DEFAULT_ITEMS",
+    "SCHEMA",
+    "CheckRequest",
+    "run_check",
+]

@@ -75,7 +75,7 @@ def _battery_clause(verdict: Verdict, shapes: dict[str, Any]) -> str:
         return (
             f"the {shape['shape']} shape parted hit from miss on item {first.item_id} "
             f"({first.precision}): {shape['why']}, compared {_at(shape['level'])}; "
-            f"{len(parted)} of {len(verdict.judged)} item(s) parted"
+            f"{len(parted)} of {len(verdict.judged)} item(s) parted{_live(shapes)}"
         )
     levels = ", ".join(
         f"{', '.join(names)} {_at(level)}" for level, names in shapes["levels"].items()
@@ -89,7 +89,19 @@ def _battery_clause(verdict: Verdict, shapes: dict[str, Any]) -> str:
     return (
         f"no hit parted from its miss in {len(shapes['ran'])} request shape(s) on "
         f"{len(verdict.judged)} item(s) in {', '.join(shapes['precisions'])}, compared {levels}"
-        f"{shapes['measured']}{skipped}" + _power(verdict, "tokens")
+        f"{shapes['measured']}{skipped}" + _power(verdict, "tokens") + _live(shapes)
+    )
+
+
+def _live(shapes: dict[str, Any]) -> str:
+    """The paper's question beside the battery: live decode vs a prefill of its tokens."""
+    live = shapes["live"]
+    if not live["items"]:
+        return ""
+    return (
+        f"; beside it, the paper's question (the hit at a random cut of a greedy "
+        f"continuation vs the live decode it cut): bit-equal on {live['equal']} of "
+        f"{live['items']} item(s)"
     )
 
 

@@ -149,8 +149,9 @@ class Verdict:
     @property
     def shapes(self) -> dict[str, Any] | None:
         """A battery's shapes over its items (None: not a battery): those that ran, by
-        the level each was compared at, those never exercised and why, and where the
-        level was measured."""
+        the level each was compared at, those never exercised and why, where the level
+        was measured, and beside them the paper's question (``live``: on how many items
+        the hit at a random cut continued as the live decode it cut, bit for bit)."""
         rows = [o for o in self.reached if o.shapes is not None]
         if not rows:
             return None
@@ -168,8 +169,10 @@ class Verdict:
         backend = self.environment.get("backend") or {}
         engine = str(backend.get("server", backend.get("name", "")))
         measured = [MEASURED[(engine, p)] for p in precisions if (engine, p) in MEASURED]
+        live = [s["live_equal"] for s in seen if s.get("live_equal") is not None]
         return {
             "ran": names,
+            "live": {"items": len(live), "equal": sum(live)},
             "levels": levels,
             "unexercised": unexercised,
             "precisions": precisions,

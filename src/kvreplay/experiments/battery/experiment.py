@@ -196,6 +196,7 @@ class Battery(Experiment):
         bench = _Bench(worker, served, unit)
         with clock.model():
             first, again = lab.miss(p), lab.miss(p)
+        lab.reference = first
         arms = {CALIBRATION: bench.arm(first, "cache-miss", len(p)),
                 replica_name(CALIBRATION): bench.arm(again, "cache-miss", len(p))}  # fmt: skip
         shapes: list[dict[str, Any]] = []

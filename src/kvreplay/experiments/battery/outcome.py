@@ -146,6 +146,7 @@ class ShapeOutcome:
             "expected_cached_tokens": self.expected_cached,
             "miss_cached_tokens": self.miss_cached,
             "first_divergent_step": self.first_step,
+            "live_equal": self.live_equal,
             "note": self.note,
             **({"why": self.why()} if self.detected else {}),
         }
