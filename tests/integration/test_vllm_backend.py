@@ -249,7 +249,7 @@ def test_check_on_the_vllm_backend_compares_a_hit_with_a_miss(tmp_path: Path) ->
     the check's run folder audited."""
     import jsonschema
 
-    schema = json.loads((Path(__file__).resolve().parents[2] / "docs" / "check-v3.schema.json")
+    schema = json.loads((Path(__file__).resolve().parents[2] / "docs" / "check-v4.schema.json")
                         .read_text())  # fmt: skip
     model = save_tiny(tmp_path / "model", "served_qwen2")
     result = invoke("check", "--model", model, "--n", 2, "--plan", "short", "--backend", "vllm",

@@ -21,12 +21,25 @@ holds the plugin folder; no run folder, manifest or item file can set it."""
 
 Engine = Literal["vllm", "llamacpp", "hf"]
 
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "bitwise": ("--expect", "bitwise"),
+    "fragile": ("--select", "fragile"),
+    "traffic": ("--traffic", "2"),
+    "max-rate": ("--max-rate", "0.05"),
+    "sampled": ("--temperature", "0.7"),
+}
+"""The check options the detection table measures, by name: the words each adds to
+``kvreplay check`` (``history`` is a run of the history experiment on a server)."""
+
 
 @dataclass(frozen=True)
 class Fault:
     """One planted defect: ``hook`` is the function (``module:function`` under
     :mod:`kvreplay.faults`) that returns its patches, ``shaped_like`` names the real bug,
-    ``path`` the engine code it hooks, ``fires`` when it changes anything."""
+    ``path`` the engine code it hooks, ``fires`` when it changes anything, ``caught_by``
+    the check option that catches it on the engine's tiny test model (the tests plant
+    each fault and hold the check to it): ``default``, or a key of :data:`OPTIONS`."""
 
     name: str
     hook: str
@@ -34,6 +47,7 @@ class Fault:
     shaped_like: str
     path: str
     fires: str
+    caught_by: str = "default"  # the check option that catches it (its tests hold it to that)
 
     def patches(self) -> list[Patch]:
         """The fault's patches, made by its hook (importing its engine)."""
@@ -212,6 +226,7 @@ FAULTS: tuple[Fault, ...] = (
         "llama_get_logits_ith after a multi-token llama_decode (the prefill path): the "
         "largest logit moved up one unit in the last place (no token can change)",
         "every prefill chunk of more than one token",
+        caught_by="bitwise",
     ),
     Fault(
         "hf-lossy-cache",

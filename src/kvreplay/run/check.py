@@ -45,8 +45,8 @@ CHECK_DEFAULTS: dict[str, Any] = {"dtypes": None}
 BATTERY_TAKES = ("shapes",)  # the battery's own options a check takes
 DTYPES_HELP = (
     "Comma-separated precisions: fp32, bf16, fp16 (llamacpp: KV-cache types, also q8_0). "
-    f"Default: {USER_PRECISION}; for a battery (a backend with a prefix cache), the "
-    "precision its clean engine is measured exact at (fp32 on vLLM; a server's own)."
+    f"Default: a server's own; else for a battery (a backend with a prefix cache) the "
+    f"precision its clean engine is measured exact at (fp32 on vLLM); else {USER_PRECISION}."
 )
 
 
@@ -262,19 +262,18 @@ def _experiment(request: CheckRequest, expectation: Expectation) -> tuple[str, d
 
 
 def precisions(request: CheckRequest, experiment: str) -> tuple[str, ...]:
-    """The precisions a check compares at: ``--dtypes``, else the battery's (where its
-    clean engine is measured exact: a server's own, vLLM's fp32), else the user's."""
+    """The precisions a check compares at: ``--dtypes``, else a server's own, else the
+    battery's (where its clean engine is measured exact: vLLM's fp32), else the user's."""
     if request.dtypes:
         return request.dtypes
-    if experiment != BATTERY:
-        return (USER_PRECISION,)
-    from kvreplay.experiments.battery.experiment import MEASURED, engine_of
-
     probe = getattr(request.backend, "probe", None)
     served = probe.identity["settings"].get("dtype") if probe is not None else None
-    engine = engine_of(request.backend)
-    measured = [p for e, p in MEASURED if e == engine]
-    return (served or (measured[0] if measured else USER_PRECISION),)
+    if served is not None or experiment != BATTERY:
+        return (served or USER_PRECISION,)
+    from kvreplay.experiments.battery.experiment import MEASURED, engine_of
+
+    measured = [p for e, p in MEASURED if e == engine_of(request.backend)]
+    return (measured[0] if measured else USER_PRECISION,)
 
 
 def default_out(request: RunOptions) -> Path:

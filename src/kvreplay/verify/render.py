@@ -1,5 +1,5 @@
 """A verdict said: the sentence every check and run ends with, the JSON (schema
-``kvreplay-check-v3``; v1 and v2 stay readable through :func:`read_json`), JUnit XML and
+``kvreplay-check-v4``; v1 to v3 stay readable through :func:`read_json`), JUnit XML and
 the one-screen report. Each reads a :class:`~kvreplay.verify.verdict.Verdict` and
 judges nothing itself."""
 
@@ -18,8 +18,8 @@ from kvreplay.verify.expectation import DEFAULT_MARGIN
 from kvreplay.verify.outcome import ItemOutcome
 from kvreplay.verify.verdict import Verdict, run_verdicts
 
-SCHEMA = "kvreplay-check-v3"
-READABLE = ("kvreplay-check-v1", "kvreplay-check-v2", SCHEMA)
+SCHEMA = "kvreplay-check-v4"  # v4: the planted fault and a battery's shapes
+READABLE = ("kvreplay-check-v1", "kvreplay-check-v2", "kvreplay-check-v3", SCHEMA)
 NEAR_TIE = 0.5  # top-1/top-2 margin under which a divergence counts as a near-tie
 
 
@@ -349,7 +349,7 @@ def read_json(data: Any) -> VerdictRecord:
         raise KvreplayError(
             f"Not a kvreplay verdict (schema {schema!r}; readable: {', '.join(READABLE)})."
         )
-    if data["schema"] != "kvreplay-check-v1":  # v2 and v3 have both levels
+    if data["schema"] != "kvreplay-check-v1":  # v2 and later have both levels
         levels = data["levels"]
     else:
         counts = data["counts"]

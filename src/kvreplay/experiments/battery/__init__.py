@@ -1,10 +1,12 @@
 """The battery experiment, one package (design: request shape, battery, comparison
 level): the request shapes (``shapes``), a shape read back from its row (``outcome``),
-its run (``experiment``) and its CSV (``table``), declared here and registered by one
-line in :mod:`kvreplay.experiments.registry`. It is a serving engine's experiment: its
-arms are served requests, so its class and its served class are the same. A check on a
-backend with a prefix cache runs it by default (its check role, ``gate``)."""
+its run (``experiment``), its CSV (``table``) and its section (``section``), declared
+here and registered by one line in :mod:`kvreplay.experiments.registry`. It is a serving
+engine's experiment: its arms are served requests, so its class and its served class are
+the same. A check on a backend with a prefix cache runs it by default (its check role,
+``gate``)."""
 
+from kvreplay.experiments.battery.section import SECTION
 from kvreplay.experiments.battery.table import BATTERY, BATTERY_TABLE
 from kvreplay.harness.declaration import Declaration
 
@@ -19,6 +21,7 @@ DECLARATION = Declaration(
     served=f"{__name__}.experiment:Battery",
     served_table=BATTERY_TABLE,
     options=f"{__name__}.experiment:BatteryOptions",
+    section=SECTION,
     capability="cache_control",
     check="gate",
     judged=True,

@@ -59,10 +59,8 @@ COLUMNS: tuple[Column[ShapeLine], ...] = (
     Column("bits_equal", "bool", get=lambda x: x.shape.bits_equal),
     Column("detected", "bool", get=lambda x: x.shape.detected),
     Column("first_divergent_step", "optional_int", get=lambda x: x.shape.first_step),
-    *written(
-        Column("live_equal", "optional_bool", get=lambda x: x.shape.live_equal),
-        Column("note", "optional_text", get=lambda x: x.shape.note),
-    ),
+    Column("live_equal", "optional_bool", use="optional", get=lambda x: x.shape.live_equal),
+    *written(Column("note", "optional_text", get=lambda x: x.shape.note)),
 )
 
 BATTERY_TABLE = Table(
