@@ -107,21 +107,31 @@ def hit_ulp() -> list[Patch]:
     return [step_hook(before)]
 
 
-def aligned_stale() -> list[Patch]:
+def write_lost(blocks: Callable[[Any, Any], list[int]]) -> Patch:
+    """A step hook that puts ``blocks(runner, scheduler_output)`` back, once the step
+    ran, to what they held before it: the step's writes to them lost."""
+
     def before(runner: Any, output: Any) -> list[tuple[int, list[torch.Tensor]]]:
-        size, kept = block_size(runner), []
-        for hit in new_hits(output):
-            if hit.prompt % size == 0 and hit.cached == hit.prompt - size:
-                block = hit.blocks[hit.cached // size]
-                kept.append((block, [cache[block].clone() for cache in caches(runner)]))
-        return kept
+        return [(b, [cache[b].clone() for cache in caches(runner)]) for b in blocks(runner, output)]
 
     def after(runner: Any, output: Any, kept: list[tuple[int, list[torch.Tensor]]]) -> None:
         for block, old in kept:
             for cache, saved in zip(caches(runner), old, strict=True):
                 cache[block].copy_(saved)
 
-    return [step_hook(before, after)]
+    return step_hook(before, after)
+
+
+def aligned_stale() -> list[Patch]:
+    def recomputed(runner: Any, output: Any) -> list[int]:
+        size = block_size(runner)
+        return [
+            hit.blocks[hit.cached // size]
+            for hit in new_hits(output)
+            if hit.prompt % size == 0 and hit.cached == hit.prompt - size
+        ]
+
+    return [write_lost(recomputed)]
 
 
 def hash_truncated() -> list[Patch]:
@@ -255,25 +265,21 @@ def hit_before_write() -> list[Patch]:
     blocks hold what they held before it (the hit read them before the write landed,
     and the write is lost to every later step)."""
 
-    def before(runner: Any, output: Any) -> list[tuple[int, list[torch.Tensor]]]:
-        size, kept = block_size(runner), []
+    def read_while_written(runner: Any, output: Any) -> list[int]:
+        size = block_size(runner)
         writing = {
             block
             for r in output.scheduled_new_reqs
             for block in r.block_ids[0][r.num_computed_tokens // size :]
         }
-        for hit in new_hits(output):
-            for block in hit.blocks[: hit.cached // size]:
-                if block in writing:
-                    kept.append((block, [cache[block].clone() for cache in caches(runner)]))
-        return kept
+        return [
+            block
+            for hit in new_hits(output)
+            for block in hit.blocks[: hit.cached // size]
+            if block in writing
+        ]
 
-    def after(runner: Any, output: Any, kept: list[tuple[int, list[torch.Tensor]]]) -> None:
-        for block, old in kept:
-            for cache, saved in zip(caches(runner), old, strict=True):
-                cache[block].copy_(saved)
-
-    return [step_hook(before, after)]
+    return [write_lost(read_while_written)]
 
 
 def evict_before_pin() -> list[Patch]:

@@ -38,7 +38,7 @@ from kvreplay.experiments.battery.outcome import (
     miss_arm,
 )
 from kvreplay.experiments.battery.shapes import SHAPES, Lab, ShapeRun
-from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.experiment import Experiment, derived_units, planned_keys
 from kvreplay.harness.panel import Panel
 from kvreplay.harness.prefixes import prompt_ids
 from kvreplay.harness.rows import ArmResult, PanelRow, ReplicaGate, ServedReport, replica_name
@@ -161,14 +161,7 @@ class Battery(Experiment):
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        items = {item.id: item for item in selection.items}
-        derived = self.derived_inputs(self.config(scope, selection), scope.config, items)
-        return [
-            Unit(key, item, dtype, derived[str(key)])
-            for dtype in scope.dtypes
-            for item in selection.items
-            if (key := UnitKey(self.name, item.id, dtype))
-        ]
+        return derived_units(self, scope, selection)
 
     def derived_inputs(
         self, config: dict[str, Any], run: Any, items: dict[str, Item]
