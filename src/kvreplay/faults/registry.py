@@ -87,7 +87,7 @@ FAULTS: tuple[Fault, ...] = (
         "vllm-stale-slot",
         "vllm_engine:stale_slot",
         "vllm",
-        "vLLM PR #42245: a reused buffer not cleared, so results depend on request order",
+        "a reused K/V slot not cleared, so results depend on request order",
         "model runner, after the forward of a hit: the first recomputed token's K/V slot "
         "is put back to what the block's previous user left there",
         "every prefix-cache hit (what it reads depends on the requests before)",

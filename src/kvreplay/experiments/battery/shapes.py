@@ -10,20 +10,27 @@ engines' own bugs needed (vLLM's cold/hot test, SGLang's cache-consistency test,
 fault suite's measurements in ``bench/phase2_probes.py``):
 
 - ``warm``: P's blocks written by a one-token prefill of P;
-- ``aligned``: the same with P cut to whole blocks (the engine recomputes the last one);
+- ``aligned``: P cut to whole blocks, warm, then the pool's other blocks (and the cut P's
+  last) taken by unrelated prompts: the engine recomputes the last block into a block
+  that held another prompt's K/V;
+- ``one-block``: a hit whose cached prefix is exactly P's first block;
 - ``second``: the second hit on the same blocks;
-- ``interloper``: a warm P, then an unrelated request that takes the freed tail block;
+- ``interloper``: a warm P, then an unrelated request that takes a freed block;
 - ``companion``: a prompt that agrees with P to half a block past a block boundary,
   then differs, cached first (what a block hash must tell apart);
-- ``concurrent``: the hit batched with an unrelated prompt (tokens only: a batch of two
-  moves a clean engine's numerics);
+- ``salted``: P cached under one cache salt, served under another (it must share none);
+- ``twin``: P twice in one batch: the second hits what the first writes in the same step;
+- ``concurrent``: the hit batched with an unrelated prompt;
 - ``sampled``: hit and miss sampled at T = 0.7 with one seed;
 - ``cut``: a greedy continuation of P (blocks written by decoding), then P and a seeded
   random cut of it re-submitted (SGLang's shape); the hit is also held against the live
   continuation, the paper's question inside the engine (reported, not judged);
-- ``evicted``: a warm P, then unrelated prompts that fill the pool;
+- ``evicted``: a warm P, then unrelated prompts that take every block of the pool;
 - ``preempted``: P served behind prompts that fill the pool, so that the scheduler
   preempts P and recomputes it from its tokens (vLLM's recompute path).
+
+The batched shapes (``twin``, ``concurrent``) are compared at tokens only: a batch of two
+moves a clean engine's numerics.
 """
 
 from __future__ import annotations
