@@ -258,10 +258,11 @@ class VllmServed:
 
         for request in requests:
             if len(request.context) + request.stage.max_new_tokens > self.context_length:
+                pool = "; a larger --kv-blocks pool holds more" if self.counts_preemptions else ""
                 raise KvreplayError(
                     f"A request of {len(request.context)} tokens plus its stage's "
                     f"{request.stage.max_new_tokens} exceeds the engine's context of "
-                    f"{self.context_length} tokens."
+                    f"{self.context_length} tokens{pool}."
                 )
         params = [
             SamplingParams(
