@@ -1,7 +1,8 @@
 """The default check on vLLM in process is the request-shape battery (issue 50), held to
 every vLLM fault of the suite: on a tiny Qwen2 (head size 32) in fp32, where the clean
 engine's hit and miss agree bit for bit in every shape, the clean engine passes, its run
-re-executes under audit, and each fault, planted in vLLM's own classes, fails the check
+re-executes under audit and its verdict is valid JSON of the check's schema, and each
+fault, planted in vLLM's own classes, fails the check
 its declaration names (``Fault.caught_by``) at the first item, so a change that loses a
 detection fails here.
 
@@ -32,6 +33,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 VLLM_FAULTS = [fault for fault in FAULTS if fault.engine == "vllm"]
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +68,14 @@ def check(model: Path, folder: Path, *extra: object):
 def test_the_clean_engine_passes_every_shape_and_its_run_reexecutes(
     model: Path, tmp_path: Path
 ) -> None:
+    import jsonschema
+
     result = check(model, tmp_path)
     assert result.exit_code == 0, result.output
     assert "HOLDS at the measured level" in result.output, result.output
     verdict = json.loads((tmp_path / "verdict.json").read_text())
+    jsonschema.validate(verdict, json.loads((DOCS / "check-v4.schema.json").read_text()))
+    assert verdict["compared"] == ["cache-hit", "cache-miss"]
     assert verdict["planted_fault"] is None
     assert verdict["shapes"]["ran"] == list(SHAPES)  # every shape exercised, none skipped
     assert verdict["shapes"]["levels"]["tokens"] == ["twin", "concurrent"]
