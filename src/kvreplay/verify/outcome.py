@@ -118,7 +118,7 @@ def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome
             continue
         row = experiment.read_row(data)
         if is_battery(row):
-            found.append(_battery(row))
+            found.append(battery_outcome(row))
             continue
         pairs = row.pairs
         changed = [a.suffix_sha256 != b.suffix_sha256 for a, b in pairs]
@@ -153,7 +153,7 @@ def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome
     return found
 
 
-def _battery(row: PanelRow) -> ItemOutcome:
+def battery_outcome(row: PanelRow) -> ItemOutcome:
     """A battery row at both levels: tokens part where any shape's hit and miss part
     (or read other cached tokens than they should, the calibration misses included),
     bits where any shape's numerics part; it diverges where a shape parts at the shape's
