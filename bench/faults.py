@@ -1,15 +1,17 @@
-"""The detection table (issue 43): for each planted fault (``kvreplay.faults.FAULTS``) and
-each check option, whether kvreplay catches it, after how many items and how many
-seconds (cold: a fresh process, a fresh run folder), and each option's false-alarm rate
-on the same engine without a fault.
+"""The detection table (issues 43, 50): for each planted fault (``kvreplay.faults.FAULTS``)
+and each check option (``kvreplay.faults.registry.OPTIONS``), whether kvreplay catches it,
+after how many items and how many seconds (cold: a fresh process, a fresh run folder),
+and each option's false-alarm rate on the same engine without a fault.
 
-Engines and precisions are those where the clean engine is exact: fp32 at the token
-level (hf, vllm in process, a ``vllm serve``), and llama.cpp with a q8_0 KV cache and
-flash attention, bitwise too. In-process faults are planted with ``python -m
-kvreplay.faults NAME -- check ...``; a served fault with a ``vllm serve`` started here with
-``KVREPLAY_FAULT`` and the plugin folder on its path (one server per fault, stopped
-after). Every result is appended to the JSON file as it comes, and a result already there
-is not run again, so an interrupted measurement resumes.
+Engines and precisions are those where the clean engine is exact: on vLLM (in process, and
+a ``vllm serve`` with a 16-block pool) the default check is the request-shape battery at
+fp32, compared bit for bit at the reported log-probabilities; llama.cpp with a q8_0 KV
+cache and flash attention; transformers at fp32. In-process faults are planted with
+``python -m kvreplay.faults NAME -- check ...``; a served fault with a ``vllm serve``
+started here with ``KVREPLAY_FAULT`` and the plugin folder on its path (one server per
+fault, stopped after). Every result is appended to the JSON file as it comes, and a
+result already there is not run again, so an interrupted measurement resumes. The tables
+are :func:`kvreplay.faults.tables.detection_tables` of the file.
 
     python bench/faults.py detect OUT.json [--engines vllm,served] [--faults a,b]
                                            [--options default,bitwise] [--model SPEC]
@@ -40,7 +42,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from helpers import vllm_server  # noqa: E402
 
 from kvreplay.faults.plugin import write_plugin_folder  # noqa: E402
-from kvreplay.faults.registry import FAULTS, Fault  # noqa: E402
+from kvreplay.faults.registry import FAULTS, OPTIONS, Fault  # noqa: E402
+from kvreplay.faults.tables import COLUMNS, detection_tables  # noqa: E402
 
 PY = os.environ.get("PY", str(REPO / ".venv" / "bin" / "python"))
 VPY = os.environ.get("VPY", str(REPO / ".venv-vllm" / "bin" / "python"))
@@ -76,17 +79,8 @@ ENGINES = {
     "hf": Engine("hf", "hf", PY, ("--dtypes", "fp32")),
 }
 
-# Each option: the check's arguments ("history" is a run of the history experiment).
-OPTIONS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "bitwise": ("--expect", "bitwise"),
-    "fragile": ("--select", "fragile"),
-    "traffic": ("--traffic", "2"),
-    "history": (),
-    "max-rate": ("--max-rate", "0.05"),
-    "sampled": ("--temperature", "0.7"),
-}
 SERVED_ONLY = ("traffic", "history")
+POOL_BLOCKS = 16  # the served engine's K/V pool, as kvreplay check sizes its own
 HISTORY_ITEMS = 4
 
 
@@ -139,38 +133,16 @@ def measure(
         return result | {"caught": None, "error": tail[:300]}
     verdict = json.loads(verdict_file.read_text())
     ran = [i for i in verdict["items"] if i.get("reached", True)]
-    failing = [n for n, i in enumerate(ran, 1) if not passes(verdict, i)]
+    caught = done.returncode == 1
+    first = next((i for i in ran if i.get("detected")), None)
     return result | {
-        "caught": done.returncode == 1,
+        "caught": caught,
         "items_run": len(ran),
-        "first_fail_at": failing[0] if failing else None,
+        "first_fail_at": len(ran) if caught else None,
         "sentence": (done.stdout.strip().splitlines() or [""])[0][:400],
-        "why": next((why(i) for i in ran if not passes(verdict, i)), None),
+        "shape": first["detected"][0] if first else None,
+        "planted": verdict.get("planted_fault"),
     }
-
-
-def why(item: dict) -> str:
-    """What made an item fail, in a few words."""
-    if not item.get("replicas_ok", True):
-        return "replicas disagreed"
-    if item.get("traffic_differs"):
-        return "the hit under traffic continued otherwise"
-    if item.get("suffix_differs"):
-        return f"suffixes part at token {item.get('first_divergence')}"
-    if item.get("seeds_changed"):
-        return f"{item['seeds_changed']} of {item.get('seeds')} seeds changed"
-    return f"numerics part from step {item.get('numeric_divergence')}"
-
-
-def passes(verdict: dict, item: dict) -> bool:
-    """Whether an item of a check's JSON meets the check's expectation."""
-    if not item.get("replicas_ok", True):
-        return False
-    if verdict["expectation"]["kind"] == "bitwise":
-        return item.get("bits") == "equal" or item.get("cache_hit_tokens") == 0
-    if verdict["expectation"]["kind"] == "faithful":
-        return not item.get("seeds_changed")
-    return not item.get("suffix_differs") and not item.get("traffic_differs")
 
 
 def history_outcome(out: Path, done: subprocess.CompletedProcess) -> dict:
@@ -223,9 +195,10 @@ def vllm_serve(model_folder: str, fault: str | None, log: Path) -> Iterator[str]
         "PYTHONPATH": f"{write_plugin_folder(plugins)}{os.pathsep}{REPO / 'src'}",
         "KVREPLAY_FAULT": fault,
     }
-    length = str(min(2048, context(model_folder)))
+    length = str(min((POOL_BLOCKS - 1) * 32, context(model_folder)))
     flags = ("--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-             "--block-size", "32", "--max-model-len", length)  # fmt: skip
+             "--block-size", "32", "--max-model-len", length,
+             "--num-gpu-blocks-override", str(POOL_BLOCKS))  # fmt: skip
     with vllm_server(model_folder, log, *flags, env=env, python=VPY, limit=1200) as url:
         yield url
 
@@ -313,65 +286,18 @@ def window(folder: Path, run: int) -> Path:
     return path
 
 
-# --- the tables -----------------------------------------------------------------------
-
-
-def cell(result: dict | None, noisy: bool) -> str:
-    """A result as a cell; ``noisy``: the clean engine fails this option too."""
-    if result is None:
-        return ""
-    if result.get("caught") is None:
-        return "error"
-    if not result["caught"]:
-        return f"missed ({result.get('items_run', '?')} items, {result['seconds']:.0f} s)"
-    if noisy:
-        return f"fails, as clean does ({result['seconds']:.0f} s)"
-    return f"**caught** (item {result.get('first_fail_at')}, {result['seconds']:.0f} s)"
-
-
-def table(path: Path) -> str:
-    results = load(path)
-    detect = {(r["fault"], r["engine"], r["option"]): r for r in results if r["kind"] == "detect"}
-    clean = [r for r in results if r["kind"] == "clean"]
-    noisy = {(r["engine"], r["option"]) for r in clean if r.get("caught")}
-    options = [o for o in OPTIONS if any(k[2] == o for k in detect)]
-    lines = [
-        "| fault | engine | " + " | ".join(options) + " |",
-        "|---|---|" + "---|" * len(options),
-    ]
-    for fault in FAULTS:
-        for engine in ENGINES:
-            if not any((fault.name, engine) == k[:2] for k in detect):
-                continue
-            cells = [
-                cell(detect.get((fault.name, engine, option)), (engine, option) in noisy)
-                for option in options
-            ]
-            lines.append(f"| {fault.name} | {engine} | " + " | ".join(cells) + " |")
-    if clean:
-        lines += ["", "| engine | option | runs | false alarms | errors |", "|---|---|---|---|---|"]
-        for engine in ENGINES:
-            for option in OPTIONS:
-                group = [r for r in clean if (r["engine"], r["option"]) == (engine, option)]
-                if group:
-                    alarms = sum(r.get("caught") is True for r in group)
-                    errors = sum(r.get("caught") is None for r in group)
-                    lines.append(f"| {engine} | {option} | {len(group)} | {alarms} | {errors} |")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=["detect", "clean", "table"])
     parser.add_argument("path", type=Path)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--faults", default=",".join(f.name for f in FAULTS))
-    parser.add_argument("--options", default=",".join(OPTIONS))
+    parser.add_argument("--options", default=",".join(COLUMNS))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
     if args.kind == "table":
-        print(table(args.path), end="")
+        print(detection_tables(load(args.path)), end="")
         return
     engines = [ENGINES[e] for e in args.engines.split(",")]
     options = args.options.split(",")

@@ -12,7 +12,9 @@
   capabilities, ``settings BACKEND`` a backend's options (its settings class),
   ``options EXPERIMENT`` a run command's options, ``declared check|audit`` the options of
   ``kvreplay check`` or ``kvreplay audit`` (their typed requests), ``metrics`` the
-  mismatch metrics (:data:`kvreplay.measure.mismatch.METRICS`). A block
+  mismatch metrics (:data:`kvreplay.measure.mismatch.METRICS`), ``faults`` the fault
+  suite (:data:`kvreplay.faults.registry.FAULTS`), ``detection PATH`` the detection
+  tables of a ``bench/faults.py`` results file. A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
 
@@ -41,7 +43,7 @@ log = logging.getLogger("mkdocs.hooks.kvreplay_docs")
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"(!?\[[^\]\n]*\]\()([^)\s#]+)(#[^)\s]*)?\)")
 GENERATED = re.compile(
-    r"(<!-- generated: (?P<spec>[\w /-]+?) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL
+    r"(<!-- generated: (?P<spec>[\w ./-]+?) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL
 )
 
 
@@ -223,6 +225,22 @@ def metrics_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def faults_markdown() -> str:
+    """The fault suite as :data:`kvreplay.faults.registry.FAULTS` declares it."""
+    from kvreplay.faults.tables import fault_table
+
+    return fault_table()
+
+
+def detection_markdown(path: str) -> str:
+    """The detection and false-alarm tables of a ``bench/faults.py`` results file."""
+    import json
+
+    from kvreplay.faults.tables import detection_tables
+
+    return detection_tables(json.loads((REPO / path).read_text(encoding="utf-8")))
+
+
 GENERATORS: dict[str, Callable[..., str]] = {
     "columns": columns_markdown,
     "backends": backends_markdown,
@@ -230,6 +248,8 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "options": options_markdown,
     "declared": declared_markdown,
     "metrics": metrics_markdown,
+    "faults": faults_markdown,
+    "detection": detection_markdown,
 }
 
 

@@ -298,11 +298,20 @@ def check_request(values: dict[str, Any], command: list[str] | None = None) -> A
 def _check_options() -> list[click.Option]:
     """A check's options: the shared ones with the check's own defaults, what must hold
     and where the verdict goes, and the options of the experiment it runs greedily."""
-    from kvreplay.run.check import CHECK_DEFAULTS, DEFAULT_ITEMS, CheckRequest, check_own_options
+    from kvreplay.run.check import (
+        BATTERY_ITEMS,
+        CHECK_DEFAULTS,
+        DEFAULT_ITEMS,
+        DTYPES_HELP,
+        CheckRequest,
+        check_own_options,
+    )
     from kvreplay.run.request import RunOptions
 
     shared = {s.name for s in every(RunOptions)}
-    helps = {"n": f"How many items (default {DEFAULT_ITEMS}; --max-rate sets it)."}
+    helps = {"n": f"How many items (default {DEFAULT_ITEMS}; a battery {BATTERY_ITEMS}; "
+                  "--max-rate sets it).",
+             "dtypes": DTYPES_HELP}  # fmt: skip
     checks = [click_option(s) for s in every(CheckRequest) if s.name not in shared]
     return [
         *shared_options(CHECK_DEFAULTS, helps),
@@ -313,15 +322,21 @@ def _check_options() -> list[click.Option]:
 
 def _check_command() -> None:
     def check(**values: Any) -> None:
-        """Is replay faithful on this stack? Live vs prefill (a prefix-cache hit vs a miss
-        on a served backend) on a few items, with replicas. Exit 0 when the expectation
-        holds, 1 when it does not, 2 on error.
+        """Is replay faithful on this stack? On a backend with a prefix cache (vllm,
+        http) the default is the request-shape battery: one item's prompt served as a
+        miss and as a hit after each of 13 histories (warm, block-aligned, one block,
+        second hit, interloper, companion, salted, twin, batched, sampled, random cut,
+        evicted, preempted), compared bit for bit at the reported log-probabilities where
+        the clean engine is measured exact (vLLM at fp32), and stopping at the first
+        detection. Elsewhere, and with --select: live vs prefill on a few items, with
+        replicas. Exit 0 when the expectation holds, 1 when it does not, 2 on error.
 
-        Which faults it catches (docs/benchmarks/faults.md): the default, faults that
-        change tokens on a hit or restore; --expect bitwise, numerics-only faults where
-        the clean engine is bit-exact (llama.cpp with a q8_0 cache, not vLLM on CPU);
-        --select fragile, nudges near a tie; --traffic N, faults that need another
-        request's blocks or a batch."""
+        Which faults it catches (docs/benchmarks/faults.md): the default, every vLLM fault
+        of the suite and the llama.cpp restore and transformers cache faults; it misses a
+        numerics-only llama.cpp prefill fault, which --expect bitwise catches (a q8_0
+        cache with flash attention is bit-exact there); on a server, a shape whose history
+        needs the server's pool filled runs only where the pool is small (start vllm
+        serve with --num-gpu-blocks-override 16); --traffic N adds background load."""
         from kvreplay.run.check import run_check
 
         sys.exit(run_check(check_request(values, list(sys.argv)), click.echo).exit_code)

@@ -1,6 +1,6 @@
 """``kvreplay check`` (issues 27, 33) end to end through the CLI, on drift_qwen2 (whose
 bf16 prefill drifts from decode by construction, on every kernel family): the verdict at
-both levels, its exit code, the JSON (validated against docs/check-v3.schema.json), the
+both levels, its exit code, the JSON (validated against docs/check-v4.schema.json), the
 JUnit XML (read back by an XML parser), the repro pack whose command reproduces the first
 divergence, the audit of the check's own run folder, ``--expect bitwise`` stopping at the
 first item whose numerics part, ``--max-rate``, the pytest helper, and bad input."""
@@ -21,7 +21,7 @@ import pytest
 from helpers import invoke, pool_inputs
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEMA = json.loads((REPO / "docs" / "check-v3.schema.json").read_text())
+SCHEMA = json.loads((REPO / "docs" / "check-v4.schema.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 embedded SmolLM2 in bf16:
 
 - against a real ``vllm serve`` (prefix caching, block size 32, the server's own
-  scheduling defaults): the default check never prints a bare HOLDS, its bits level
+  scheduling defaults): the paper's check (``--select first``: live vs prefill, a hit vs
+  a miss; the default is the request-shape battery) never prints a bare HOLDS, its bits level
   agrees with the raw first-step logprobs its rows hold, and ``--expect bitwise`` on the
   same folder exits 1 naming the first item and step where numerics part (or, on a CPU
   whose kernels give a hit bit-equal to a miss, holds and says so);
@@ -74,7 +75,7 @@ def test_the_default_check_names_both_levels_and_bitwise_names_where_numerics_pa
 ) -> None:
     out = tmp_path / "check"
     default = invoke("check", "--backend", "http", "--url", server, "--model", smollm2_folder,
-                     "--out", out, "--json", tmp_path / "v.json")  # fmt: skip
+                     "--select", "first", "--out", out, "--json", tmp_path / "v.json")  # fmt: skip
     verdict = json.loads((tmp_path / "v.json").read_text())
     assert default.exit_code == verdict["exit_code"], default.output
     first_line = default.output.splitlines()[0]
@@ -92,7 +93,7 @@ def test_the_default_check_names_both_levels_and_bitwise_names_where_numerics_pa
     ]
     assert verdict["counts"]["boundary_logits_differ"] == len(boundary)
     bitwise = invoke("check", "--backend", "http", "--url", server, "--model", smollm2_folder,
-                     "--out", out, "--expect", "bitwise",
+                     "--select", "first", "--out", out, "--expect", "bitwise",
                      "--json", tmp_path / "b.json")  # fmt: skip
     bits = json.loads((tmp_path / "b.json").read_text())["levels"]["bits"]
     if bits["differ"]:
@@ -145,8 +146,8 @@ def test_parity_with_vllms_cold_and_hot_method(smollm2_folder: Path, tmp_path: P
     ]}))  # fmt: skip
     check = invoke("check", "--backend", "vllm", "--model", smollm2_folder, "--items", items,
                    "--plan", plan, "--no-chat", "--n", len(prompts), "--companions", 0,
-                   "--expect", "bitwise", "--out", tmp_path / "check", "--json",
-                   tmp_path / "v.json")  # fmt: skip
+                   "--select", "first", "--expect", "bitwise", "--out", tmp_path / "check",
+                   "--json", tmp_path / "v.json")  # fmt: skip
     verdict = json.loads((tmp_path / "v.json").read_text())
     kvreplay = {item["item_id"]: item["bits"] == "equal" for item in verdict["items"]}
     assert all(item["cache_hit_tokens"] == len(i) // BLOCK * BLOCK

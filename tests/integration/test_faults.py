@@ -1,7 +1,9 @@
-"""The fault suite (issue 43) on the engines that run in this environment: every declared
-fault has its hook, a fault is enabled only by what no run folder carries, a run whose
-manifest names one is refused, and the check (or the option the detection table names)
-catches each planted fault while the clean engine passes:
+"""The fault suite (issues 43, 50) on the engines that run in this environment: every
+declared fault has its hook and the check option that catches it, a fault is enabled only
+by what no run folder carries, a run made with one records it in its manifest's one field
+and says so in its verdict (an audit under a planted fault refuses to judge), and the
+check (or the option the declaration names) catches each planted fault while the clean
+engine passes:
 
 - hf, a tiny Qwen2 in fp32: ``hf-lossy-cache`` fails the token level;
 - llama.cpp, the embedded SmolLM2 GGUF (slow): a perturbed or re-evaluated restore fails
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import invoke, pool_inputs
 
-from kvreplay.faults import ENGINE_MODULES, FAULTS, planted
+from kvreplay.faults import FAULTS, planted
 from kvreplay.faults.plugin import ENTRY, GROUP, register, write_plugin_folder
 from kvreplay.faults.registry import ENV
 
@@ -35,15 +37,19 @@ def check(model: Path, inputs: tuple[Path, Path], out: Path, *extra: object):
 
 
 def test_every_fault_is_declared_once_with_its_hook() -> None:
-    import importlib
-    import re
+    from kvreplay.core.registry import load
+    from kvreplay.faults.registry import OPTIONS
 
     names = [fault.name for fault in FAULTS]
-    assert len(names) == len(set(names)) >= 10
+    assert len(names) == len(set(names)) >= 20
     for fault in FAULTS:
         assert fault.name.startswith(fault.engine + "-") and fault.shaped_like and fault.fires
-        source = Path(importlib.util.find_spec(ENGINE_MODULES[fault.engine]).origin).read_text()
-        assert re.search(rf'"{fault.name}": \w+', source), fault.name  # HOOKS names it
+        module, _, function = fault.hook.partition(":")
+        assert module == f"{fault.engine}_engine", fault.name  # one engine module each
+        assert callable(load(f"kvreplay.faults.{fault.hook}")), fault.name
+        assert fault.caught_by in OPTIONS, fault.name
+    default = [f for f in FAULTS if f.caught_by == "default"]
+    assert len(default) >= 0.9 * len(FAULTS)  # the bare default check catches 90% or more
 
 
 def test_the_vllm_plugin_does_nothing_unless_the_setting_names_a_vllm_fault(
@@ -79,27 +85,40 @@ def test_hf_lossy_cache_fails_the_token_level_and_the_clean_engine_holds(
     assert faulty.output.startswith("FAILS at token level"), faulty.output
 
 
-@pytest.mark.parametrize(
-    "forge",
-    [
-        lambda m: m["contract"]["run"].update(fault="hf-lossy-cache"),
-        lambda m: m.update(faults=["vllm-hit-ulp"]),
-        lambda m: m["command"].append("KVREPLAY_FAULT=vllm-hit-ulp"),
-    ],
-    ids=["contract", "header", "setting"],
-)
-def test_a_run_whose_manifest_names_a_fault_is_refused(
-    forge, tiny_dirs, inputs, tmp_path: Path
+def test_a_run_made_with_a_planted_fault_says_so_and_is_read_only_with_it(
+    tiny_dirs, inputs, tmp_path: Path
 ) -> None:
-    out = tmp_path / "run"
-    assert check(tiny_dirs["qwen2"], inputs, out, "--n", 1).exit_code == 0
+    out, verdict = tmp_path / "run", tmp_path / "verdict.json"
+    with planted("hf-lossy-cache"):
+        faulty = check(tiny_dirs["qwen2"], inputs, out, "--n", 1, "--json", verdict)
+        audit = invoke("audit", out)
+    assert "with the fault hf-lossy-cache planted" in faulty.output.splitlines()[0]
+    assert json.loads(verdict.read_text())["planted_fault"] == "hf-lossy-cache"
+    assert json.loads((out / "manifest.json").read_text())["planted_fault"] == "hf-lossy-cache"
+    # an audit under a planted fault refuses to judge; without it, the run is refused
+    for result in (audit, invoke("audit", out), check(tiny_dirs["qwen2"], inputs, out, "--n", 1)):
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    assert "planted in this process, so an audit would judge the fault" in audit.output
+
+
+def test_only_the_manifest_field_names_a_planted_fault(tiny_dirs, tmp_path: Path) -> None:
+    """The switch's text anywhere else (an item id, a prompt, the command line, the
+    folder's name) names nothing; the field, forged into a clean run, is refused."""
+    items = tmp_path / "KVREPLAY_FAULT-items.jsonl"
+    items.write_text(json.dumps({"id": "KVREPLAY_FAULT", "prompt": "KVREPLAY_FAULT=x 1+1=",
+                                 "answer": "2"}) + "\n")  # fmt: skip
+    out = tmp_path / "KVREPLAY_FAULT-run"
+    first = invoke("check", "--model", tiny_dirs["qwen2"], "--items", items, "--plan", "short",
+                   "--dtypes", "fp32", "--n", 1, "--out", out)  # fmt: skip
+    assert first.exit_code == 0, first.output
+    assert invoke("audit", out).exit_code == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    forge(manifest)
+    assert "planted_fault" not in manifest
+    manifest["planted_fault"] = "hf-lossy-cache"
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    for result in (invoke("audit", out), check(tiny_dirs["qwen2"], inputs, out, "--n", 1)):
-        assert result.exit_code == 2 and "Traceback" not in result.output
-        assert "names a planted fault" in result.output
-        assert len(result.output.strip().splitlines()) == 1
+    refused = invoke("audit", out)
+    assert refused.exit_code == 2 and "made with the planted fault hf-lossy-cache" in refused.output
 
 
 @pytest.fixture
@@ -124,9 +143,10 @@ def test_a_faulty_llamacpp_restore_fails_the_replica_gate(
     with planted(fault):
         result = invoke("check", *LLAMACPP, "--dtypes", "fp16", "--out", tmp_path / "run")
     assert result.exit_code == 1, result.output
-    assert "FAILS at token level (every suffix equal): replicas disagreed on 1 of 1 item(s)" in (
-        result.output
-    )
+    assert (
+        f"FAILS at token level (every suffix equal) with the fault {fault} planted: replicas "
+        "disagreed on 1 of 1 item(s)"
+    ) in result.output
 
 
 @pytest.mark.slow

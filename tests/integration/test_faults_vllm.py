@@ -1,6 +1,10 @@
-"""The vLLM faults (issue 43) planted in vLLM's own classes and caught by the check option
-the detection table names, on a tiny Qwen2 (head size 32) in fp32, where the clean
-in-process engine holds bit for bit: hit and miss agree at every step.
+"""The default check on vLLM in process is the request-shape battery (issue 50), held to
+every vLLM fault of the suite: on a tiny Qwen2 (head size 32) in fp32, where the clean
+engine's hit and miss agree bit for bit in every shape, the clean engine passes, its run
+re-executes under audit and its verdict is valid JSON of the check's schema, and each
+fault, planted in vLLM's own classes, fails the check
+its declaration names (``Fault.caught_by``) at the first item, so a change that loses a
+detection fails here.
 
 The faults are planted with :func:`kvreplay.faults.planted` in this process, where the
 in-process engine core runs its scheduler and model runner; the module shares one engine
@@ -21,13 +25,15 @@ import pytest
 from helpers import invoke
 from tiny import save_tiny
 
-from kvreplay.faults import planted
+from kvreplay.experiments.battery.shapes import SHAPES
+from kvreplay.faults import FAULTS, planted
+from kvreplay.faults.registry import OPTIONS
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-BLOCK = 32
-THINK = 6  # the short plan's first stage: P is the prompt and six decoded tokens
+VLLM_FAULTS = [fault for fault in FAULTS if fault.engine == "vllm"]
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.fixture(scope="module")
@@ -54,53 +60,41 @@ def one_engine() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module")
-def aligned(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Items whose P (prompt and the first stage, no chat template, one token a byte)
-    spans exactly two blocks: a hit on P recomputes its last full block."""
-    path = tmp_path_factory.mktemp("aligned") / "items.jsonl"
-    prompts = [f"Question {i}: " + "count the stones by the river " * 2 for i in range(2)]
-    prompts = [p[: 2 * BLOCK - THINK] for p in prompts]
-    path.write_text("".join(json.dumps({"id": f"a{i}", "prompt": p, "answer": "1"}) + "\n"
-                            for i, p in enumerate(prompts)))  # fmt: skip
-    return path
+def check(model: Path, folder: Path, *extra: object):
+    return invoke("check", "--backend", "vllm", "--model", model, "--out", folder / "run",
+                  "--json", folder / "verdict.json", *extra)  # fmt: skip
 
 
-def check(model: Path, out: Path, *extra: object):
-    return invoke("check", "--backend", "vllm", "--model", model, "--plan", "short",
-                  "--dtypes", "fp32", "--n", 2, "--out", out, *extra)  # fmt: skip
-
-
-def test_the_clean_engine_holds_bit_for_bit(model: Path, aligned: Path, tmp_path: Path) -> None:
-    for name, extra in (("default", ()), ("aligned", ("--items", aligned, "--no-chat"))):
-        result = check(model, tmp_path / name, "--expect", "bitwise", *extra)
-        assert result.exit_code == 0, result.output
-        assert "HOLDS bitwise" in result.output, result.output
-
-
-@pytest.mark.parametrize(
-    ("fault", "expect"),
-    [
-        ("vllm-hit-ulp", "FAILS bitwise"),
-        ("vllm-tail-position", "FAILS bitwise"),
-        ("vllm-second-hit-lossy", "FAILS bitwise"),
-    ],
-)
-def test_a_fault_on_every_hit_is_caught(
-    fault: str, expect: str, model: Path, tmp_path: Path
+def test_the_clean_engine_passes_every_shape_and_its_run_reexecutes(
+    model: Path, tmp_path: Path
 ) -> None:
-    with planted(fault):
-        result = check(model, tmp_path / "run", "--expect", "bitwise")
-    assert result.exit_code == 1, result.output
-    assert expect in result.output, result.output
+    import jsonschema
+
+    result = check(model, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "HOLDS at the measured level" in result.output, result.output
+    verdict = json.loads((tmp_path / "verdict.json").read_text())
+    jsonschema.validate(verdict, json.loads((DOCS / "check-v4.schema.json").read_text()))
+    assert verdict["compared"] == ["cache-hit", "cache-miss"]
+    assert verdict["planted_fault"] is None
+    assert verdict["shapes"]["ran"] == list(SHAPES)  # every shape exercised, none skipped
+    assert verdict["shapes"]["levels"]["tokens"] == ["twin", "concurrent"]
+    assert verdict["environment"]["backend"]["kv_blocks"] == 16
+    audit = invoke("audit", tmp_path / "run")
+    assert audit.exit_code == 0, audit.output
+    assert "rows in ledger: 1; re-executed: 1" in audit.output
 
 
-def test_a_stale_block_aligned_prefix_is_caught_where_p_is_block_aligned(
-    model: Path, aligned: Path, tmp_path: Path
+@pytest.mark.parametrize("fault", VLLM_FAULTS, ids=[f.name for f in VLLM_FAULTS])
+def test_the_check_its_declaration_names_catches_each_vllm_fault(
+    fault: Any, model: Path, tmp_path: Path
 ) -> None:
-    with planted("vllm-aligned-stale"):
-        unaligned = check(model, tmp_path / "default", "--expect", "bitwise")
-        result = check(model, tmp_path / "aligned", "--items", aligned, "--no-chat")
-    assert unaligned.exit_code == 0, unaligned.output  # the default items' P are not aligned
+    with planted(fault.name):
+        result = check(model, tmp_path, "--n", 2, *OPTIONS[fault.caught_by])
     assert result.exit_code == 1, result.output
-    assert "FAILS at token level" in result.output, result.output
+    assert f"with the fault {fault.name} planted" in result.output, result.output
+    verdict = json.loads((tmp_path / "verdict.json").read_text())
+    assert verdict["planted_fault"] == fault.name
+    assert verdict["stopped_early"] and len(verdict["items"]) == 1  # the first item caught it
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["planted_fault"] == fault.name

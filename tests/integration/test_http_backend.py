@@ -203,7 +203,7 @@ def test_resample_and_check_over_http(server: tuple[str, Path], tmp_path: Path) 
     sampled = run(url, model, tmp_path / "resample", "resample", "--samples", 2)
     assert sampled.exit_code == 0, sampled.output
     assert "bf16:" in sampled.output  # the run ends with its verdict sentence
-    checked = invoke("check", "--backend", "http", "--url", url, "--model", model, "--n", 2,
+    checked = invoke("check", "--backend", "http", "--url", url, "--model", model, "--n", 1,
                      "--plan", "short", "--out", tmp_path / "check",
                      "--json", tmp_path / "v.json")  # fmt: skip
     verdict = json.loads((tmp_path / "v.json").read_text())
@@ -230,7 +230,7 @@ def test_the_core_install_runs_audits_and_checks_against_the_server(
     for command in ("analyze", "report"):
         assert core(command, out).returncode == 0
     verdict = tmp_path / "v.json"
-    checked = core("check", "--backend", "http", "--url", url, "--model", model, "--n", 2,
+    checked = core("check", "--backend", "http", "--url", url, "--model", model, "--n", 1,
                    "--plan", "short", "--out", tmp_path / "check", "--json", verdict)  # fmt: skip
     assert checked.returncode == json.loads(verdict.read_text())["exit_code"] in (0, 1)
 

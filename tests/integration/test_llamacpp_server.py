@@ -260,7 +260,7 @@ def test_a_check_under_traffic_compares_the_hit_with_the_hit_alone_and_the_miss(
     assert (tmp_path / "check" / "history_hit_miss.csv").is_file()
     verdict = json.loads((tmp_path / "v.json").read_text())
     traffic = verdict["traffic"]
-    assert verdict["schema"] == "kvreplay-check-v3" and traffic["items"] == 2
+    assert verdict["schema"] == "kvreplay-check-v4" and traffic["items"] == 2
     assert set(traffic["suffix_differs_from"]) == {"cache-hit", "cache-miss"}
     assert traffic["load"]["in_flight_max"] >= 1  # the clients' own count of what they sent
     assert "traffic_suffix_differs_from_cache-hit" in (tmp_path / "v.xml").read_text()

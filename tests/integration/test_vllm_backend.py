@@ -242,23 +242,3 @@ def test_resample_on_served_states(served_run: Path, tmp_path: Path) -> None:
     assert claims["resample"]["bf16"]["verdict"] in ("faithful", "not faithful", "undecided")
     result = invoke("audit", out)
     assert result.exit_code == 0, result.output
-
-
-def test_check_on_the_vllm_backend_compares_a_hit_with_a_miss(tmp_path: Path) -> None:
-    """kvreplay check through the vllm backend: a verdict on hit vs miss, its JSON, and
-    the check's run folder audited."""
-    import jsonschema
-
-    schema = json.loads((Path(__file__).resolve().parents[2] / "docs" / "check-v3.schema.json")
-                        .read_text())  # fmt: skip
-    model = save_tiny(tmp_path / "model", "served_qwen2")
-    result = invoke("check", "--model", model, "--n", 2, "--plan", "short", "--backend", "vllm",
-                    "--dtypes", "fp32", "--out", tmp_path / "run",
-                    "--json", tmp_path / "v.json")  # fmt: skip
-    verdict = json.loads((tmp_path / "v.json").read_text())
-    jsonschema.validate(verdict, schema)
-    assert verdict["compared"] == ["cache-hit", "cache-miss"]
-    assert verdict["environment"]["backend"]["name"] == "vllm"
-    assert result.exit_code == verdict["exit_code"], result.output
-    assert verdict["counts"]["replicas_disagree"] == 0
-    assert invoke("audit", tmp_path / "run", "--sample", 1).exit_code == 0

@@ -126,7 +126,7 @@ def test_verdict_json_of_either_schema_reads_back() -> None:
     environment = {"kvreplay_version": "0.1.0", "model": {}, "backend": {"name": "hf"}}
     items = [outcome("a"), outcome("b", differs=True)]
     data = to_json(Verdict(EXACT, ("l", "p"), items, environment=environment))
-    jsonschema.validate(data, json.loads((DOCS / "check-v3.schema.json").read_text()))
+    jsonschema.validate(data, json.loads((DOCS / "check-v4.schema.json").read_text()))
     record = read_json(data)
     assert record.verdict == "fails" and record.levels["bits"]["holds"] is True
     assert read_json({**data, "schema": "kvreplay-check-v2"}).levels == record.levels
@@ -140,7 +140,7 @@ def test_verdict_json_of_either_schema_reads_back() -> None:
 def test_a_hit_that_changes_under_traffic_fails_the_check_and_is_reported() -> None:
     """history under --traffic N: the hit and the miss agree everywhere, but the hit under
     traffic continued differently on one item: the check fails at token level, and the
-    sentence, the JSON (schema v3) and the JUnit say where and what the server reported."""
+    sentence, the JSON (schema v4) and the JUnit say where and what the server reported."""
     from dataclasses import replace
 
     alone = outcome("a", cached=96)
@@ -170,7 +170,7 @@ def test_a_hit_that_changes_under_traffic_fails_the_check_and_is_reported() -> N
     ) in sentence(verdict)
     assert "NOT bitwise" in sentence(verdict)
     data = to_json(verdict)
-    jsonschema.validate(data, json.loads((DOCS / "check-v3.schema.json").read_text()))
+    jsonschema.validate(data, json.loads((DOCS / "check-v4.schema.json").read_text()))
     assert data["traffic"] == {
         "items": 2,
         "suffix_differs_from": {"hit": 1, "miss": 1},

@@ -27,6 +27,7 @@ from kvreplay.contract.config import RunConfig
 from kvreplay.contract.lock import check_libraries
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item
+from kvreplay.core.planted import planted_fault
 from kvreplay.engines.threads import check_recorded, intra_op_threads
 from kvreplay.ledger import (
     RunLedger,
@@ -56,8 +57,9 @@ def audit(
     connection: dict[str, Any] | None = None,
 ) -> AuditResult:
     """Verify a run; see the module docstring. Bad input raises KvreplayError, and so
-    do a thread count other than the one the run recorded, library versions other than
-    the run's, and a run whose model ships code unless the request trusts it.
+    do a fault planted in this process, a thread count other than the one the run
+    recorded, library versions other than the run's, and a run whose model ships code
+    unless the request trusts it.
 
     ``connection`` reaches the run's backend (a server's address, which a run does not
     record, so it may differ from the run's). ``announce`` hears, before any re-execution
@@ -65,6 +67,12 @@ def audit(
     be this platform (:class:`~kvreplay.audit.platform.Platform`): rows are then judged
     at the level that crosses platforms.
     """
+    fault = planted_fault()
+    if fault is not None:
+        raise KvreplayError(
+            f"The fault {fault} is planted in this process, so an audit would judge the fault, "
+            "not the run; audit without it."
+        )
     ledger = RunLedger.open_existing(run_dir)
     contract = ledger.manifest["contract"]
     if _runs_model_code(contract) and not request.trust_remote_code:

@@ -160,6 +160,11 @@ class Backend:
         """Each CLI setting by field name: its option, type and default."""
         return declared(cls)
 
+    def for_battery(self) -> Backend:
+        """This backend as a check's battery runs it: a backend that starts its own
+        engine may size it for the request shapes (vLLM: a small K/V pool)."""
+        return self
+
     def context_window(self, model_context: int) -> int:
         """The tokens one request may span (0: the model does not say)."""
         return model_context

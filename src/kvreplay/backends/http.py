@@ -243,6 +243,7 @@ class HttpBackend(Backend):
             self.context_window(0),
             self.probe.restores,
             vocabulary_size(text_config(model.spec), tokenizer),
+            int(self.probe.identity["settings"]["block_size"]),
         )
 
 
@@ -257,9 +258,20 @@ class HttpServed:
     context_length: int
     restores: bool
     vocabulary: int
+    block_size: int
 
     def reset_cache(self) -> None:
         self.adapter.reset()
+
+    @property
+    def salts(self) -> bool:
+        return self.adapter.salts
+
+    def pool_tokens(self) -> int | None:
+        return self.adapter.pool_tokens()
+
+    def preemptions(self) -> float | None:
+        return self.adapter.load().get("preemptions")
 
     def round_trip(self) -> None:
         """The arm's slot (0) saved and loaded back in place (only where ``restores``)."""

@@ -39,6 +39,7 @@ class LlamaServer:
     rather than the whole arm served again."""
 
     name: ClassVar[str] = "llamacpp"
+    salts: ClassVar[bool] = False  # a slot keeps no salt: requests on it share its prefix
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -149,6 +150,9 @@ class LlamaServer:
         (the server needs --parallel above the arm, its companions and the traffic)."""
         slots = self.client.ok("GET", "/props")["total_slots"].integer(1, MAX_COUNT)
         return slots - 1 - client
+
+    def pool_tokens(self) -> int | None:
+        return None  # each slot keeps its own K/V: no pool shared between requests
 
     def eviction_tokens(self, computed: int) -> int:
         """One unrelated prompt as long as P on the arm's slot replaces what it holds."""

@@ -34,6 +34,7 @@ class Request:
     stage: Stage
     sampler: Sampler
     opener: tuple[int, ...] = ()  # recorded in the segment
+    salt: str | None = None  # the request's cache_salt: only requests of one salt share blocks
 
 
 @dataclass
@@ -52,6 +53,9 @@ class ServedModel(Protocol):
 
     context_length: int
     restores: bool  # whether round_trip works: the hit's replica is then a restored state
+    block_size: int  # tokens per cached block (1: the engine reuses any common prefix)
+    vocabulary: int  # token ids the model has
+    salts: bool  # whether a request's salt keeps its cached blocks from other salts'
 
     def reset_cache(self) -> None:
         """Drop every prefix-cache block, so that the next request is a miss."""
@@ -69,6 +73,13 @@ class ServedModel(Protocol):
     def evict(self, computed: int, seed: str) -> int:
         """Send unrelated prompts that overwrite part of the ``computed`` tokens of P the
         arm's requests wrote; the tokens sent."""
+
+    def pool_tokens(self) -> int | None:
+        """Tokens the engine's K/V pool holds for requests (None: it does not say, or it
+        keeps each request's K/V apart, as llama-server's slots do)."""
+
+    def preemptions(self) -> float | None:
+        """Requests the engine has preempted since it started (None: it does not say)."""
 
 
 @dataclass(frozen=True)

@@ -328,6 +328,7 @@ class ServerAdapter(Protocol):
     loaded back."""
 
     name: ClassVar[str]
+    salts: ClassVar[bool]  # a request's cache_salt keeps its cached blocks apart
     client: Client
 
     def __init__(self, client: Client) -> None: ...
@@ -359,6 +360,11 @@ class ServerAdapter(Protocol):
 
     def traffic_slot(self, client: int) -> int:
         """The slot a traffic client's requests go to: never the arm's or a companion's."""
+        ...
+
+    def pool_tokens(self) -> int | None:
+        """Tokens the server's K/V pool holds for requests (None: it does not say, or its
+        slots keep their K/V apart)."""
         ...
 
     def eviction_tokens(self, computed: int) -> int:

@@ -49,6 +49,9 @@ VLLM_SETUP = (
 )
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+BATTERY_BLOCKS = 16
+"""The K/V pool, in blocks, of the engine a check's battery starts (``--kv-blocks`` not
+given): small enough that filling it (an eviction, a preemption) takes one short prompt."""
 
 # vLLM reads its settings when first imported, and this module is its only importer. Each
 # is a default the user's environment overrides: the engine core in this process, 1 GiB
@@ -94,6 +97,17 @@ class VllmBackend(Backend):
             "--max-num-seqs", "Most requests the engine batches together.", minimum=1, maximum=1024
         ),
     )
+    kv_blocks: int = field(
+        default=0,
+        metadata=option(
+            "--kv-blocks",
+            "Blocks in the engine's K/V pool (0: as many as VLLM_CPU_KVCACHE_SPACE holds). A "
+            "small pool lets a check's request shapes evict and preempt in a few requests; "
+            f"kvreplay check's battery starts the engine with {BATTERY_BLOCKS} unless given.",
+            minimum=0,
+            maximum=1 << 20,
+        ),
+    )
     companions: int = companions_setting()
     trust_remote_code: bool = trust_remote_code_setting()
     seed: int = 0
@@ -106,17 +120,28 @@ class VllmBackend(Backend):
     def validate(self) -> None:
         if self.block_size % 32:
             raise KvreplayError("--block-size must be a positive multiple of 32.")
+        if self.kv_blocks and self.kv_blocks < 3:
+            raise KvreplayError("--kv-blocks must be 0 (vLLM sizes the pool) or at least 3.")
         if not 0 <= self.companions < self.max_num_seqs:
             raise KvreplayError(
                 f"--companions must be from 0 to {self.max_num_seqs - 1} "
                 "(one less than --max-num-seqs, so the batch holds them all)."
             )
 
+    def for_battery(self) -> VllmBackend:
+        """A pool of :data:`BATTERY_BLOCKS` unless ``--kv-blocks`` was given."""
+        return self if self.kv_blocks else replace(self, kv_blocks=BATTERY_BLOCKS)
+
     def context_window(self, model_context: int) -> int:
-        return min(model_context or MAX_MODEL_LEN, MAX_MODEL_LEN)
+        """The longest request: the model's context, at most :data:`MAX_MODEL_LEN` and what
+        a ``--kv-blocks`` pool holds (its first block is vLLM's null block)."""
+        pool = (self.kv_blocks - 1) * self.block_size if self.kv_blocks else MAX_MODEL_LEN
+        return min(model_context or MAX_MODEL_LEN, MAX_MODEL_LEN, pool)
 
     def contract(self) -> dict[str, Any]:
-        settings = {k: v for k, v in super().contract().items() if k != "block_kv"}
+        """A pool of vLLM's own size is recorded as before ``--kv-blocks`` existed."""
+        omitted = {"block_kv", *(("kv_blocks",) if not self.kv_blocks else ())}
+        settings = {k: v for k, v in super().contract().items() if k not in omitted}
         return {
             **settings,
             "enable_prefix_caching": True,
@@ -128,8 +153,13 @@ class VllmBackend(Backend):
 
     @classmethod
     def from_contract(cls, data: dict[str, Any], connection: dict[str, Any]) -> VllmBackend:
-        """The contract records ``block_kv`` as ``kv_access``."""
-        recorded = {f.name: data[f.name] for f in fields(cls) if f.name != "block_kv"}
+        """The contract records ``block_kv`` as ``kv_access``, and ``kv_blocks`` only when set."""
+        optional = {"kv_blocks": 0}  # recorded only when set
+        recorded = {
+            f.name: data.get(f.name, optional.get(f.name)) if f.name in optional else data[f.name]
+            for f in fields(cls)
+            if f.name != "block_kv"
+        }
         return cls(**recorded, block_kv=bool(data["kv_access"]))
 
     def environment(self) -> dict[str, str]:
@@ -202,7 +232,10 @@ class VllmServed:
     context_length: int
     vocabulary: int
     identity: Any
+    block_size: int
+    counts_preemptions: bool  # the engine keeps its statistics (a --kv-blocks pool)
     restores = False  # vLLM's engine cannot save and load back one sequence's blocks
+    salts = True  # a request's cache_salt enters its first block's hash
 
     def reset_cache(self) -> None:
         """Drop every prefix-cache block, so that the next request is a miss."""
@@ -212,16 +245,28 @@ class VllmServed:
     def round_trip(self) -> None:
         raise KvreplayError("vLLM's engine cannot save and restore a sequence's state.")
 
+    def pool_tokens(self) -> int | None:
+        """The pool less vLLM's null block."""
+        blocks = self.engine.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        return (int(blocks) - 1) * self.block_size if blocks else None
+
+    def preemptions(self) -> float | None:
+        if not self.counts_preemptions:
+            return None
+        metrics = self.engine.get_metrics()
+        return float(sum(m.value for m in metrics if m.name == "vllm:num_preemptions"))
+
     def serve(self, requests: Sequence[Request]) -> list[Reply]:
         """Serve requests together: one ``generate`` call, so they may share batches."""
         from vllm import SamplingParams
 
         for request in requests:
             if len(request.context) + request.stage.max_new_tokens > self.context_length:
+                pool = "; a larger --kv-blocks pool holds more" if self.counts_preemptions else ""
                 raise KvreplayError(
                     f"A request of {len(request.context)} tokens plus its stage's "
                     f"{request.stage.max_new_tokens} exceeds the engine's context of "
-                    f"{self.context_length} tokens."
+                    f"{self.context_length} tokens{pool}."
                 )
         params = [
             SamplingParams(
@@ -237,7 +282,10 @@ class VllmServed:
             )
             for r in requests
         ]
-        prompts = [{"prompt_token_ids": list(r.context)} for r in requests]
+        prompts = [
+            {"prompt_token_ids": list(r.context), **({"cache_salt": r.salt} if r.salt else {})}
+            for r in requests
+        ]
         try:
             outputs = self.engine.generate(prompts, params, use_tqdm=False)
         except Exception as exc:  # noqa: BLE001 - the engine's kernels raise many kinds
@@ -296,6 +344,8 @@ def load_served(model: ModelRef, precision: str, backend: VllmBackend) -> VllmSe
         engine.llm_engine.model_config.max_model_len,
         vocabulary_size(text, tokenizer),
         identity,
+        backend.block_size,
+        counts_preemptions=bool(backend.kv_blocks),
     )
 
 
@@ -317,6 +367,11 @@ def engine_settings(
         seed=backend.seed,
         trust_remote_code=trust_remote_code,
         distributed_executor_backend="uni",
+        **(
+            {"num_gpu_blocks_override": backend.kv_blocks, "disable_log_stats": False}
+            if backend.kv_blocks
+            else {}
+        ),
     )
 
 

@@ -49,6 +49,7 @@ class VllmServer:
     """vLLM's OpenAI-compatible server (``vllm serve``)."""
 
     name: ClassVar[str] = "vllm"
+    salts: ClassVar[bool] = True  # /v1/completions takes cache_salt
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -143,6 +144,8 @@ class VllmServer:
         }
         if not sampler.greedy:
             body["seed"] = sampler.seed
+        if request.salt:
+            body["cache_salt"] = request.salt
         answer = self.client.ok("POST", "/v1/completions", body, answer_limit(cap))
         choices = answer["choices"].list()
         if not choices:
@@ -162,6 +165,12 @@ class VllmServer:
 
     def traffic_slot(self, client: int) -> int:
         return 0  # vLLM has no slots: the scheduler places every request
+
+    def pool_tokens(self) -> int | None:
+        """The K/V pool less vLLM's null block, from ``/metrics``."""
+        status, text = self.client.text("/metrics")
+        pool = _pool(text) if status == 200 else None
+        return (pool[0] - 1) * pool[1] if pool and pool[0] > 1 else None
 
     def eviction_tokens(self, computed: int) -> int:
         """The pool less half of P: the free blocks are used first, then P's least
@@ -189,10 +198,16 @@ def _top(step: Answer) -> list[tuple[int, float]]:
     return sorted(top, key=lambda x: -x[1])
 
 
-def _pool_tokens(text: str) -> int | None:
-    """The K/V pool's size in tokens, from ``vllm:cache_config_info``'s labels."""
+def _pool(text: str) -> tuple[int, int] | None:
+    """The K/V pool's blocks and block size, from ``vllm:cache_config_info``'s labels."""
     for labels, _ in prometheus(text).get("vllm:cache_config_info", []):
         blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
         if blocks.isdigit() and size.isdigit():
-            return int(blocks) * int(size)
+            return int(blocks), int(size)
     return None
+
+
+def _pool_tokens(text: str) -> int | None:
+    """The K/V pool's size in tokens (vLLM's null block included)."""
+    pool = _pool(text)
+    return pool[0] * pool[1] if pool else None

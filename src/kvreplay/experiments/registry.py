@@ -31,6 +31,7 @@ BUILTIN: tuple[str, ...] = (
     "kvreplay.experiments.resample:DECLARATION",
     "kvreplay.experiments.localize:DECLARATION",
     "kvreplay.experiments.history:DECLARATION",
+    "kvreplay.experiments.battery:DECLARATION",
     "kvreplay.experiments.rollout:DECLARATION",
 )
 EXPERIMENTS: Registry[Declaration] = Registry(

@@ -7,31 +7,21 @@ A fault is off unless something outside every run folder turns it on: in a vLLM 
 vLLM general plugin, which is registered only by a plugin folder put on that process's
 path (:mod:`kvreplay.faults.plugin`); in this process, :func:`planted` (tests, and
 ``python -m kvreplay.faults NAME -- ARGS``, which runs a kvreplay command with the fault
-planted). Nothing in kvreplay's run path imports this package, and a run folder whose
-manifest names a fault is refused (:mod:`kvreplay.ledger`).
+planted). Nothing in kvreplay's run path imports this package; a run made with a fault
+planted records it in its manifest's one field (:mod:`kvreplay.core.planted`) and says
+so in its verdict.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvreplay.faults.patches import Patch, install
+from kvreplay.core.planted import plant, unplant
+from kvreplay.faults.patches import install
 from kvreplay.faults.registry import ENV, FAULTS, Fault, get
 
-ENGINE_MODULES = {
-    "vllm": "kvreplay.faults.vllm_engine",
-    "llamacpp": "kvreplay.faults.llamacpp_engine",
-    "hf": "kvreplay.faults.hf_engine",
-}
-
-__all__ = ["ENV", "FAULTS", "Fault", "get", "hooks", "planted"]
-
-
-def hooks(fault: Fault) -> Callable[[], list[Patch]]:
-    """What makes the fault's patches (importing its engine)."""
-    return importlib.import_module(ENGINE_MODULES[fault.engine]).HOOKS[fault.name]
+__all__ = ["ENV", "FAULTS", "Fault", "get", "planted"]
 
 
 @contextmanager
@@ -39,8 +29,10 @@ def planted(name: str) -> Iterator[Fault]:
     """The fault planted in this process for the ``with`` block (an in-process engine:
     the hf and llamacpp backends, vLLM's engine core with the vllm backend)."""
     fault = get(name)
-    uninstall = install(hooks(fault)())
+    uninstall = install(fault.patches())
+    plant(name)
     try:
         yield fault
     finally:
+        unplant(name)
         uninstall()

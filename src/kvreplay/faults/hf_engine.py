@@ -28,6 +28,3 @@ def lossy_cache() -> list[Patch]:
         return update
 
     return [(DynamicLayer, "update", make)]
-
-
-HOOKS: dict[str, Callable[[], list[Patch]]] = {"hf-lossy-cache": lossy_cache}

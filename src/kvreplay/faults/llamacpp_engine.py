@@ -144,10 +144,3 @@ def prefill_logits_ulp() -> list[Patch]:
         return llama_get_logits_ith
 
     return [(lib, "llama_decode", decode), (lib, "llama_get_logits_ith", logits)]
-
-
-HOOKS: dict[str, Callable[[], list[Patch]]] = {
-    "llamacpp-restore-perturbed": restore_perturbed,
-    "llamacpp-reeval-last": reeval_last,
-    "llamacpp-prefill-logits-ulp": prefill_logits_ulp,
-}

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.planted import plant
 from kvreplay.faults.patches import install
 from kvreplay.faults.registry import ENV, get
 
@@ -24,15 +25,14 @@ DIST = "kvreplay_fault_plugin-0.dist-info"
 
 def register() -> None:
     """Plant the vLLM fault ``KVREPLAY_FAULT`` names in this process (nothing if unset)."""
-    from kvreplay.faults import hooks
-
     name = os.environ.get(ENV)
     if not name:
         return
     fault = get(name)
     if fault.engine != "vllm":
         raise KvreplayError(f"{ENV}={name} is a {fault.engine} fault, not a vLLM one.")
-    install(hooks(fault)())
+    install(fault.patches())
+    plant(name)
     print(f"kvreplay: planted the fault {name} in process {os.getpid()}", file=sys.stderr)
 
 

@@ -107,21 +107,31 @@ def hit_ulp() -> list[Patch]:
     return [step_hook(before)]
 
 
-def aligned_stale() -> list[Patch]:
+def write_lost(blocks: Callable[[Any, Any], list[int]]) -> Patch:
+    """A step hook that puts ``blocks(runner, scheduler_output)`` back, once the step
+    ran, to what they held before it: the step's writes to them lost."""
+
     def before(runner: Any, output: Any) -> list[tuple[int, list[torch.Tensor]]]:
-        size, kept = block_size(runner), []
-        for hit in new_hits(output):
-            if hit.prompt % size == 0 and hit.cached == hit.prompt - size:
-                block = hit.blocks[hit.cached // size]
-                kept.append((block, [cache[block].clone() for cache in caches(runner)]))
-        return kept
+        return [(b, [cache[b].clone() for cache in caches(runner)]) for b in blocks(runner, output)]
 
     def after(runner: Any, output: Any, kept: list[tuple[int, list[torch.Tensor]]]) -> None:
         for block, old in kept:
             for cache, saved in zip(caches(runner), old, strict=True):
                 cache[block].copy_(saved)
 
-    return [step_hook(before, after)]
+    return step_hook(before, after)
+
+
+def aligned_stale() -> list[Patch]:
+    def recomputed(runner: Any, output: Any) -> list[int]:
+        size = block_size(runner)
+        return [
+            hit.blocks[hit.cached // size]
+            for hit in new_hits(output)
+            if hit.prompt % size == 0 and hit.cached == hit.prompt - size
+        ]
+
+    return [write_lost(recomputed)]
 
 
 def hash_truncated() -> list[Patch]:
@@ -250,14 +260,164 @@ def hit_temperature() -> list[Patch]:
     return [step_hook(before), (GPUModelRunner, "_sample", make)]
 
 
-HOOKS: dict[str, Callable[[], list[Patch]]] = {
-    "vllm-hit-ulp": hit_ulp,
-    "vllm-aligned-stale": aligned_stale,
-    "vllm-hash-truncated": hash_truncated,
-    "vllm-stale-slot": stale_slot,
-    "vllm-tail-position": tail_position,
-    "vllm-concurrent-race": concurrent_race,
-    "vllm-evict-stale-hash": evict_stale_hash,
-    "vllm-second-hit-lossy": second_hit_lossy,
-    "vllm-hit-temperature": hit_temperature,
-}
+def hit_before_write() -> list[Patch]:
+    """A hit on blocks another request of the same step writes: once the step ran, the
+    blocks hold what they held before it (the hit read them before the write landed,
+    and the write is lost to every later step)."""
+
+    def read_while_written(runner: Any, output: Any) -> list[int]:
+        size = block_size(runner)
+        writing = {
+            block
+            for r in output.scheduled_new_reqs
+            for block in r.block_ids[0][r.num_computed_tokens // size :]
+        }
+        return [
+            block
+            for hit in new_hits(output)
+            for block in hit.blocks[: hit.cached // size]
+            if block in writing
+        ]
+
+    return [write_lost(read_while_written)]
+
+
+def evict_before_pin() -> list[Patch]:
+    """The scheduler allocates a request's new blocks before it pins the cached blocks
+    its lookup found: a found block still at the head of the free queue is handed out
+    as one of the request's new blocks too, and the request's own new tokens overwrite
+    the prefix it hit."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any,
+                           **kwargs: Any) -> Any:  # fmt: skip
+            found = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)
+            hit = [b for b in (found.blocks[0] if found is not None else ()) if b.ref_cnt == 0]
+            pool = self.block_pool
+            head = _free_head(pool, len(hit) + 1)
+            result = original(self, request, num_new_tokens, *args, **kwargs)
+            if result is None or not hit:
+                return result
+            blocks = self.coordinator.single_type_managers[0].req_to_blocks[request.request_id]
+            new = [b for b in result.blocks[0] if b in blocks]
+            stolen = [b for b in hit if b in head][: len(new)]
+            for victim, fresh in zip(stolen, new, strict=False):
+                pool._maybe_evict_cached_block(victim)  # handed out anew, its hash goes
+                blocks[blocks.index(fresh)] = victim
+                victim.ref_cnt += 1
+                pool.free_blocks([fresh])
+            return result
+
+        return allocate_slots
+
+    return [(KVCacheManager, "allocate_slots", make)]
+
+
+def _free_head(pool: Any, count: int) -> list[Any]:
+    """The first ``count`` blocks of the pool's free queue: the next it hands out."""
+    found, block = [], pool.free_block_queue.fake_free_list_head.next_free_block
+    while block is not None and len(found) < count and not block.is_null:
+        found.append(block)
+        block = block.next_free_block
+    return found
+
+
+SALT = "cache_salt"  # the extra key vLLM's block hash gives a request's salt
+
+
+def hash_drops_salt() -> list[Patch]:
+    """A block's hash without the request's ``cache_salt``: prompts of different salts
+    share cached blocks."""
+    from vllm.v1.core import kv_cache_utils
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def generate_block_hash_extra_keys(request: Any, *args: Any, **kwargs: Any) -> Any:
+            keys, index = original(request, *args, **kwargs)
+            kept = tuple(
+                k for k in keys or () if not (isinstance(k, tuple) and k[0] == "cache_salt")
+            )
+            return (kept or None), index
+
+        return generate_block_hash_extra_keys
+
+    return [(kv_cache_utils, "generate_block_hash_extra_keys", make)]
+
+
+def one_block_prefix() -> list[Patch]:
+    """A hit on a cached prefix exactly one block long reads that block's K/V rounded to
+    8-bit floats (e4m3): corrupted."""
+
+    def before(runner: Any, output: Any) -> None:
+        size = block_size(runner)
+        for hit in new_hits(output):
+            if hit.cached == size:
+                for cache in caches(runner):
+                    cache[hit.blocks[0]].copy_(lossy(cache[hit.blocks[0]]))
+
+    return [step_hook(before)]
+
+
+def logprobs_stale() -> list[Patch]:
+    """The logprobs buffer not cleared: a request that starts on a prefix-cache hit
+    reports, at its first step, the logprobs its batch row held the step before."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    started: set[str] = set()  # requests whose first step is this one and began on a hit
+    last: dict[int, Any] = {}  # batch row -> the logprobs it reported the step before
+
+    def before(runner: Any, output: Any) -> None:
+        started.clear()
+        started.update(hit.req_id for hit in new_hits(output))
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
+            result = original(self, logits, spec_decode_metadata)
+            tensors = result.logprobs_tensors
+            if tensors is None:
+                return result
+            for row, req_id in enumerate(self.input_batch.req_ids):
+                fresh = tensors.logprobs[row].clone()
+                if req_id in started and row in last and last[row].shape == fresh.shape:
+                    tensors.logprobs[row].copy_(last[row])
+                last[row] = fresh
+            started.clear()
+            return result
+
+        return _sample
+
+    return [step_hook(before), (GPUModelRunner, "_sample", make)]
+
+
+def reset_keeps_table() -> list[Patch]:
+    """Resetting the prefix cache reports success but leaves the hash table and every
+    block's hash in place: after the pool was fully evicted, a lookup still hits."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_prefix_cache(self: Any) -> bool:
+            if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
+                return original(self)  # refused as vLLM refuses it
+            return True
+
+        return reset_prefix_cache
+
+    return [(BlockPool, "reset_prefix_cache", make)]
+
+
+def resume_position() -> list[Patch]:
+    """A preempted request, resumed, recomputes its tokens at positions one further on."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, scheduler_output, *args, **kwargs)
+            starts = self.query_start_loc.np
+            for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+                index = self.input_batch.req_id_to_index[req_id]
+                self.positions[int(starts[index]) : int(starts[index + 1])] += 1
+            return result
+
+        return _prepare_inputs
+
+    return [(GPUModelRunner, "_prepare_inputs", make)]

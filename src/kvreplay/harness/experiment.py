@@ -120,6 +120,20 @@ class Experiment(ABC):
         return []
 
 
+def derived_units(experiment: Experiment, scope: Scope, selection: Selection) -> list[Unit]:
+    """One unit per precision and selected item, each with the inputs the experiment
+    derives for it from its config (:meth:`Experiment.derived_inputs`)."""
+    items = {item.id: item for item in selection.items}
+    config = experiment.config(scope, selection)
+    derived = experiment.derived_inputs(config, scope.config, items)
+    return [
+        Unit(key, item, dtype, derived[str(key)])
+        for dtype in scope.dtypes
+        for item in selection.items
+        if (key := UnitKey(experiment.name, item.id, dtype))
+    ]
+
+
 def planned_keys(
     experiment: str,
     item_ids: list[str],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from kvreplay.core.canonical import canonical, sha256_json
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.core.paths import probe_folder, read_regular
+from kvreplay.core.planted import FIELD, planted_fault
 from kvreplay.ledger.files import disk_error, write_atomic
 from kvreplay.ledger.records import GENESIS, Record, TamperedLedger, parse_rows, typed
 from kvreplay.ledger.writer import RunLock
@@ -94,28 +94,25 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, indent=2).encode()
 
 
-FAULT_KEY = re.compile(r"(^|_)faults?($|_)", re.IGNORECASE)
-FAULT_SETTING = "KVREPLAY_FAULT"  # kvreplay.faults.ENV, which the run path never imports
-
-
-def names_fault(value: Any, path: str = "") -> str | None:
-    """Where a manifest names a planted fault (design: fault): a key such as ``fault``, or
-    the setting that enables one; None where it names none, as every run's manifest."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
-            if FAULT_KEY.search(str(key)) or FAULT_SETTING in str(key):
-                return f"field {where}"
-            found = names_fault(item, where)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        return next(
-            (f for i, item in enumerate(value) if (f := names_fault(item, f"{path}[{i}]"))), None
+def check_planted(run_dir: Path, manifest: dict[str, Any]) -> None:
+    """A run is read with the fault it was made with planted, and no other (design:
+    fault): its manifest's one field :data:`~kvreplay.core.planted.FIELD` against the
+    fault planted in this process. Nothing else in a manifest is read as a fault."""
+    recorded, now = manifest.get(FIELD), planted_fault()
+    if recorded is not None and not isinstance(recorded, str):
+        raise KvreplayError(f"{run_dir}/manifest.json: field {FIELD} is not a string.")
+    if recorded == now:
+        return
+    if recorded is None:
+        raise KvreplayError(
+            f"The fault {now} is planted in this process, but the run in {run_dir} was made "
+            "without it; run kvreplay on it without the fault."
         )
-    elif isinstance(value, str) and FAULT_SETTING in value:
-        return f"field {path}"
-    return None
+    raise KvreplayError(
+        f"The run in {run_dir} was made with the planted fault {recorded} (its manifest's "
+        f"field {FIELD}); read or resume it only with that fault planted "
+        f"(python -m kvreplay.faults {recorded} -- ...)."
+    )
 
 
 class RunLedger:
@@ -166,12 +163,7 @@ class RunLedger:
                     f"kvreplay run writes (it records {' and '.join(HEADER_ENVIRONMENT)}); "
                     "kvreplay reads no run folder whose manifest adds to its environment."
                 )
-        named = names_fault(manifest)
-        if named is not None:
-            raise KvreplayError(
-                f"{run_dir}/manifest.json names a planted fault ({named}); kvreplay neither "
-                "resumes nor audits a run that does, since no run folder may turn a fault on."
-            )
+        check_planted(run_dir, manifest)
         for name, entry in manifest["experiments"].items():
             if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):
                 raise KvreplayError(

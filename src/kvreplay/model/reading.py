@@ -9,6 +9,8 @@ backend's (:mod:`kvreplay.backends.hf.loading`).
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +73,18 @@ def describe_source(
 
 def model_config(spec: str, trust_remote_code: bool = False) -> Any:
     """The model's config, without the weights, once it is one a model can be built from
-    and run with (see :mod:`kvreplay.model.architecture`)."""
+    and run with (see :mod:`kvreplay.model.architecture`). A command reads it several
+    times (admission, each engine): it is parsed once per version of the model's files
+    and each caller gets its own copy."""
+    source, gguf_file, _ = pretrained(spec, trust_remote_code)
+    config = source / (gguf_file or "config.json")
+    signature = (config.stat().st_mtime_ns, config.stat().st_size) if config.is_file() else None
+    return copy.deepcopy(_parsed_config(spec, trust_remote_code, signature))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_config(spec: str, trust_remote_code: bool, signature: Any) -> Any:
+    """:func:`model_config`, parsed (``signature``: the config file's version)."""
     from transformers import AutoConfig
 
     source, gguf_file, kwargs = pretrained(spec, trust_remote_code)

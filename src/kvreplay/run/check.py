@@ -21,6 +21,8 @@ from typing import Any
 from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import COUNTS, Declared, arguments, option
+from kvreplay.core.planted import FIELD
+from kvreplay.experiments.battery.table import BATTERY
 from kvreplay.experiments.registry import check_experiment, declared
 from kvreplay.ledger import RunLedger, parse_rows
 from kvreplay.run.enginelog import engine_log, run_line
@@ -33,9 +35,18 @@ from kvreplay.verify.render import SCHEMA, junit, screen, to_json
 from kvreplay.verify.verdict import StopRule, Verdict, judge
 
 DEFAULT_ITEMS = 4  # items a check runs without --n or --max-rate
+BATTERY_ITEMS = 1  # a battery's items without --n: every shape of one item, a minute cold
 DEFAULT_SAMPLES = 8  # seeded samples per item at temperature > 0
-# The shared run options whose default a check sets otherwise than a run: one precision.
-CHECK_DEFAULTS: dict[str, Any] = {"dtypes": ("bf16",)}
+USER_PRECISION = "bf16"  # what a check compares at without --dtypes, but for a battery
+# The shared run options whose default a check sets otherwise than a run: the precision
+# is the check's own choice (CheckRequest.dtypes, :func:`precisions`), as its help says.
+CHECK_DEFAULTS: dict[str, Any] = {"dtypes": None}
+BATTERY_TAKES = ("shapes",)  # the battery's own options a check takes
+DTYPES_HELP = (
+    "Comma-separated precisions: fp32, bf16, fp16 (llamacpp: KV-cache types, also q8_0). "
+    f"Default: a server's own; else for a battery (a backend with a prefix cache) the "
+    f"precision its clean engine is measured exact at (fp32 on vLLM); else {USER_PRECISION}."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +55,10 @@ class CheckRequest(RunOptions):
     where the verdict goes; ``own`` holds the options given of the experiment it runs
     (``--select``, ``--screen``; a ``--trainer`` check's rollout options)."""
 
+    # the shared --dtypes, with the check's own default: None until run_check chooses
+    dtypes: tuple[str, ...] | None = field(  # type: ignore[assignment]
+        default=None, metadata=RunOptions.__dataclass_fields__["dtypes"].metadata
+    )
     out: Path | None = field(
         default=None,
         metadata=option(
@@ -177,6 +192,7 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     from kvreplay.run.runner import run
 
     if request.trainer is not None:  # a gate on the training-inference mismatch
+        request = replace(request, dtypes=request.dtypes or (USER_PRECISION,))
         return run_mismatch_check(request, echo, (DEFAULT_ITEMS, default_out(request)))  # type: ignore[return-value]
     refuse_without_trainer(request)
     temperature = request.sampler.temperature
@@ -184,7 +200,10 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
         request.expect, request.max_divergent, request.margin, temperature, request.max_rate
     )
     name, extra = _experiment(request, expectation)
-    n = _item_count(request, expectation)
+    if name == BATTERY:
+        request = replace(request, backend=request.backend.for_battery())
+    request = replace(request, dtypes=precisions(request, name))
+    n = _item_count(request, expectation, BATTERY_ITEMS if name == BATTERY else DEFAULT_ITEMS)
     out = request.out or default_out(request)
     repro = request.repro or out.with_name(out.name + ".repro")
     reads = (request.items, request.model, request.plan)
@@ -201,7 +220,9 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
     rows = [r for r in records if r.experiment == name]
     planned = len(request.dtypes) * n
-    verdict = judge(experiment, rows, expectation, recorded_environment(ledger.manifest), planned)
+    environment = recorded_environment(ledger.manifest)
+    fault = ledger.manifest.get(FIELD)
+    verdict = judge(experiment, rows, expectation, environment, planned, fault)
     echo(screen(verdict))
     write_outputs((to_json(verdict), junit(verdict)), request.json_path, request.junit_path)
     pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
@@ -224,7 +245,36 @@ def _experiment(request: CheckRequest, expectation: Expectation) -> tuple[str, d
     if faithful:
         samples = request.samples or DEFAULT_SAMPLES
         return check_experiment("faithful"), {"samples": samples, "margin": expectation.margin}
-    return check_experiment("traffic" if traffic else "greedy"), dict(request.own)
+    if traffic:
+        return check_experiment("traffic"), dict(request.own)
+    battery = {k: v for k, v in request.own.items() if k in BATTERY_TAKES}
+    greedy = {k: v for k, v in request.own.items() if k not in BATTERY_TAKES}
+    if battery and greedy:
+        raise KvreplayError("--shapes and --select or --screen belong to different checks.")
+    if greedy or not request.backend.capabilities.cache_control:
+        if battery:
+            raise KvreplayError(
+                f"--shapes needs a backend with a prefix cache; the {request.backend.name} "
+                "backend has none."
+            )
+        return check_experiment("greedy"), greedy
+    level = {"bitwise": "bits", "exact": "tokens"}.get(request.expect or "", "measured")
+    return check_experiment("gate"), {**battery, "level": level, "stop_at_first": True}
+
+
+def precisions(request: CheckRequest, experiment: str) -> tuple[str, ...]:
+    """The precisions a check compares at: ``--dtypes``, else a server's own, else the
+    battery's (where its clean engine is measured exact: vLLM's fp32), else the user's."""
+    if request.dtypes:
+        return request.dtypes
+    probe = getattr(request.backend, "probe", None)
+    served = probe.identity["settings"].get("dtype") if probe is not None else None
+    if served is not None or experiment != BATTERY:
+        return (served or USER_PRECISION,)
+    from kvreplay.experiments.battery.experiment import MEASURED, engine_of
+
+    measured = [p for e, p in MEASURED if e == engine_of(request.backend)]
+    return (measured[0] if measured else USER_PRECISION,)
 
 
 def default_out(request: RunOptions) -> Path:
@@ -241,19 +291,24 @@ def check_own_options() -> dict[str, Declared]:
     from kvreplay.run.mismatch_check import ROLLOUT, TAKEN
 
     greedy = declared()[check_experiment("greedy")].option_fields()
+    battery = declared()[BATTERY].option_fields()
     rollout = declared()[ROLLOUT].option_fields()
-    return {**greedy, **{key: rollout[key] for key in TAKEN}}
+    return {
+        **greedy,
+        **{key: battery[key] for key in BATTERY_TAKES},
+        **{key: rollout[key] for key in TAKEN},
+    }
 
 
-def _item_count(request: CheckRequest, expectation: Expectation) -> int:
-    """How many items the check runs: ``--n`` (:data:`DEFAULT_ITEMS` by default), or under
+def _item_count(request: CheckRequest, expectation: Expectation, default: int) -> int:
+    """How many items the check runs: ``--n`` (``default`` if not given), or under
     ``--max-rate`` as many as a pass needs to bound the rate under it, which the item set
     must hold."""
     from kvreplay.core.items import load_items
 
     needed = expectation.items_needed()
     if needed is None:
-        return request.n if request.n is not None else DEFAULT_ITEMS
+        return request.n if request.n is not None else default
     if request.n is not None:
         raise KvreplayError(
             f"--max-rate {expectation.max_rate:g} sets how many items run ({needed}); "
@@ -280,4 +335,11 @@ def _check_numerics(backend: Any, expectation: Expectation) -> None:
         )
 
 
-__all__ = ["CHECK_DEFAULTS", "DEFAULT_ITEMS", "SCHEMA", "CheckRequest", "run_check"]
+__all__ = [
+    "BATTERY_ITEMS",
+    "CHECK_DEFAULTS",
+    "DEFAULT_ITEMS",
+    "SCHEMA",
+    "CheckRequest",
+    "run_check",
+]

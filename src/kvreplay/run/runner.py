@@ -24,6 +24,7 @@ from kvreplay.contract.upgrade import current
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, frozen_text, is_token_ids, load_items
 from kvreplay.core.paths import read_regular
+from kvreplay.core.planted import FIELD, planted_fault
 from kvreplay.core.stages import StagePlan, opener_ids, plan_budget
 from kvreplay.core.version import VERSION
 from kvreplay.engines import EngineSession, make_engine
@@ -211,6 +212,7 @@ def _header(request: RunRequest) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": request.command,
         "snapshots": SNAPSHOTS_SAVED if request.save_snapshots else "fingerprints only",
+        **({FIELD: fault} if (fault := planted_fault()) else {}),
     }
 
 

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kvreplay.core.comparison import first_divergence
 from kvreplay.core.trajectory import numeric_divergence
+from kvreplay.experiments.battery.outcome import calibration, is_battery, shape_outcomes
 from kvreplay.harness.experiment import Experiment
 from kvreplay.ledger import Record
 
 if TYPE_CHECKING:
-    from kvreplay.harness.rows import ArmResult
+    from kvreplay.harness.rows import ArmResult, PanelRow
 
 Bits = Literal["equal", "differ", "unknown"]
 
@@ -50,10 +51,17 @@ class ItemOutcome:
     traffic_differs_from_right: bool | None = None
     traffic_numerics_differ: bool | None = None
     traffic_load: dict[str, Any] | None = None  # what the server reported meanwhile
+    # A battery row (design: request shape): the shapes that parted hit from miss at
+    # their level, and each shape as the verdict reports it (None: not a battery row).
+    detected: tuple[str, ...] | None = None
+    shapes: list[dict[str, Any]] | None = None
 
     @property
     def pair_diverges(self) -> bool:
-        """The compared pair's continuations part (a seed's, for a sampled row)."""
+        """The compared pair's continuations part (a seed's, for a sampled row; for a
+        battery, any shape's hit and miss at the shape's level)."""
+        if self.detected is not None:
+            return bool(self.detected)
         return self.suffix_differs or bool(self.seeds_changed)
 
     @property
@@ -109,6 +117,9 @@ def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome
             found.append(ItemOutcome(data["item_id"], data["precision"], False, True))
             continue
         row = experiment.read_row(data)
+        if is_battery(row):
+            found.append(battery_outcome(row))
+            continue
         pairs = row.pairs
         changed = [a.suffix_sha256 != b.suffix_sha256 for a, b in pairs]
         left, right = pairs[0]
@@ -140,3 +151,45 @@ def outcomes(experiment: Experiment, rows: Iterable[Record]) -> list[ItemOutcome
             )
         )
     return found
+
+
+def battery_outcome(row: PanelRow) -> ItemOutcome:
+    """A battery row at both levels: tokens part where any shape's hit and miss part
+    (or read other cached tokens than they should, the calibration misses included),
+    bits where any shape's numerics part; it diverges where a shape parts at the shape's
+    own level. Its replicas hold when the calibration misses agree bit for bit."""
+    shapes = [s for s in shape_outcomes(row) if s.ran and s.exercised is not False]
+    pairs = [(s.hit, s.miss) for s in shapes]
+    deterministic, phantom = calibration(row)
+    reset = (RESET,) if phantom else ()
+    parted = [s for s in shapes if not s.tokens_equal or not s.cache_as_written]
+    first = next((s for s in shapes if s.detected), parted[0] if parted else None)
+    steps = [s.first_step for s in shapes if not s.bits_equal and s.first_step is not None]
+    return ItemOutcome(
+        item_id=row.item_id,
+        precision=row.precision,
+        reached=True,
+        replicas_ok=deterministic,
+        suffix_differs=bool(parted) or bool(reset),
+        answer_differs=any(a.answer != b.answer for a, b in pairs),  # type: ignore[union-attr]
+        label_flips=any(a.correct != b.correct for a, b in pairs),  # type: ignore[union-attr]
+        first_divergence=first.first_step if first is not None else None,
+        cache_hit_tokens=max((s.hit_cached or 0 for s in shapes), default=0),
+        logits_equal=all(a.logits_fingerprint == b.logits_fingerprint for a, b in pairs),  # type: ignore[union-attr]
+        numerics_recorded=True,
+        numeric_divergence=min(steps) if steps else None,
+        detected=reset + tuple(s.shape for s in shapes if s.detected),
+        shapes=[*_reset(phantom), *(s.to_json() for s in shape_outcomes(row))],
+    )
+
+
+RESET = "reset"
+"""A battery's calibration as a shape: a miss after a reset that read cached tokens."""
+
+
+def _reset(phantom: int) -> list[dict[str, Any]]:
+    """The calibration where it detected a phantom hit (a verdict names it as a shape)."""
+    if not phantom:
+        return []
+    why = f"a miss read {phantom} cached tokens after a reset"
+    return [{"shape": RESET, "level": "tokens", "exercised": True, "detected": True, "why": why}]

@@ -1,5 +1,5 @@
 """A verdict said: the sentence every check and run ends with, the JSON (schema
-``kvreplay-check-v3``; v1 and v2 stay readable through :func:`read_json`), JUnit XML and
+``kvreplay-check-v4``; v1 to v3 stay readable through :func:`read_json`), JUnit XML and
 the one-screen report. Each reads a :class:`~kvreplay.verify.verdict.Verdict` and
 judges nothing itself."""
 
@@ -19,8 +19,8 @@ from kvreplay.verify.expectation import DEFAULT_MARGIN
 from kvreplay.verify.outcome import ItemOutcome
 from kvreplay.verify.verdict import Verdict, run_verdicts
 
-SCHEMA = "kvreplay-check-v3"
-READABLE = ("kvreplay-check-v1", "kvreplay-check-v2", SCHEMA)
+SCHEMA = "kvreplay-check-v4"  # v4: the planted fault and a battery's shapes
+READABLE = ("kvreplay-check-v1", "kvreplay-check-v2", "kvreplay-check-v3", SCHEMA)
 NEAR_TIE = 0.5  # top-1/top-2 margin under which a divergence counts as a near-tie
 
 
@@ -30,7 +30,12 @@ def sentence(verdict: Verdict) -> str:
     level = verdict.expectation.level
     word = "HOLDS" if verdict.holds else "FAILS"
     where = {"tokens": " at token level", "bits": " bitwise"}.get(level, "")
-    head = f"{word}{where} ({verdict.expectation.describe()}): "
+    planted = f" with the fault {verdict.planted_fault} planted" if verdict.planted_fault else ""
+    expected = verdict.expectation.describe()
+    battery = verdict.shapes
+    if battery is not None and level == "tokens":
+        where, expected = " at the measured level", "every request shape's hit as its miss"
+    head = f"{word}{where} ({expected}){planted}: "
     if not verdict.reached:
         return head + "no item reached its boundary, so nothing was compared."
     if verdict.broken:
@@ -52,11 +57,57 @@ def sentence(verdict: Verdict) -> str:
     )
     if verdict.certificate is not None:
         return head + verdict.certificate["sentence"] + uncached + "; " + _bits_clause(verdict)
+    if battery is not None:
+        return head + _battery_clause(verdict, battery) + uncached + _stop_clause(verdict) + "."
     if level == "bits":
         body = _bits_clause(verdict, leading=True) + "; at token level " + _tokens_clause(verdict)
     else:
         body = _tokens_clause(verdict) + "; " + _bits_clause(verdict)
     return head + body + uncached + _stop_clause(verdict) + "."
+
+
+def _battery_clause(verdict: Verdict, shapes: dict[str, Any]) -> str:
+    """What the battery's shapes found: the first that parted hit from miss, or that
+    none did, at which levels, over how many items, and which shapes did not run."""
+    parted = verdict.divergent
+    if parted:
+        first = parted[0]
+        shape = next(s for s in first.shapes or [] if s["detected"])
+        return (
+            f"the {shape['shape']} shape parted hit from miss on item {first.item_id} "
+            f"({first.precision}): {shape['why']}, compared {_at(shape['level'])}; "
+            f"{len(parted)} of {len(verdict.judged)} item(s) parted{_live(shapes)}"
+        )
+    levels = ", ".join(
+        f"{', '.join(names)} {_at(level)}" for level, names in shapes["levels"].items()
+    )
+    unexercised = shapes["unexercised"]
+    skipped = (
+        "; not exercised: " + "; ".join(f"{name} ({why})" for name, why in unexercised.items())
+        if unexercised
+        else ""
+    )
+    return (
+        f"no hit parted from its miss in {len(shapes['ran'])} request shape(s) on "
+        f"{len(verdict.judged)} item(s) in {', '.join(shapes['precisions'])}, compared {levels}"
+        f"{shapes['measured']}{skipped}" + _power(verdict, "tokens") + _live(shapes)
+    )
+
+
+def _live(shapes: dict[str, Any]) -> str:
+    """The paper's question beside the battery: live decode vs a prefill of its tokens."""
+    live = shapes["live"]
+    if not live["items"]:
+        return ""
+    return (
+        f"; beside it, the paper's question (the hit at a random cut of a greedy "
+        f"continuation vs the live decode it cut): bit-equal on {live['equal']} of "
+        f"{live['items']} item(s)"
+    )
+
+
+def _at(level: str) -> str:
+    return {"bits": "bit for bit at the reported log-probabilities", "tokens": "at tokens"}[level]
 
 
 def _tokens_clause(verdict: Verdict) -> str:
@@ -167,6 +218,8 @@ def to_json(verdict: Verdict) -> dict[str, Any]:
         "certificate": verdict.certificate,
         "environment": verdict.environment,
         "traffic": verdict.traffic,
+        "planted_fault": verdict.planted_fault,
+        "shapes": verdict.shapes,
     }
 
 
@@ -317,7 +370,7 @@ def read_json(data: Any) -> VerdictRecord:
         raise KvreplayError(
             f"Not a kvreplay verdict (schema {schema!r}; readable: {', '.join(READABLE)})."
         )
-    if data["schema"] != "kvreplay-check-v1":  # v2 and v3 have both levels
+    if data["schema"] != "kvreplay-check-v1":  # v2 and later have both levels
         levels = data["levels"]
     else:
         counts = data["counts"]

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvreplay.core.power import rate_upper_bound
+from kvreplay.experiments.battery.experiment import MEASURED
 from kvreplay.harness.experiment import Experiment
 from kvreplay.ledger import Record
 from kvreplay.verify.expectation import Expectation
@@ -42,8 +43,9 @@ def judged(items: Iterable[ItemOutcome]) -> list[ItemOutcome]:
 @dataclass(frozen=True)
 class Verdict:
     """A check's outcome against its expectation: each item, the certificate when
-    sampled, the environment it ran in, and how many item rows it meant to run
-    (``planned``: it stops once the verdict is decided)."""
+    sampled, the environment it ran in, how many item rows it meant to run
+    (``planned``: it stops once the verdict is decided), and the fault planted in the
+    engine while it ran (a measurement of the fault suite, never a real engine's)."""
 
     expectation: Expectation
     compared: tuple[str, str]
@@ -51,6 +53,7 @@ class Verdict:
     certificate: dict[str, Any] | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     planned: int | None = None
+    planted_fault: str | None = None  # the fault planted in the engine while it ran
 
     @property
     def reached(self) -> list[ItemOutcome]:
@@ -143,6 +146,39 @@ class Verdict:
             "load": _most_load([o.traffic_load for o in ran if o.traffic_load]),
         }
 
+    @property
+    def shapes(self) -> dict[str, Any] | None:
+        """A battery's shapes over its items (None: not a battery): those that ran, by
+        the level each was compared at, those never exercised and why, where the level
+        was measured, and beside them the paper's question (``live``: on how many items
+        the hit at a random cut continued as the live decode it cut, bit for bit)."""
+        rows = [o for o in self.reached if o.shapes is not None]
+        if not rows:
+            return None
+        seen = [s for o in rows for s in o.shapes or []]
+        ran = [s for s in seen if s["exercised"] is not False]
+        names = list(dict.fromkeys(s["shape"] for s in ran))
+        levels: dict[str, list[str]] = {}
+        for name in names:
+            level = next(s["level"] for s in ran if s["shape"] == name)
+            levels.setdefault(level, []).append(name)
+        unexercised = {
+            s["shape"]: s["note"] or "not exercised" for s in seen if s["shape"] not in names
+        }
+        precisions = list(dict.fromkeys(o.precision for o in rows))
+        backend = self.environment.get("backend") or {}
+        engine = str(backend.get("server", backend.get("name", "")))
+        measured = [MEASURED[(engine, p)] for p in precisions if (engine, p) in MEASURED]
+        live = [s["live_equal"] for s in seen if s.get("live_equal") is not None]
+        return {
+            "ran": names,
+            "live": {"items": len(live), "equal": sum(live)},
+            "levels": levels,
+            "unexercised": unexercised,
+            "precisions": precisions,
+            "measured": f" (the level measured: {measured[0]})" if measured else "",
+        }
+
     def counts(self) -> dict[str, int]:
         reached = self.reached
         return {
@@ -202,28 +238,33 @@ def judge(
     expectation: Expectation,
     environment: dict[str, Any] | None = None,
     planned: int | None = None,
+    planted_fault: str | None = None,
 ) -> Verdict:
     """The verdict of a run's rows (read once, twice for a sampled run, which is judged
-    by its certificate)."""
+    by its certificate); ``planted_fault``: the fault its manifest records."""
     items = outcomes(experiment, rows)
     certificate = None
     if any(o.seeds for o in items):
         certificate = _certificate(experiment, rows, expectation.margin)
     arms = experiment.panel.arms
     compared = (arms[0].construction, arms[1].construction)
-    return Verdict(expectation, compared, items, certificate, environment or {}, planned)
+    return Verdict(
+        expectation, compared, items, certificate, environment or {}, planned, planted_fault
+    )
 
 
 def decided(experiment: Experiment, expectation: Expectation, rows: list[Record]) -> bool:
     """Whether the rows so far already decide a FAIL, so a check stops running items:
     replicas that disagreed; under ``bitwise``, the first judged item whose numerics part
-    (or cannot be compared); under ``--max-rate``, more parted items than it allows."""
+    (or cannot be compared); under ``--max-rate``, and on a battery's rows (its first
+    detection), more parted items than it allows."""
     items = outcomes(experiment, rows)
     if any(o.reached and not o.replicas_ok for o in items):
         return True
     if expectation.kind == "bitwise":
         return any(o.bits != "equal" for o in judged(items))
-    if expectation.max_rate is not None and expectation.kind != "faithful":
+    battery = any(o.detected is not None for o in items)  # stops at the first detection
+    if (expectation.max_rate is not None or battery) and expectation.kind != "faithful":
         return sum(o.diverges for o in judged(items)) > expectation.allowed
     return False
 

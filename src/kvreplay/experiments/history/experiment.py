@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvreplay.core.items import Item
-from kvreplay.harness.experiment import Experiment, planned_keys
+from kvreplay.harness.experiment import Experiment, derived_units, planned_keys
 from kvreplay.harness.panel import Panel
 from kvreplay.harness.scope import Scope, Selection
 from kvreplay.harness.served import EVERY_STAGE, MISS, ServedArm, miss_input, run_served_panel
@@ -60,14 +60,7 @@ class History(Experiment):
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
-        items = {item.id: item for item in selection.items}
-        derived = self.derived_inputs(self.config(scope, selection), scope.config, items)
-        return [
-            Unit(key, item, dtype, derived[str(key)])
-            for dtype in scope.dtypes
-            for item in selection.items
-            if (key := UnitKey(self.name, item.id, dtype))
-        ]
+        return derived_units(self, scope, selection)
 
     def derived_inputs(
         self, config: dict[str, Any], run: Any, items: dict[str, Item]
