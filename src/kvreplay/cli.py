@@ -22,7 +22,7 @@ import click
 
 from kvreplay.core.errors import KvreplayError, exit_plainly, plain_errors
 from kvreplay.core.options import Declared, build, every
-from kvreplay.core.paths import UserPath
+from kvreplay.report.commands import UserPath
 from kvreplay.run.supervise import supervise, watched
 
 KEEP = object()  # an option's default is its field's

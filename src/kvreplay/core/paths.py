@@ -16,16 +16,15 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import click
+from typing import BinaryIO
 
 from kvreplay.core.errors import KvreplayError
 
 FALLBACK_NAME_MAX = 255
 
 
-def _shown(path: Path | str) -> str:
+def shown_path(path: Path | str) -> str:
+    """A path as a sentence names it: its first 80 characters."""
     text = str(path)
     return text if len(text) <= 80 else text[:80] + "..."
 
@@ -61,7 +60,7 @@ def check_name(path: Path, what: str) -> Path:
     """Refuse a path the file system cannot hold, naming ``what`` it is."""
     problem = name_problem(path)
     if problem:
-        raise KvreplayError(f"{what} {_shown(path)} cannot be used: {problem}.")
+        raise KvreplayError(f"{what} {shown_path(path)} cannot be used: {problem}.")
     return path
 
 
@@ -87,19 +86,6 @@ def open_regular(path: Path) -> BinaryIO:
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", str(path))
     return os.fdopen(fd, "rb")
-
-
-class UserPath(click.Path):
-    """A ``click.Path`` that refuses an empty value (``Path("")`` is the current folder)
-    and a path the file system cannot hold, as a usage error."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and not value.strip():
-            self.fail("is empty; name a path (. is the current folder)", param, ctx)
-        problem = name_problem(Path(value))
-        if problem:
-            self.fail(f"{_shown(value)} cannot be used: {problem}", param, ctx)
-        return super().convert(value, param, ctx)
 
 
 def _new_file(folder: Path, name: str) -> tuple[int, Path]:

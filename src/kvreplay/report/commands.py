@@ -14,7 +14,20 @@ import click
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.core.errors import KvreplayError, plain_errors
 from kvreplay.core.outputs import Inputs, check_file_target, check_folder_target
-from kvreplay.core.paths import UserPath
+from kvreplay.core.paths import name_problem, shown_path
+
+
+class UserPath(click.Path):
+    """A ``click.Path`` that refuses an empty value (``Path("")`` is the current folder)
+    and a path the file system cannot hold, as a usage error."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty; name a path (. is the current folder)", param, ctx)
+        problem = name_problem(Path(value))
+        if problem:
+            self.fail(f"{shown_path(value)} cannot be used: {problem}", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def output_option(name: str, help: str, **kind: bool) -> Callable[[Any], Any]:
