@@ -26,7 +26,7 @@ from kvreplay.core.errors import KvreplayError
 if TYPE_CHECKING:
     from kvreplay.backends.base import Backend, ModelRef
 
-ENGINE = "engine"  # the rollout stack's own prefill, as --scorers names it
+OWN_PREFILL = "engine"  # the rollout stack's own prefill as a scorer; --scorers says engine
 SCHEDULES = ("prefill", "replay")
 
 
@@ -45,7 +45,7 @@ class ScorerSpec:
     def label(self) -> str:
         """How tables and sentences name the scorer."""
         if self.backend is None:
-            return ENGINE if self.schedule == "prefill" else f"{ENGINE}:{self.schedule}"
+            return OWN_PREFILL if self.schedule == "prefill" else f"{OWN_PREFILL}:{self.schedule}"
         text = f"{self.backend}:{self.precision}"
         text += f":{self.schedule}" if self.schedule != "prefill" else ""
         return text + (f"@{self.model}" if self.model else "")
@@ -57,7 +57,7 @@ class ScorerSpec:
 
         body, _, model = text.strip().partition("@")
         parts = body.split(":")
-        if parts[0] == ENGINE:
+        if parts[0] == OWN_PREFILL:
             if len(parts) > 2 or model:
                 raise KvreplayError(f"--scorers entry {text!r}: write engine or engine:replay.")
             return cls(None, schedule=_schedule(parts[1] if len(parts) == 2 else "prefill", text))

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreplay.backends.rollout import ENGINE
+from kvreplay.backends.rollout import OWN_PREFILL
 from kvreplay.core.rollout import Conversation, Sampling, Scored, Turn, check_logprobs
 from kvreplay.experiments.rollout.roll import Bench, roll
 from kvreplay.experiments.rollout.sides import Sequences, read_sides
@@ -101,7 +101,7 @@ def audit_own_stack(
     sampling.check(reports, "sample()")
     scorers: list[tuple[str, Any]] = [(trainer, CallableScorer(score))]
     if engine_score is not None:
-        scorers.insert(0, (ENGINE, CallableScorer(engine_score)))
+        scorers.insert(0, (OWN_PREFILL, CallableScorer(engine_score)))
     bench = Bench(CallableStack(sample), scorers)
     rows = []
     for index, prompt in enumerate(prompts):
