@@ -33,8 +33,9 @@ class Declaration:
     ``traffic``) or the capability (``rollout``); the role it plays in ``kvreplay check``
     (``greedy``, ``faithful``, ``traffic``); whether a verdict judges its rows
     (``judged``: they hold a compared pair of arms); and where a later panel reads prior
-    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first); the
-    keys and types of its manifest config."""
+    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first) and
+    which of its rows record a prefix (``prefix_kind``); the keys and types of its
+    manifest config."""
 
     name: str
     summary: str
@@ -53,6 +54,9 @@ class Declaration:
     check: str | None = None  # the role it plays in kvreplay check (None: none)
     judged: bool = False  # a verdict judges its rows
     outcome_rank: int | None = None  # a source of prior outcomes for panels, by preference
+    # Of such a source, the kind of row that records a prefix for a later panel (None: its
+    # rows at the backend's prefix precision; fixed-prefix: its ``prefix`` rows).
+    prefix_kind: str | None = None
     # The keys its manifest config holds (what ``Experiment.config`` writes, besides the
     # table's schema version) and the JSON type(s) of each: the audit names any other key
     # or type in a recorded config (None: not declared, not checked).

@@ -16,6 +16,7 @@ DECLARATION = Declaration(
     section=SECTION,
     judged=True,
     outcome_rank=1,
+    prefix_kind="prefix",
     config={
         "dtypes": list,
         "item_ids": list,
