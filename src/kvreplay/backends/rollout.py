@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.roles import Scorer
+from kvreplay.core.cache import Recent
 from kvreplay.core.canonical import sha256_json
 from kvreplay.core.errors import KvreplayError
 
@@ -107,16 +108,16 @@ def open_model(backend: Backend, model: ModelRef, precision: str) -> Any:
     return backend.load_model(model, precision)
 
 
-_OPENED: dict[str, Any] = {}
+OPENED_MODELS = 4
+"""Scorer models a process keeps open: a run's few scorers, not every one it ever met."""
+_OPENED: Recent[str, Any] = Recent(OPENED_MODELS)
 
 
 def _opened(backend: Backend, model: ModelRef, precision: str) -> Any:
     """One model per backend, settings, model files and precision in a process: scoring
     every rollout of a run loads each scorer once."""
     key = sha256_json([backend.contract(), dataclasses.asdict(model), precision])
-    if key not in _OPENED:
-        _OPENED[key] = open_model(backend, model, precision)
-    return _OPENED[key]
+    return _OPENED.get(key, lambda: open_model(backend, model, precision))
 
 
 def open_scorer(spec: ScorerSpec, model: ModelRef) -> Scorer:
