@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreplay.analysis.claims import SCHEMA, build_claims, write_claims
+from kvreplay.analysis.claims import SCHEMA, Claims, build_claims, write_claims
 from kvreplay.analysis.ledgers import LedgerDir, load_ledger_dir
 from kvreplay.core.jsonio import JsonError, parse_json
 from kvreplay.core.paths import read_regular, replace_file
 from kvreplay.harness.table import LedgerError
-from kvreplay.measure.rates import Json
 from kvreplay.render.document import Image, to_html, to_markdown
 from kvreplay.render.figures import Figures
 from kvreplay.report.sections import report_blocks
@@ -28,7 +27,7 @@ class ReportPaths:
     figures: tuple[Path, ...]
 
 
-def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Json:
+def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Claims:
     """The run's claims.json, or a fresh analysis written to out_dir when there is none."""
     path = run_dir / "claims.json"
     if not path.is_file():
@@ -36,14 +35,14 @@ def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Json:
         write_claims(claims, out_dir / "claims.json")
         return claims
     try:
-        claims = parse_json(read_regular(path, MAX_CLAIMS_BYTES))
+        data = parse_json(read_regular(path, MAX_CLAIMS_BYTES))
     except OSError as error:
         raise LedgerError("claims.json", f"it cannot be read ({error.strerror})") from None
     except JsonError as error:
         raise LedgerError("claims.json", f"it is not valid JSON ({error})") from None
-    if not isinstance(claims, dict) or claims.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise LedgerError("claims.json", f"its schema is not {SCHEMA}", field="schema")
-    return claims
+    return Claims.from_json(data)
 
 
 def build_report(run_dir: Path, out_dir: Path | None = None) -> ReportPaths:

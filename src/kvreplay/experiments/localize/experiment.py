@@ -248,5 +248,5 @@ class Localize(Experiment):
         from kvreplay.render.figures import Figures  # matplotlib loads only to draw
 
         probed = [row for row in rows if row.data.get("probes")]
-        directions = recovery(self.table.ledger(probed, {}))["directions"] if probed else {}
+        directions = recovery(self.table.ledger(probed, {})).directions if probed else {}
         return [draw(directions, Figures(run_dir / "figures"))]
