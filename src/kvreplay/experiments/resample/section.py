@@ -14,7 +14,7 @@ from kvreplay.core.claims import key
 from kvreplay.experiments.resample.table import RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.harness.table import Ledger
-from kvreplay.measure.certificate import CertificateClaims, PairedSamples, certify
+from kvreplay.measure.certificate import CertificateClaims, PairedSamples, Power, certify
 from kvreplay.render.document import Block, Heading, Image, Paragraph
 from kvreplay.render.document import Table as Grid
 
@@ -127,6 +127,12 @@ def _rows(precisions: dict[str, ResamplePrecision]) -> list[tuple[str, ...]]:
     return rows
 
 
+def _power_row(precision: str, entry: Power) -> tuple[str, ...]:
+    needed = entry.samples_per_item
+    counts = (needed.accuracy, needed.tv, needed.faithful)
+    return (precision, f"{entry.margin:g}", *(str(k or "—") for k in counts))
+
+
 def _report(page: Page[ResampleClaims]) -> list[Block]:
     """The certificate first, one sentence per precision; then its evidence and method."""
     precisions = page.claims.precisions
@@ -155,23 +161,8 @@ def _report(page: Page[ResampleClaims]) -> list[Block]:
         Paragraph(METHOD_NOTE),
         Grid(
             ("precision", "margin", "samples per item: accuracy", "TV", "faithful verdict"),
-            [
-                (
-                    precision,
-                    f"{entry.margin:g}",
-                    *(
-                        str(k or "—")
-                        for k in (
-                            entry.samples_per_item.accuracy,
-                            entry.samples_per_item.tv,
-                            entry.samples_per_item.faithful,
-                        )
-                    ),
-                )
-                for precision, b in precisions.items()
-                for entry in b.power
-            ],
-        ),  # fmt: skip
+            [_power_row(p, entry) for p, b in precisions.items() for entry in b.power],
+        ),
     ]
     (ledger,) = page.ledgers.values()
     for precision, b in precisions.items():
