@@ -45,17 +45,20 @@ def _load_claims(run_dir: Path, folder: LedgerDir, out_dir: Path) -> Claims:
     return Claims.from_json(data)
 
 
-def build_report(run_dir: Path, out_dir: Path | None = None) -> ReportPaths:
+def build_report(
+    run_dir: Path, out_dir: Path | None = None, claims: Claims | None = None
+) -> ReportPaths:
     """Write report.md, report.html and figures/*.png for a run (or any folder of ledgers).
 
-    out_dir defaults to run_dir; pass another folder when run_dir is read-only.
+    out_dir defaults to run_dir; pass another folder when run_dir is read-only. The
+    claims are the run's claims.json unless given (an audit gives its re-derivation).
     """
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     folder = load_ledger_dir(run_dir)
     figures = Figures(out_dir / "figures")
     figures.folder.mkdir(parents=True, exist_ok=True)
-    claims = _load_claims(run_dir, folder, out_dir)
+    claims = claims or _load_claims(run_dir, folder, out_dir)
     blocks = report_blocks(run_dir, claims, folder, figures)
     markdown, page = out_dir / "report.md", out_dir / "report.html"
     replace_file(markdown, to_markdown(blocks, out_dir).encode("utf-8"))
