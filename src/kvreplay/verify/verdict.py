@@ -21,6 +21,7 @@ from typing import Any
 from kvreplay.core.power import rate_upper_bound
 from kvreplay.harness.experiment import Experiment
 from kvreplay.ledger import Record
+from kvreplay.measure.certificate import FAITHFUL, CertificateClaims
 from kvreplay.verify.expectation import Expectation
 from kvreplay.verify.outcome import ItemOutcome, outcomes
 
@@ -48,7 +49,7 @@ class Verdict:
     expectation: Expectation
     compared: tuple[str, str]
     items: list[ItemOutcome]
-    certificate: dict[str, Any] | None = None
+    certificate: CertificateClaims | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     planned: int | None = None
 
@@ -96,7 +97,7 @@ class Verdict:
         if self.broken or not self.judged:
             return False
         if self.expectation.kind == "faithful":
-            return self.certificate is not None and self.certificate["verdict"] == "faithful"
+            return self.certificate is not None and self.certificate.verdict == FAITHFUL
         return self.bits_hold if self.expectation.kind == "bitwise" else self.tokens_hold
 
     @property
@@ -247,7 +248,9 @@ class StopRule:
         return cls(experiment, Expectation(**data["expectation"]))
 
 
-def _certificate(experiment: Experiment, rows: Iterable[Record], margin: float) -> dict[str, Any]:
+def _certificate(
+    experiment: Experiment, rows: Iterable[Record], margin: float
+) -> CertificateClaims:
     from kvreplay.measure.certificate import PairedSamples, certify
 
     samples = []
@@ -265,7 +268,7 @@ def _certificate(experiment: Experiment, rows: Iterable[Record], margin: float) 
                 changed=tuple(a.suffix_sha256 != b.suffix_sha256 for a, b in pairs),
             )
         )
-    return certify(samples, margin).to_json()
+    return certify(samples, margin).claims()
 
 
 def run_verdicts(
