@@ -41,7 +41,7 @@ from hostile_cases import WRONG, Family, digests, made, named, refusal, refused,
 
 from kvreplay.core.canonical import sha256_json
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.paths import OutputPath
+from kvreplay.report.commands import OutputPath
 
 TOKENS = 6
 

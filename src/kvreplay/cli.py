@@ -22,8 +22,7 @@ import click
 
 from kvreplay.core.errors import KvreplayError, exit_plainly, plain_errors
 from kvreplay.core.options import Declared, build, every
-from kvreplay.core.paths import OutputPath, UserPath
-from kvreplay.engines.placement import MAX_WORKERS
+from kvreplay.report.commands import OutputPath, UserPath
 from kvreplay.run.supervise import supervise, watched
 
 KEEP = object()  # an option's default is its field's
@@ -367,21 +366,20 @@ def _threads_option() -> click.Option:
     return click_option(declared(Placement)["threads"])
 
 
-@main.command("demo", params=[_threads_option()])
-@click.option("--out", type=OutputPath("folder"), default=Path("runs/demo"), show_default=True)
-@click.option(
-    "--n", type=click.IntRange(1, 1000), default=3, show_default=True, help="Items per experiment."
-)
-@click.option(
-    "--workers", type=click.IntRange(1, MAX_WORKERS), default=None,
-    help="Local worker processes (default: one per core, at most one per row).",
-)  # fmt: skip
-@plain_errors
-def demo_command(out: Path, n: int, workers: int | None, threads: int) -> None:
-    """All three experiments on the embedded default model, then analysis and report."""
-    from kvreplay.demo import run_demo
+def _demo_options() -> list[click.Option]:
+    from kvreplay.demo import DemoRequest
 
-    run_demo(out, n, workers=workers, threads=threads)
+    return [click_option(spec) for spec in every(DemoRequest)]
+
+
+@main.command("demo", params=_demo_options())
+@plain_errors
+def demo_command(**values: Any) -> None:
+    """All three experiments on the embedded default model, then analysis and report."""
+    from kvreplay.demo import DemoRequest, run_demo
+
+    request = build(DemoRequest, values)
+    run_demo(request.out, request.n, workers=request.workers, threads=request.threads)
 
 
 def _audit_options() -> list[click.Option]:

@@ -4,12 +4,15 @@ model at a size that finishes in minutes on a laptop CPU, then claims and a repo
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
+from kvreplay.core.options import option
 from kvreplay.engines import EngineSession, Placement
+from kvreplay.engines.placement import MAX_WORKERS, THREADS
 from kvreplay.engines.threads import DEFAULT_THREADS
 from kvreplay.model.embedded import DEFAULT_MODEL
 from kvreplay.run.request import RunRequest
@@ -20,6 +23,29 @@ EXPERIMENTS = (
     ("fixed-prefix", ("bf16", "fp32")),
     ("bridge", ("bf16",)),
 )
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    """What ``kvreplay demo`` is asked, declared once (design: every option declared
+    once): where it writes, how many items, and the processes and threads it runs on."""
+
+    out: Path = field(
+        default=Path("runs/demo"), metadata=option("--out", "Run directory.", output="folder")
+    )
+    n: int = field(
+        default=3, metadata=option("--n", "Items per experiment.", minimum=1, maximum=1000)
+    )
+    workers: int | None = field(
+        default=None,
+        metadata=option(
+            "--workers",
+            "Local worker processes (default: one per core, at most one per row).",
+            minimum=1,
+            maximum=MAX_WORKERS,
+        ),
+    )
+    threads: int = field(default=DEFAULT_THREADS, metadata=THREADS)
 
 
 def default_workers(n: int, threads: int) -> int:

@@ -82,7 +82,7 @@ def test_analyze_holds_one_row_at_a_time(
     monkeypatch.undo()
     folder = load_ledger_dir(big_run)
     assert isinstance(folder.records, RunRows)
-    held = build_claims(LedgerDir(folder.ledgers, list(folder.records)))
+    held = build_claims(LedgerDir(folder.ledgers, list(folder.records))).to_json()
     streamed = json.loads((tmp_path / "claims.json").read_text())
     assert streamed == json.loads(json.dumps(held))
     assert held["extra"]["flip_predictor"]  # the predictor read every row's margins

@@ -16,6 +16,7 @@ from kvreplay.analysis.flip import PRIMARY_SCORE, SCORES
 from kvreplay.analysis.ledgers import load_ledger_dir
 from kvreplay.analysis.sections import flip
 from kvreplay.analysis.sections.flip import SKIP_NO_ROWS
+from kvreplay.core.claims import encode
 
 RUN = Path(__file__).resolve().parents[2] / "results" / "smollm2-n24"
 pytestmark = pytest.mark.skipif(not (RUN / "rows.jsonl").is_file(), reason=f"{RUN} is absent")
@@ -99,4 +100,4 @@ def test_rows_without_margins_skip_the_predictor_with_a_note(run_copy: Path) -> 
     analysis = flip.analyze_flip(records, folder.ledgers)
     assert analysis.panels == ()
     assert analysis.skipped == flip.SKIP_NO_MARGINS.format(row="matched/r0000/bf16")
-    assert analysis.to_json() == {"note": analysis.skipped}
+    assert encode(analysis.claims()) == {"note": analysis.skipped}

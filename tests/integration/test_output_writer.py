@@ -18,7 +18,7 @@ import click
 import pytest
 from helpers import GOOD, assert_one_sentence, cli_commands, cli_params, invoke, jsonl
 
-from kvreplay.core.paths import OutputPath, UserPath
+from kvreplay.report.commands import OutputPath, UserPath
 
 TINY = ["--plan", "short", "--dtypes", "fp32", "--n", "1"]
 

@@ -147,7 +147,7 @@ def test_any_row_count_and_transplant_name_keep_the_key_shape(
             data / name, tmp_path / name, lambda row: row if int(row["row_id"][1:]) < 7 else None
         )
     shutil.copy(data / "kv_transplant_later.csv", tmp_path / "kv_transplant_mine.csv")
-    claims = analyze_dir(tmp_path)
+    claims = analyze_dir(tmp_path).to_json()
     assert claims["fixed_prefix_2x2"]["bf16"]["rows"] == 7
     for section in ("matched_live_prefill", "fixed_prefix_2x2"):
         assert key_shape(claims[section]) == key_shape(skeleton[section])
@@ -166,7 +166,7 @@ def test_precisions_are_whatever_the_file_holds(tmp_path: Path, skeleton: dict) 
     data = PAPER / "data"
     fixed = "fixed_prefix_2x2.csv"
     rewrite(data / fixed, tmp_path / fixed, lambda row: row if row["precision"] == "bf16" else None)
-    only_bf16 = analyze_dir(tmp_path)["fixed_prefix_2x2"]
+    only_bf16 = analyze_dir(tmp_path).to_json()["fixed_prefix_2x2"]
     assert set(only_bf16) == {"bf16"}
     assert key_shape(only_bf16["bf16"]) == key_shape(skeleton["fixed_prefix_2x2"]["bf16"])
 
@@ -176,6 +176,6 @@ def test_precisions_are_whatever_the_file_holds(tmp_path: Path, skeleton: dict) 
         tmp_path / matched,
         lambda row: row | {"precision": row["precision"].replace("fp32", "fp16")},
     )
-    blocks = analyze_dir(tmp_path)["matched_live_prefill"]
+    blocks = analyze_dir(tmp_path).to_json()["matched_live_prefill"]
     assert set(blocks) == {"bf16", "fp16"}
     assert key_shape(blocks["fp16"]) == key_shape(skeleton["matched_live_prefill"]["fp32"])

@@ -123,11 +123,11 @@ def test_too_few_samples_are_undecided_and_say_how_many_more() -> None:
 def test_certificate_is_deterministic_and_has_a_power_table() -> None:
     rng = np.random.default_rng(2)
     items = [paired(*coupled(rng, [0.5, 0.3, 0.2], [0.5, 0.3, 0.2], 16, 0.5))]
-    first, second = certify(items, 0.05).to_json(), certify(items, 0.05).to_json()
+    first, second = certify(items, 0.05).claims(), certify(items, 0.05).claims()
     assert first == second
-    power = {row["margin"]: row["samples_per_item"] for row in first["power"]}
+    power = {row.margin: row.samples_per_item for row in first.power}
     assert set(power) == {0.02, 0.05, 0.1, 0.2}
-    needed = [power[m]["faithful"] or float("inf") for m in sorted(power)]
+    needed = [power[m].faithful or float("inf") for m in sorted(power)]
     assert needed == sorted(needed, reverse=True)  # a wider margin never needs more
 
 

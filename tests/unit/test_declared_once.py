@@ -69,6 +69,18 @@ def test_every_audit_and_backend_option_is_its_declaration() -> None:
         assert offered[key].default in (None, False)
 
 
+def test_every_demo_option_is_its_declaration() -> None:
+    """``kvreplay demo`` writes no option by hand either: each is a field of its request."""
+    from kvreplay.demo import DemoRequest
+
+    params = _params(main.commands["demo"])
+    offered = sorted(n for n in params if n != "help" and not n.startswith("_"))
+    assert offered == sorted(s.name for s in every(DemoRequest))
+    for spec in every(DemoRequest):
+        assert params[spec.name].opts == [spec.flag]
+        assert _cli_default(params[spec.name], spec) == spec.default, spec.flag
+
+
 def test_the_test_sees_a_cli_default_that_differs() -> None:
     """The check can fail: a click option whose default is not its field's is caught."""
     spec = declared(Placement)["workers"]

@@ -128,3 +128,32 @@ def test_the_sections_read_in_the_papers_order_then_the_rest() -> None:
     paper = ["matrix", "bridge", "historical", "transplant", "served", "stock", "resample"]
     assert names[: len(paper) + 2] == [*paper, "localize", "flip"]
     assert "history" in names[len(paper) + 2 :]
+
+
+def test_a_panel_takes_prefixes_from_the_declared_sources_in_their_rank() -> None:
+    """Which rows record a prefix is each source's declaration (its rank, its prefix
+    kind): a fixed-prefix prefix row before a matched row at the prefix precision, and
+    none of a matrix row or another precision."""
+    from kvreplay.experiments.registry import outcome_sources
+    from kvreplay.harness.selection import prefix_rows
+
+    def row(experiment: str, item: str, precision: str, kind: str | None = None) -> Record:
+        data = {"item_id": item, "precision": precision, "status": "ok", "prefix_token_ids": []}
+        key = f"{experiment}/{item}/{precision}/{kind}"
+        return _record(key, experiment, data | ({"kind": kind} if kind else {}))
+
+    rows = [
+        row("matched", "a", "bf16"),
+        row("fixed-prefix", "a", "bf16", "matrix"),
+        row("fixed-prefix", "a", "bf16", "prefix"),
+        row("matched", "b", "fp32"),
+        row("matched", "b", "bf16"),
+        row("fixed-prefix", "c", "bf16", "matrix"),
+    ]
+    sources = outcome_sources()
+    assert [s.name for s in sources] == ["fixed-prefix", "matched"]
+    found = prefix_rows({r.key: r for r in rows}, "bf16", sources)
+    assert {item: r.key for item, r in found.items()} == {
+        "a": "fixed-prefix/a/bf16/prefix",
+        "b": "matched/b/bf16/None",
+    }

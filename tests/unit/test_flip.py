@@ -174,11 +174,11 @@ def test_panel_without_divergence_is_undefined_not_an_error() -> None:
         "s", "fp32", ["a", "b", "c"], risk_table(margins), np.zeros(3, bool), stream=0
     )
     assert panel.undefined is not None and "no row diverges" in panel.undefined
-    block = panel.to_json()
-    assert block["auc_status"].startswith("undefined")
-    for result in block["scores"].values():
-        assert result["auc"] is None and result["auc_bootstrap_95_ci"] is None
-        assert result["audit_top_share"]["share_of_divergent"] is None
+    block = panel.claims()
+    assert block.auc_status.startswith("undefined") and not block.defined
+    for result in block.scores.values():
+        assert result.auc is None and result.auc_bootstrap_95_ci is None
+        assert result.audit_top_share.share_of_divergent is None
 
 
 def test_panel_where_every_row_diverges_has_no_auc_but_a_catch() -> None:

@@ -142,3 +142,21 @@ def test_the_check_sees_an_arrow_back_up_and_a_circle() -> None:
         "kvreplay.measure.b": {"kvreplay.measure.a"},
     }
     assert circles(edges) == [["kvreplay.measure.a", "kvreplay.measure.b", "kvreplay.measure.a"]]
+
+
+def third_party(path: Path) -> set[str]:
+    """The top-level packages outside kvreplay that a file imports, anywhere in it."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found - {"kvreplay"}
+
+
+def test_the_core_layer_knows_no_command_line() -> None:
+    """click belongs to the commands (``cli``, ``report/commands.py``): the domain under
+    every layer is usable, and testable, without one."""
+    core = sorted((SRC / "kvreplay" / "core").rglob("*.py"))
+    assert [p.name for p in core if "click" in third_party(p)] == []

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvreplay.measure.rates import Json
+from kvreplay.core.claims import key
 from kvreplay.measure.stats import (
     BOOTSTRAP_REPLICATES,
     BOOTSTRAP_SEED,
@@ -130,17 +130,35 @@ class AuditCatch:
     def share(self) -> float | None:
         return self.caught / self.divergent if self.divergent else None
 
-    def to_json(self) -> Json:
+    def claims(self, interval: BootstrapInterval | None) -> AuditShare:
+        """The catch as claims.json holds it, shares of the divergent rows."""
         share = (lambda count: count / self.divergent) if self.divergent else (lambda _: None)
-        return {
-            "audited_rows": self.audited,
-            "divergent_caught": self.caught,
-            "share_of_divergent": self.share,
-            "rows_tied_at_cut": self.tied_at_cut,
-            "share_expected_if_ties_random": share(self.expected_if_ties_random),
-            "share_best_possible": share(min(self.audited, self.divergent)),
-            "share_expected_random_audit": self.audited / self.rows if self.divergent else None,
-        }
+        return AuditShare(
+            audited_rows=self.audited,
+            divergent_caught=self.caught,
+            share_of_divergent=self.share,
+            rows_tied_at_cut=self.tied_at_cut,
+            share_expected_if_ties_random=share(self.expected_if_ties_random),
+            share_best_possible=share(min(self.audited, self.divergent)),
+            share_expected_random_audit=self.audited / self.rows if self.divergent else None,
+            bootstrap_95_ci=_interval(interval),
+        )
+
+
+@dataclass(frozen=True)
+class AuditShare:
+    """Auditing the riskiest rows: how many, the divergent ones caught and the share of
+    all divergent rows, the rows tied at the cut, the yardsticks (ties in random order,
+    the best possible audit, a random audit), and the share's bootstrap interval."""
+
+    audited_rows: int
+    divergent_caught: int
+    share_of_divergent: float | None
+    rows_tied_at_cut: int
+    share_expected_if_ties_random: float | None
+    share_best_possible: float | None
+    share_expected_random_audit: float | None
+    bootstrap_95_ci: tuple[float, float] | None
 
 
 def audit_catch(
@@ -222,8 +240,19 @@ def roc_points(risks: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.concatenate([[0.0], fp / negative]), np.concatenate([[0.0], tp / positive])
 
 
-def _interval_json(interval: BootstrapInterval | None) -> list[float] | None:
-    return [interval.low, interval.high] if interval else None
+def _interval(interval: BootstrapInterval | None) -> tuple[float, float] | None:
+    return (interval.low, interval.high) if interval else None
+
+
+@dataclass(frozen=True)
+class ScoreClaims:
+    """One score on one panel: its AUC with the bootstrap interval and the resamples it
+    was defined on, and the audit of the riskiest rows."""
+
+    auc: float | None
+    auc_bootstrap_95_ci: tuple[float, float] | None
+    auc_bootstrap_defined_replicates: int
+    audit_top_share: AuditShare
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,18 +265,29 @@ class ScoreResult:
     catch: AuditCatch
     catch_ci: BootstrapInterval | None
 
-    def to_json(self) -> Json:
-        return {
-            "auc": self.auc,
-            "auc_bootstrap_95_ci": _interval_json(self.auc_ci),
-            "auc_bootstrap_defined_replicates": self.auc_ci.defined_replicates
-            if self.auc_ci
-            else 0,
-            "audit_top_share": {
-                **self.catch.to_json(),
-                "bootstrap_95_ci": _interval_json(self.catch_ci),
-            },
-        }
+    def claims(self) -> ScoreClaims:
+        return ScoreClaims(
+            auc=self.auc,
+            auc_bootstrap_95_ci=_interval(self.auc_ci),
+            auc_bootstrap_defined_replicates=self.auc_ci.defined_replicates if self.auc_ci else 0,
+            audit_top_share=self.catch.claims(self.catch_ci),
+        )
+
+
+@dataclass(frozen=True)
+class PanelClaims:
+    """The predictor on one precision of one matrix section."""
+
+    rows: int
+    divergent_rows: int
+    exact_rows: int
+    auc_status: str
+    bootstrap_stream: int
+    scores: dict[str, ScoreClaims]
+
+    @property
+    def defined(self) -> bool:
+        return self.auc_status == "defined"
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,15 +318,55 @@ class FlipPanel:
             return "every row diverges, so there is no exact row to rank below"
         return None
 
-    def to_json(self) -> Json:
-        return {
-            "rows": self.rows,
-            "divergent_rows": self.divergent,
-            "exact_rows": self.rows - self.divergent,
-            "auc_status": f"undefined: {self.undefined}" if self.undefined else "defined",
-            "bootstrap_stream": self.stream,
-            "scores": {r.score.name: r.to_json() for r in self.results},
-        }
+    def claims(self) -> PanelClaims:
+        return PanelClaims(
+            rows=self.rows,
+            divergent_rows=self.divergent,
+            exact_rows=self.rows - self.divergent,
+            auc_status=f"undefined: {self.undefined}" if self.undefined else "defined",
+            bootstrap_stream=self.stream,
+            scores={r.score.name: r.claims() for r in self.results},
+        )
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A score as claims.json describes it."""
+
+    description: str
+    window: int | None
+    threshold: float | None
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    seed: int
+    replicates: int
+
+
+@dataclass(frozen=True)
+class FlipMethod:
+    """What the predictor's numbers mean: its label, its scores (the primary first named),
+    the audit's share and tie-break, and the bootstrap."""
+
+    label: str
+    primary_score: str
+    scores: dict[str, ScoreSpec]
+    audit_share: float
+    audit_tie_break: str
+    bootstrap: Bootstrap
+
+
+@dataclass(frozen=True)
+class FlipPredictor:
+    """The predictor's part of claims.json: why it did not run (``note``), or its method
+    and each matrix section's panels, by section and precision."""
+
+    note: str | None = field(default=None, metadata=key(omit=True))
+    method: FlipMethod | None = field(default=None, metadata=key(flatten=True, omit=True))
+    panels: dict[str, dict[str, PanelClaims]] = field(
+        default_factory=dict, metadata=key(flatten=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -297,23 +377,21 @@ class FlipAnalysis:
     skipped: str | None = None
     scores: tuple[RiskScore, ...] = field(default=SCORES)
 
-    def to_json(self) -> Json:
+    def claims(self) -> FlipPredictor:
         if self.skipped:
-            return {"note": self.skipped}
-        out: Json = {
-            "label": "suffix divergence (suffix_equal is false)",
-            "primary_score": PRIMARY_SCORE,
-            "scores": {
-                s.name: {"description": s.description, "window": s.window, "threshold": s.threshold}
-                for s in self.scores
-            },
-            "audit_share": AUDIT_SHARE,
-            "audit_tie_break": "equal risk: ascending row_id",
-            "bootstrap": {"seed": BOOTSTRAP_SEED, "replicates": BOOTSTRAP_REPLICATES},
-        }
+            return FlipPredictor(note=self.skipped)
+        method = FlipMethod(
+            label="suffix divergence (suffix_equal is false)",
+            primary_score=PRIMARY_SCORE,
+            scores={s.name: ScoreSpec(s.description, s.window, s.threshold) for s in self.scores},
+            audit_share=AUDIT_SHARE,
+            audit_tie_break="equal risk: ascending row_id",
+            bootstrap=Bootstrap(BOOTSTRAP_SEED, BOOTSTRAP_REPLICATES),
+        )
+        panels: dict[str, dict[str, PanelClaims]] = {}
         for panel in self.panels:
-            out.setdefault(panel.section, {})[panel.precision] = panel.to_json()
-        return out
+            panels.setdefault(panel.section, {})[panel.precision] = panel.claims()
+        return FlipPredictor(method=method, panels=panels)
 
 
 def score_panel(

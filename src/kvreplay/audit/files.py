@@ -66,13 +66,15 @@ def _check_derived(ledger: RunLedger, rows: RunRows, scratch: Path) -> list[str]
         experiment = recorded_experiment(name, ledger.manifest)
         if experiment is not None:
             experiment.figures(scratch, rows.of(name))
+    report = (run_dir / "report.md").exists() or (run_dir / "report.html").exists()
     try:
-        if (run_dir / "claims.json").exists():
-            write_claims(analyze_dir(run_dir), scratch / "claims.json")
-        if (run_dir / "report.md").exists() or (run_dir / "report.html").exists():
+        claims = analyze_dir(run_dir) if report or (run_dir / "claims.json").exists() else None
+        if claims is not None and (run_dir / "claims.json").exists():
+            write_claims(claims, scratch / "claims.json")
+        if report:
             from kvreplay.report.build import build_report
 
-            build_report(run_dir, scratch)
+            build_report(run_dir, scratch, claims)  # from the claims the rows derive
     except (KvreplayError, ValueError, KeyError, TypeError) as exc:
         return [f"claims.json or the report cannot be re-derived from the ledgers ({exc})"]
     derived = [p for p in ("claims.json", "report.md", "report.html") if (run_dir / p).exists()]

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.roles import Scorer
+from kvreplay.core.cache import Recent
 from kvreplay.core.canonical import sha256_json
 from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
     from kvreplay.backends.base import Backend, ModelRef
 
-ENGINE = "engine"  # the rollout stack's own prefill, as --scorers names it
+OWN_PREFILL = "engine"  # the rollout stack's own prefill as a scorer; --scorers says engine
 SCHEDULES = ("prefill", "replay")
 MAX_SCORERS = 8  # each loads its model and scores every rollout
 
@@ -46,7 +47,7 @@ class ScorerSpec:
     def label(self) -> str:
         """How tables and sentences name the scorer."""
         if self.backend is None:
-            return ENGINE if self.schedule == "prefill" else f"{ENGINE}:{self.schedule}"
+            return OWN_PREFILL if self.schedule == "prefill" else f"{OWN_PREFILL}:{self.schedule}"
         text = f"{self.backend}:{self.precision}"
         text += f":{self.schedule}" if self.schedule != "prefill" else ""
         return text + (f"@{self.model}" if self.model else "")
@@ -58,7 +59,7 @@ class ScorerSpec:
 
         body, _, model = text.strip().partition("@")
         parts = body.split(":")
-        if parts[0] == ENGINE:
+        if parts[0] == OWN_PREFILL:
             if len(parts) > 2 or model:
                 raise KvreplayError(f"--scorers entry {text!r}: write engine or engine:replay.")
             return cls(None, schedule=_schedule(parts[1] if len(parts) == 2 else "prefill", text))
@@ -114,16 +115,16 @@ def open_model(backend: Backend, model: ModelRef, precision: str) -> Any:
     return backend.load_model(model, precision)
 
 
-_OPENED: dict[str, Any] = {}
+OPENED_MODELS = 4
+"""Scorer models a process keeps open: a run's few scorers, not every one it ever met."""
+_OPENED: Recent[str, Any] = Recent(OPENED_MODELS)
 
 
 def _opened(backend: Backend, model: ModelRef, precision: str) -> Any:
     """One model per backend, settings, model files and precision in a process: scoring
     every rollout of a run loads each scorer once."""
     key = sha256_json([backend.contract(), dataclasses.asdict(model), precision])
-    if key not in _OPENED:
-        _OPENED[key] = open_model(backend, model, precision)
-    return _OPENED[key]
+    return _OPENED.get(key, lambda: open_model(backend, model, precision))
 
 
 def open_scorer(spec: ScorerSpec, model: ModelRef) -> Scorer:

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.backends import DEFAULT_BACKEND, backend_class
+from kvreplay.backends import backend_class
 
 # The settings the old layout held beside the model.
 MOVED = ("attn_implementation", "trust_remote_code")
+UNNAMED_BACKEND = "hf"
+"""What ran a contract that names no backend: transformers, the only backend there was
+before contracts named theirs. A fact about those runs, so it never follows today's
+default backend."""
 
 
 def current_run(run: dict[str, Any]) -> dict[str, Any]:
@@ -24,7 +28,7 @@ def current_run(run: dict[str, Any]) -> dict[str, Any]:
     if "backend" in run and not any(key in run for key in MOVED):
         return run
     upgraded = {key: value for key, value in run.items() if key not in MOVED}
-    backend = dict(run.get("backend") or {"name": DEFAULT_BACKEND})
+    backend = dict(run.get("backend") or {"name": UNNAMED_BACKEND})
     takes = backend_class(backend["name"]).settings()
     for key in MOVED:
         if key in run and key in takes:

@@ -42,7 +42,7 @@ class Option:
     ``spell`` turns a value back into text; ``elsewhere`` says why a backend that does not
     take the setting refuses it; ``output`` marks a path the command writes and says what
     it names (``file`` or ``folder``): the command line makes it an
-    :class:`~kvreplay.core.paths.OutputPath`, which the output writer checks before any
+    :class:`~kvreplay.report.commands.OutputPath`, which the output writer checks before any
     work (design: output writer).
     """
 

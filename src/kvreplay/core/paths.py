@@ -16,16 +16,15 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import click
+from typing import BinaryIO
 
 from kvreplay.core.errors import KvreplayError
 
 FALLBACK_NAME_MAX = 255
 
 
-def _shown(path: Path | str) -> str:
+def shown_path(path: Path | str) -> str:
+    """A path as a sentence names it: its first 80 characters."""
     text = str(path)
     return text if len(text) <= 80 else text[:80] + "..."
 
@@ -61,7 +60,7 @@ def check_name(path: Path, what: str) -> Path:
     """Refuse a path the file system cannot hold, naming ``what`` it is."""
     problem = name_problem(path)
     if problem:
-        raise KvreplayError(f"{what} {_shown(path)} cannot be used: {problem}.")
+        raise KvreplayError(f"{what} {shown_path(path)} cannot be used: {problem}.")
     return path
 
 
@@ -87,34 +86,6 @@ def open_regular(path: Path) -> BinaryIO:
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", str(path))
     return os.fdopen(fd, "rb")
-
-
-class UserPath(click.Path):
-    """A ``click.Path`` that refuses an empty value (``Path("")`` is the current folder)
-    and a path the file system cannot hold, as a usage error."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and not value.strip():
-            self.fail("is empty; name a path (. is the current folder)", param, ctx)
-        problem = name_problem(Path(value))
-        if problem:
-            self.fail(f"{_shown(value)} cannot be used: {problem}", param, ctx)
-        return super().convert(value, param, ctx)
-
-
-class OutputPath(UserPath):
-    """A path a command writes, a ``file`` or a ``folder`` (design: output writer): the
-    type marks it, so that every output option of every command can be found from the
-    command line itself (the output writer, :mod:`kvreplay.core.outputs`, checks it
-    before any work). ``named`` keeps the text as given, for a command that checks the
-    name itself (``env --venv`` refuses a name starting with ``-`` before anything)."""
-
-    def __init__(self, kind: str, named: bool = False) -> None:
-        super().__init__(path_type=Path, dir_okay=kind != "file", file_okay=kind != "folder")
-        self.kind, self.named = kind, named
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        return value if self.named else super().convert(value, param, ctx)
 
 
 def _new_file(folder: Path, name: str) -> tuple[int, Path]:

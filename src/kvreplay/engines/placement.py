@@ -88,6 +88,15 @@ def check_ray_address(address: str) -> None:
         ) from exc
 
 
+THREADS = option(
+    "--threads",
+    "torch threads per worker process; a resume or audit needs the run's count.",
+    minimum=1,
+    maximum=MAX_THREADS,
+)
+"""The ``--threads`` option: a run's placement's, and the demo's (:mod:`kvreplay.demo`)."""
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where units run: ``local`` (this process, or ``workers`` spawned processes) or
@@ -113,15 +122,7 @@ class Placement:
     ray_address: str | None = field(
         default=None, metadata=option("--ray-address", "Join this Ray cluster.")
     )
-    threads: int = field(
-        default=DEFAULT_THREADS,
-        metadata=option(
-            "--threads",
-            "torch threads per worker process; a resume or audit needs the run's count.",
-            minimum=1,
-            maximum=MAX_THREADS,
-        ),
-    )
+    threads: int = field(default=DEFAULT_THREADS, metadata=THREADS)
 
     def check(self, device: str) -> None:
         """Refuse what could not run (see :func:`check_engine`)."""

@@ -109,6 +109,15 @@ class RayWorker:
         return self.worker.run(unit)
 
 
+def _start_ray(ray: Any, address: str | None, cpus: int) -> None:
+    """Start Ray in this process (``cpus`` CPUs, no dashboard) or join it at ``address``."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address is None:
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+    else:
+        ray.init(address=address)
+
+
 class RayEngine:
     """Runs units on ``workers`` Ray actors with ``gpus_per_worker`` GPUs each."""
 
@@ -136,15 +145,7 @@ class RayEngine:
         ray = _import_ray()
         self._ray = ray
         if not ray.is_initialized():
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            if address is None:
-                ray.init(
-                    address="local",
-                    num_cpus=max(os.cpu_count() or 1, workers * cpus_per_worker),
-                    include_dashboard=False,
-                )
-            else:
-                ray.init(address=address)
+            _start_ray(ray, address, max(os.cpu_count() or 1, workers * cpus_per_worker))
             _owned_ray = True
         _live_engines += 1
         self._closed = False
@@ -164,16 +165,20 @@ class RayEngine:
             for name in self.names
         ]
         self.retries = 0
+        self.devices = self._placed(f"{cpus_per_worker} CPUs and {gpus_per_worker:g} GPUs each")
+
+    def _placed(self, each: str) -> list[Any]:
+        """Every actor's device, once Ray has placed them all (else closed, one sentence)."""
+        ray = self._ray
         try:
-            self.devices = ray.get(
-                [a.device_info.remote() for a in self.actors], timeout=PLACEMENT_TIMEOUT_S
+            return list(
+                ray.get([a.device_info.remote() for a in self.actors], timeout=PLACEMENT_TIMEOUT_S)
             )
         except ray.exceptions.GetTimeoutError as exc:
             self.close()
             raise KvreplayError(
-                f"Ray could not place {workers} workers ({cpus_per_worker} CPUs and "
-                f"{gpus_per_worker:g} GPUs each) within {PLACEMENT_TIMEOUT_S:g} s; "
-                "check the cluster's free resources."
+                f"Ray could not place {len(self.actors)} workers ({each}) within "
+                f"{PLACEMENT_TIMEOUT_S:g} s; check the cluster's free resources."
             ) from exc
         except ray.exceptions.RayError as exc:
             self.close()

@@ -117,11 +117,11 @@ def check_experiment(role: str) -> str:
     raise KvreplayError(f"No experiment serves a check as {role!r}.")
 
 
-def outcome_sources() -> tuple[str, ...]:
+def outcome_sources() -> tuple[Declaration, ...]:
     """The experiments whose rows record a live (or replay) vs prefill outcome a later
     panel selects on, most preferred first."""
-    ranked = [(d.outcome_rank, name) for name, d in EXPERIMENTS.items() if d.outcome_rank]
-    return tuple(name for _, name in sorted(ranked))
+    ranked = [d for d in EXPERIMENTS.values() if d.outcome_rank]
+    return tuple(sorted(ranked, key=lambda d: d.outcome_rank or 0))
 
 
 def judged_experiments() -> tuple[str, ...]:

@@ -35,10 +35,11 @@ class Declaration:
     ``traffic``) or the capability (``rollout``); the role it plays in ``kvreplay check``
     (``greedy``, ``faithful``, ``traffic``); whether a verdict judges its rows
     (``judged``: they hold a compared pair of arms); and where a later panel reads prior
-    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first); and
-    its schema (:class:`~kvreplay.harness.schema.Schema`: its manifest config's and its
-    rows' fields, types, values and relations, which the audit checks every run
-    against), without which a declaration is refused."""
+    outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first) and
+    which of its rows record a prefix (``prefix_kind``); and its schema
+    (:class:`~kvreplay.harness.schema.Schema`: its manifest config's and its rows'
+    fields, types, values and relations, which the audit checks every run against),
+    without which a declaration is refused."""
 
     name: str
     summary: str
@@ -57,6 +58,9 @@ class Declaration:
     check: str | None = None  # the role it plays in kvreplay check (None: none)
     judged: bool = False  # a verdict judges its rows
     outcome_rank: int | None = None  # a source of prior outcomes for panels, by preference
+    # Of such a source, the kind of row that records a prefix for a later panel (None: its
+    # rows at the backend's prefix precision; fixed-prefix: its ``prefix`` rows).
+    prefix_kind: str | None = None
     schema: Schema | None = None  # required: checked by __post_init__
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, encode_prompt, items_digest
 from kvreplay.core.options import COUNTS, SEEDS, bounds, option
+from kvreplay.harness.declaration import Declaration
 from kvreplay.harness.scope import Scope, Selection, own_options
 from kvreplay.ledger import Record, RunLedger
 from kvreplay.model.reading import load_tokenizer
@@ -123,16 +124,16 @@ def spread(lengths: dict[str, int], n: int, seed: int) -> list[str]:
 
 
 def outcome_rows(
-    rows: dict[str, Record], precision: str, sources: Sequence[str]
+    rows: dict[str, Record], precision: str, sources: Sequence[Declaration]
 ) -> dict[str, Record]:
     """Per item, a completed two-arm row (left vs prefill) at ``precision``; earlier
     experiments in ``sources`` win."""
     found: dict[str, Record] = {}
-    for experiment in reversed(sources):
+    for source in reversed(sources):
         for record in rows.values():
             data = record.data
             if (
-                record.experiment == experiment
+                record.experiment == source.name
                 and data.get("precision") == precision
                 and data.get("status") == "ok"
                 and "arms" in data
@@ -141,17 +142,28 @@ def outcome_rows(
     return found
 
 
-def prefix_rows(rows: dict[str, Record], prefix_dtype: str) -> dict[str, Record]:
-    """Per item, a recorded prefix: a fixed-prefix prefix row, else a matched live row."""
+def records_prefix(source: Declaration, data: dict[str, Any], prefix_dtype: str) -> bool:
+    """Whether a completed row of ``source`` records a prefix a later panel may take: a
+    row of the kind the source declares, else (none declared) one at the prefix precision."""
+    if data.get("status") != "ok" or "prefix_token_ids" not in data:
+        return False
+    if source.prefix_kind is not None:
+        return data.get("kind") == source.prefix_kind
+    return data["precision"] == prefix_dtype
+
+
+def prefix_rows(
+    rows: dict[str, Record], prefix_dtype: str, sources: Sequence[Declaration]
+) -> dict[str, Record]:
+    """Per item, a recorded prefix from the first of ``sources`` (most preferred first)
+    that has one, its first such row."""
     found: dict[str, Record] = {}
-    for record in rows.values():
-        data = record.data
-        if data.get("status") != "ok" or "prefix_token_ids" not in data:
-            continue
-        if record.experiment == "fixed-prefix" and data.get("kind") == "prefix":
-            found[data["item_id"]] = record
-        elif record.experiment == "matched" and data["precision"] == prefix_dtype:
-            found.setdefault(data["item_id"], record)
+    for source in sources:
+        for record in rows.values():
+            if record.experiment == source.name and records_prefix(
+                source, record.data, prefix_dtype
+            ):
+                found.setdefault(record.data["item_id"], record)
     return found
 
 
@@ -208,7 +220,7 @@ def select_panel(
     panel: str,
     scope: Scope,
     rows: dict[str, Record],
-    sources: tuple[str, ...],
+    sources: tuple[Declaration, ...],
     names: Callable[[str], dict[str, str]] | None = None,
 ) -> Selection:
     """Choose a panel from the source run alone, before any row: from the rows of the
@@ -239,7 +251,7 @@ def select_panel(
         "source_contract_sha256": contract,
     }
     if panel == "blind":
-        entries = _blind_entries(scope, rows, seed, bool(contract), selection)
+        entries = _blind_entries(scope, rows, sources, seed, bool(contract), selection)
     else:
         entries = _stratified_entries(panel, options, rows, precision, sources, seed, selection)
     missing = [e["item_id"] for e in entries if e["item_id"] not in by_id]
@@ -252,10 +264,16 @@ def select_panel(
 
 
 def _blind_entries(
-    scope: Scope, rows: dict[str, Record], seed: int, sourced: bool, selection: dict[str, Any]
+    scope: Scope,
+    rows: dict[str, Record],
+    sources: Sequence[Declaration],
+    seed: int,
+    sourced: bool,
+    selection: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """An outcome-blind panel: spread over prefix length and identifier."""
-    prefixes = prefix_rows(rows, scope.config.backend.prefix_precision) if sourced else {}
+    precision = scope.config.backend.prefix_precision
+    prefixes = prefix_rows(rows, precision, sources) if sourced else {}
     lengths, selection["length_basis"] = _blind_lengths(scope, prefixes)
     n = scope.n if scope.n is not None else min(DEFAULT_BLIND_N, len(lengths))
     if n < 1 or n > len(lengths):
@@ -271,7 +289,7 @@ def _stratified_entries(
     options: PanelOptions,
     rows: dict[str, Record],
     precision: str,
-    sources: tuple[str, ...],
+    sources: tuple[Declaration, ...],
     seed: int,
     selection: dict[str, Any],
 ) -> list[dict[str, Any]]:

@@ -9,8 +9,8 @@ from kvreplay.ledger.records import GENESIS, Record, TamperedLedger, parse_rows,
 from kvreplay.ledger.rows import RowAt, RowHead, RowsByKey, RunRows, heads, rows_of
 from kvreplay.ledger.run import (
     CONTRACT_SCHEME,
-    ENGINE,
     ENGINE_LOG,
+    ENGINE_NOTE,
     EXPERIMENT_ENTRY,
     INFORMATIONAL,
     ITEMS,
@@ -30,7 +30,7 @@ from kvreplay.ledger.writer import RunLock
 
 __all__ = [
     "CONTRACT_SCHEME",
-    "ENGINE",
+    "ENGINE_NOTE",
     "ENGINE_LOG",
     "EXPERIMENT_ENTRY",
     "GENESIS",

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from kvreplay.core.paths import open_regular
 from kvreplay.ledger.records import Record, TamperedLedger, read_rows_at
@@ -40,16 +41,6 @@ class RowHead:
     data: dict[str, Any]
 
 
-def _head(data: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A row's head fields; the few values they take (precisions, kinds, statuses) are
-    held once for the whole index."""
-    return tuple(
-        (name, _shared(data[name]) if name != "item_id" else data[name])
-        for name in HEAD
-        if name in data
-    )
-
-
 def _shared(value: Any) -> Any:
     return sys.intern(value) if isinstance(value, str) else value
 
@@ -65,6 +56,90 @@ class RowAt(NamedTuple):
     head: tuple[tuple[str, Any], ...]
 
 
+class _Codes:
+    """The few distinct values a field of the rows takes (experiments, precisions,
+    kinds, statuses), each held once; a row holds its value's number."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self._numbers: dict[str, int] = {}
+
+    def number(self, value: Any) -> int:
+        name = json.dumps(value, sort_keys=True)  # any JSON value, hashable or not
+        if name not in self._numbers:
+            self._numbers[name] = len(self.values)
+            self.values.append(_shared(value))
+        return self._numbers[name]
+
+
+_ABSENT = 0  # a head code: the row's data has no such field (values are numbered from 1)
+
+
+class RowIndex(Sequence[RowAt]):
+    """Every row's :class:`RowAt`, held as columns rather than as objects (about 100
+    bytes a row: its offset, its row hash's 32 bytes, its key and item id as UTF-8, and
+    a number for its experiment and for each other head field), so that a reader of a
+    ledger of any size holds a small fraction of it; a row's :class:`RowAt` is made when
+    asked for."""
+
+    def __init__(self) -> None:
+        self._offsets = array("q")
+        self._hashes = bytearray()
+        self._text = bytearray()  # each row's key, then its item id as JSON
+        self._ends = array("q")  # where each row's key, then its item id, ends in _text
+        self._experiments = _Codes()
+        self._experiment = array("I")
+        self._fields = {name: _Codes() for name in HEAD if name != "item_id"}
+        self._heads = {name: array("I") for name in self._fields}
+
+    def append(self, offset: int, record: Record) -> None:
+        self._offsets.append(offset)
+        self._hashes += bytes.fromhex(record.row_sha256)
+        self._text += record.key.encode("utf-8")
+        self._ends.append(len(self._text))
+        data = record.data
+        if "item_id" in data:
+            self._text += json.dumps(data["item_id"]).encode("utf-8")
+        self._ends.append(len(self._text))
+        self._experiment.append(self._experiments.number(record.experiment))
+        for name, codes in self._fields.items():
+            number = codes.number(data[name]) + 1 if name in data else _ABSENT
+            self._heads[name].append(number)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    @overload
+    def __getitem__(self, i: int) -> RowAt: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RowAt]: ...
+    def __getitem__(self, i: int | slice) -> RowAt | Sequence[RowAt]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        start = self._ends[2 * i - 1] if i else 0
+        key_end, item_end = self._ends[2 * i], self._ends[2 * i + 1]
+        head: list[tuple[str, Any]] = []
+        if item_end > key_end:
+            head.append(("item_id", json.loads(self._text[key_end:item_end])))
+        for name, codes in self._fields.items():
+            number = self._heads[name][i]
+            if number != _ABSENT:
+                head.append((name, codes.values[number - 1]))
+        return RowAt(
+            self._offsets[i],
+            self._text[start:key_end].decode("utf-8"),
+            self._experiments.values[self._experiment[i]],
+            self._hashes[32 * i : 32 * i + 32].hex(),
+            tuple(sorted(head, key=lambda pair: HEAD.index(pair[0]))),
+        )
+
+    def __iter__(self) -> Iterator[RowAt]:
+        return (self[i] for i in range(len(self)))
+
+
 @dataclass(frozen=True)
 class RunRows:
     """A run's rows (``experiment``'s only, where named; none of the keys in
@@ -76,7 +151,7 @@ class RunRows:
 
     path: Path
     stamp: tuple[int, int, int]
-    index: tuple[RowAt, ...]
+    index: Sequence[RowAt]
     experiment: str | None = None
     without: frozenset[str] = frozenset()
 
@@ -89,15 +164,14 @@ class RunRows:
         audit) reads the file once for both."""
         stamp = _stamp(path)
         problems: list[str] = []
-        index = []
+        index = RowIndex()
         for offset, record in read_rows_at(path, contract_hash, problems):
-            head = _head(record.data)
-            index.append(RowAt(offset, record.key, record.experiment, record.row_sha256, head))
+            index.append(offset, record)
             if visit is not None:
                 visit(record)
         if _stamp(path) != stamp:
             raise TamperedLedger(f"{path} changed while it was read.")
-        return cls(path, stamp, tuple(index)), problems
+        return cls(path, stamp, index), problems
 
     def of(self, experiment: str) -> RunRows:
         return dataclasses.replace(self, experiment=experiment)

@@ -36,12 +36,12 @@ SNAPSHOTS_SAVED = "saved"  # the manifest's "snapshots" when rows hold snapshot 
 STOPPED = "stopped"  # an experiment's note: the rule that ended it early, and its last row
 # The newest contract scheme (see kvreplay.contract.environment); a contract that names none
 # is scheme 1. A difference in an INFORMATIONAL field is reported on resume, never refused.
-ENGINE = "engine"  # an experiment's note: where its units ran (the engine's description)
+ENGINE_NOTE = "engine"  # an experiment's note: where its units ran (an engines/ description)
 # Each experiment's entry in the manifest: its config, the config's hash, and its notes.
 EXPERIMENT_ENTRY: dict[str, type] = {
     "config": dict,
     "config_sha256": str,
-    ENGINE: dict,
+    ENGINE_NOTE: dict,
     STOPPED: dict,
 }
 MAX_MANIFEST_BYTES = 64 * 2**20  # manifests take tens of kB (a config lists its item ids)

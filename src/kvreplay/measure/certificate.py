@@ -44,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.measure.stats import mcnemar_exact_p, wilson_interval
+from kvreplay.measure.rates import Rate
+from kvreplay.measure.stats import MATRIX_WILSON_Z, mcnemar_exact_p, wilson_interval
 
 ALPHA = 0.05
 POWER = 0.8
@@ -292,45 +293,106 @@ class Certificate:
             f"[{self.accuracy_ci90[0]:+.3f}, {self.accuracy_ci90[1]:+.3f}]; {share})."
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def claims(self) -> CertificateClaims:
+        """The certificate as claims.json and a check's JSON hold it."""
         m = self.measured
-        return {
-            "verdict": self.verdict,
-            "sentence": self.sentence(),
-            "margin": self.margin,
-            "alpha": ALPHA,
-            "items": m.items,
-            "samples_per_item": m.k,
-            "more_samples_per_item": self.more_samples,
-            "seeds_changed": {
-                "count": m.changed,
-                "n": m.pairs,
-                "rate": m.changed / m.pairs,
-                "wilson_95_ci": list(wilson_interval(m.changed, m.pairs)),
-            },
-            "answers_changed": m.answers_changed,
-            "mcnemar": {
-                "live_only_correct": m.live_only_correct,
-                "prefill_only_correct": m.prefill_only_correct,
-                "exact_two_sided_p": mcnemar_exact_p(m.live_only_correct, m.prefill_only_correct),
-            },
-            "accuracy_difference_prefill_minus_live": {
-                "estimate": m.accuracy_difference,
-                "se": m.accuracy_se,
-                "tost_90_ci": list(self.accuracy_ci90),
-            },
-            "tv_distance": {
-                "estimate": m.tv,
-                "bootstrap_95_ci": list(m.tv_ci),
-                "tost_upper_bound": self.tv_upper,
-                "equal_distributions_mean": m.tv_null,
-                "permutation_p": m.permutation_p,
-            },
-            "power": [
-                {"margin": margin, "samples_per_item": m.samples_for(margin)}
-                for margin in POWER_MARGINS
+        return CertificateClaims(
+            verdict=self.verdict,
+            sentence=self.sentence(),
+            margin=self.margin,
+            alpha=ALPHA,
+            items=m.items,
+            samples_per_item=m.k,
+            more_samples_per_item=self.more_samples,
+            seeds_changed=Rate.of(m.changed, m.pairs, MATRIX_WILSON_Z),
+            answers_changed=m.answers_changed,
+            mcnemar=McNemar(
+                m.live_only_correct,
+                m.prefill_only_correct,
+                mcnemar_exact_p(m.live_only_correct, m.prefill_only_correct),
+            ),
+            accuracy_difference_prefill_minus_live=AccuracyDifference(
+                float(m.accuracy_difference), float(m.accuracy_se), _pair(self.accuracy_ci90)
+            ),
+            tv_distance=TvDistance(
+                float(m.tv),
+                _pair(m.tv_ci),
+                float(self.tv_upper),
+                float(m.tv_null),
+                float(m.permutation_p),
+            ),  # fmt: skip
+            power=[
+                Power(margin, SamplesNeeded(**m.samples_for(margin))) for margin in POWER_MARGINS
             ],
-        }
+        )
+
+
+def _pair(values: tuple[float, float]) -> tuple[float, float]:
+    return float(values[0]), float(values[1])
+
+
+@dataclass(frozen=True)
+class McNemar:
+    """Exact McNemar on per-seed correctness: the discordant seeds, and its p."""
+
+    live_only_correct: int
+    prefill_only_correct: int
+    exact_two_sided_p: float
+
+
+@dataclass(frozen=True)
+class AccuracyDifference:
+    """Prefill minus live accuracy, its standard error and its TOST 90% interval."""
+
+    estimate: float
+    se: float
+    tost_90_ci: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class TvDistance:
+    """The pooled TV distance, its bootstrap interval, its TOST upper bound, the TV equal
+    distributions give at these K, and the permutation test's p."""
+
+    estimate: float
+    bootstrap_95_ci: tuple[float, float]
+    tost_upper_bound: float
+    equal_distributions_mean: float
+    permutation_p: float
+
+
+@dataclass(frozen=True)
+class SamplesNeeded:
+    """Samples per item at which each test would pass at power 0.8 (None: none would)."""
+
+    accuracy: int | None
+    tv: int | None
+    faithful: int | None
+
+
+@dataclass(frozen=True)
+class Power:
+    margin: float
+    samples_per_item: SamplesNeeded
+
+
+@dataclass(frozen=True)
+class CertificateClaims:
+    """The verdict on one set of items at one margin, with its sentence and evidence."""
+
+    verdict: str
+    sentence: str
+    margin: float
+    alpha: float
+    items: int
+    samples_per_item: int
+    more_samples_per_item: int | None
+    seeds_changed: Rate
+    answers_changed: int
+    mcnemar: McNemar
+    accuracy_difference_prefill_minus_live: AccuracyDifference
+    tv_distance: TvDistance
+    power: list[Power]
 
 
 def certify(

@@ -3,6 +3,7 @@ numbers every claims section counts, with how the summary and the report write t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,31 @@ import numpy as np
 from kvreplay.measure.stats import wilson_interval
 
 Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The paper's rate object: count, n, rate and a clipped Wilson interval."""
+
+    count: int
+    n: int
+    rate: float
+    wilson_95_ci: tuple[float, float]
+
+    @classmethod
+    def of(cls, hits: int, n: int, z: float) -> Rate:
+        return cls(hits, n, hits / n if n else 0.0, wilson_interval(hits, n, z))
+
+    @property
+    def text(self) -> str:
+        """count/n: the exact numbers behind a percentage."""
+        return fraction(self.count, self.n)
+
+    @property
+    def percent(self) -> str:
+        """A percentage with its Wilson interval."""
+        low, high = self.wilson_95_ci
+        return f"{100 * self.rate:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
 
 
 def count(mask: np.ndarray) -> int:
@@ -20,29 +46,14 @@ def median(values: np.ndarray) -> float:
     return float(np.median(values))
 
 
-def rate_payload(hits: int, n: int, z: float) -> Json:
-    """The paper's rate object: count, n, rate and a clipped Wilson interval."""
-    return {
-        "count": hits,
-        "n": n,
-        "rate": hits / n if n else 0.0,
-        "wilson_95_ci": list(wilson_interval(hits, n, z)),
-    }
 
 
 def fraction(hits: int, n: int) -> str:
     return f"{hits}/{n}"
 
 
-def rate_text(payload: Json) -> str:
-    """A rate payload as count/n: the exact numbers behind a percentage."""
-    return fraction(payload["count"], payload["n"])
 
 
-def percent_interval(payload: Json) -> str:
-    """A rate payload as a percentage with its Wilson interval."""
-    low, high = payload["wilson_95_ci"]
-    return f"{100 * payload['rate']:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
 
 
 def interval(low: float, high: float) -> str:

@@ -104,9 +104,6 @@ def convert_embedded(embedded: EmbeddedModel) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     staging = target.with_name(target.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -115,25 +112,7 @@ def convert_embedded(embedded: EmbeddedModel) -> Path:
     else:
         gguf_dir, gguf_name = staging, embedded.gguf_name
         embedded.join_parts(parts, staging / gguf_name)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=gguf_name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    except Exception as exc:  # noqa: BLE001 - any parse failure is the same user problem
-        raise KvreplayError(
-            f"The GGUF file for {embedded.name!r} could not be parsed ({type(exc).__name__})."
-        ) from exc
-    source_digest = sha256_file(gguf_dir / gguf_name)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(staging / "model", safe_serialization=True)
-    tokenizer.save_pretrained(staging / "model")
-    _fix_stamps(staging / "model")
-    (staging / "model" / "source.json").write_text(
-        json.dumps({"gguf": embedded.gguf_name, "gguf_sha256": source_digest}, indent=2)
-    )
-    (staging / "model" / ".complete").write_text("ok\n")
+    _dequantize(embedded, gguf_dir / gguf_name, staging / "model")
     if len(parts) > 1:
         (staging / gguf_name).unlink()
     shutil.rmtree(target, ignore_errors=True)
@@ -141,6 +120,33 @@ def convert_embedded(embedded: EmbeddedModel) -> Path:
     (staging / "model").rename(target)
     shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _dequantize(embedded: EmbeddedModel, gguf: Path, folder: Path) -> None:
+    """The GGUF as an fp32 safetensors folder with its tokenizer, stamped with the GGUF's
+    digest, and marked complete last."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the same user problem
+        raise KvreplayError(
+            f"The GGUF file for {embedded.name!r} could not be parsed ({type(exc).__name__})."
+        ) from exc
+    source_digest = sha256_file(gguf)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    _fix_stamps(folder)
+    (folder / "source.json").write_text(
+        json.dumps({"gguf": embedded.gguf_name, "gguf_sha256": source_digest}, indent=2)
+    )
+    (folder / ".complete").write_text("ok\n")
 
 
 def _fix_stamps(folder: Path) -> None:

@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.outputs import write_output
-from kvreplay.measure.rates import Json, rate_text
+from kvreplay.measure.rates import Rate
 
 PRECISION_COLOURS = {"bf16": "#c0392b", "fp32": "#2471a3"}
 
@@ -64,20 +64,20 @@ class Figures:
         axis.set_major_locator(MaxNLocator(integer=True))
 
     def rate_bars(
-        self, ax: Any, labels: list[str], series: dict[str, list[Json]], ylabel: str
+        self, ax: Any, labels: list[str], series: dict[str, list[Rate]], ylabel: str
     ) -> None:
-        """Grouped bars of rate payloads with Wilson error bars and count/n labels."""
+        """Grouped bars of rates with Wilson error bars and count/n labels."""
         width = 0.8 / max(1, len(series))
         positions = np.arange(len(labels))
         for i, (name, payloads) in enumerate(series.items()):
-            rates = np.array([100 * p["rate"] for p in payloads])
-            bounds = np.array([[100 * b for b in p["wilson_95_ci"]] for p in payloads])
+            rates = np.array([100 * p.rate for p in payloads])
+            bounds = np.array([[100 * b for b in p.wilson_95_ci] for p in payloads])
             error = np.clip(np.vstack([rates - bounds[:, 0], bounds[:, 1] - rates]), 0, None)
             x = positions + (i - (len(series) - 1) / 2) * width
             ax.bar(x, rates, width, yerr=error, capsize=3, label=name, color=self.colour(name))
             for xi, payload, top in zip(x, payloads, bounds[:, 1], strict=True):
                 ax.annotate(
-                    rate_text(payload),
+                    payload.text,
                     (xi, top),
                     ha="center",
                     va="bottom",

@@ -14,7 +14,35 @@ import click
 from kvreplay.analysis.claims import analyze_dir, summary_lines, write_claims
 from kvreplay.core.errors import KvreplayError, plain_errors
 from kvreplay.core.outputs import Inputs, check_file_target, check_folder_target
-from kvreplay.core.paths import OutputPath, UserPath
+from kvreplay.core.paths import name_problem, shown_path
+
+
+class UserPath(click.Path):
+    """A ``click.Path`` that refuses an empty value (``Path("")`` is the current folder)
+    and a path the file system cannot hold, as a usage error."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty; name a path (. is the current folder)", param, ctx)
+        problem = name_problem(Path(value))
+        if problem:
+            self.fail(f"{shown_path(value)} cannot be used: {problem}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class OutputPath(UserPath):
+    """A path a command writes, a ``file`` or a ``folder`` (design: output writer): the
+    type marks it, so that every output option of every command can be found from the
+    command line itself (the output writer, :mod:`kvreplay.core.outputs`, checks it
+    before any work). ``named`` keeps the text as given, for a command that checks the
+    name itself (``env --venv`` refuses a name starting with ``-`` before anything)."""
+
+    def __init__(self, kind: str, named: bool = False) -> None:
+        super().__init__(path_type=Path, dir_okay=kind != "file", file_okay=kind != "folder")
+        self.kind, self.named = kind, named
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if self.named else super().convert(value, param, ctx)
 
 
 def output_option(name: str, help: str, kind: str) -> Callable[[Any], Any]:

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kvreplay.analysis.claims import Claims
 from kvreplay.analysis.ledgers import LedgerDir
 from kvreplay.analysis.sections.registry import sections
 from kvreplay.backends import backend_class
@@ -17,7 +18,6 @@ from kvreplay.core.jsonio import parse_json
 from kvreplay.harness.section import Page
 from kvreplay.harness.table import LedgerError
 from kvreplay.ledger import Record, rows_of
-from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Paragraph, Table
 from kvreplay.render.figures import Figures
 
@@ -100,7 +100,9 @@ def _backend_version(recorded: dict[str, Any], environment: dict[str, Any]) -> s
         return "?"
 
 
-def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figures) -> list[Block]:
+def report_blocks(
+    run_dir: Path, claims: Claims, folder: LedgerDir, figures: Figures
+) -> list[Block]:
     """The report's content, independent of its Markdown or HTML rendering."""
     manifest = _manifest(run_dir)
     facts = _manifest_rows(manifest) if manifest is not None else None  # checks its fields
@@ -110,7 +112,8 @@ def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figur
     else:
         blocks.append(Paragraph("No manifest.json here, so model, engine and device are unknown."))
     blocks.append(Paragraph("Ledgers read: " + ", ".join(sorted(folder.ledgers)) + "."))
-    headline = [row for section in sections() for row in section.headline(claims)]
+    present = [(s, part) for s in sections() if (part := claims.of(s)) is not None]
+    headline = [row for section, part in present for row in section.headline(part)]
     if headline:  # a run of experiments the paper has no figure for has none
         blocks += [
             Heading("Headline, beside the paper"),
@@ -122,9 +125,9 @@ def report_blocks(run_dir: Path, claims: Json, folder: LedgerDir, figures: Figur
             Table(("claim", "this run", "paper"), headline),
         ]
     blocks += _verdicts(run_dir, folder.records)
-    for section in sections():
+    for section, part in present:
         own = section.ledgers(folder.ledgers)
-        blocks += section.report(Page(claims, own, folder.records, figures))
+        blocks += section.report(Page(part, own, folder.records, figures))
     return blocks
 
 

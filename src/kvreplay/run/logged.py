@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvreplay.backends.rollout import ENGINE
+from kvreplay.backends.rollout import OWN_PREFILL
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import MAX_ID_LENGTH
 from kvreplay.core.jsonio import JsonError, parse_json
@@ -109,7 +109,7 @@ def load_logged(path: Path) -> list[dict[str, Any]]:
 def _row(data: dict[str, Any]) -> dict[str, Any]:
     scores = {TRAINER: Scored([float(v) for v in data["trainer_logprobs"]]).to_dict()}
     if "engine_logprobs" in data:
-        scores[ENGINE] = Scored([float(v) for v in data["engine_logprobs"]]).to_dict()
+        scores[OWN_PREFILL] = Scored([float(v) for v in data["engine_logprobs"]]).to_dict()
     turn = Turn(data["response_ids"], [float(v) for v in data["rollout_logprobs"]]).to_dict()
     return {
         "item_id": data["id"],
@@ -153,7 +153,9 @@ def rescore(rows: list[dict[str, Any]], spec_text: str, model: str) -> None:
     scorer = open_scorer(spec, ModelRef(model, scorer_digest(spec, model)))
     for row in rows:
         turn = row["rollouts"][0]["turns"][0]
-        turn["scores"][ENGINE] = scorer.score(row["prompt_token_ids"], turn["token_ids"]).to_dict()
+        turn["scores"][OWN_PREFILL] = scorer.score(
+            row["prompt_token_ids"], turn["token_ids"]
+        ).to_dict()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreplay.backends.rollout import ENGINE
+from kvreplay.backends.rollout import OWN_PREFILL
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import (
     LOGPROB_MODES,
@@ -41,7 +41,7 @@ from kvreplay.verify.mismatch import MismatchExpectation, MismatchVerdict, judge
 SampleFn = Callable[[list[int], Sampling], tuple[Sequence[int], Sequence[float]]]
 ScoreFn = Callable[[list[int], list[int]], Sequence[float]]
 OWN = "own"  # the precision a row of your own stack is filed under
-RESERVED = (ROLLOUT_SIDE, ENGINE, MISS, BATCHED)  # the other sides' labels
+RESERVED = (ROLLOUT_SIDE, OWN_PREFILL, MISS, BATCHED)  # the other sides' labels
 
 
 @dataclass
@@ -137,7 +137,7 @@ def audit_own_stack(
     sampling.check(reports, "sample()")
     scorers: list[tuple[str, Any]] = [(trainer, CallableScorer(score))]
     if engine_score is not None:
-        scorers.insert(0, (ENGINE, CallableScorer(engine_score, "engine_score()")))
+        scorers.insert(0, (OWN_PREFILL, CallableScorer(engine_score, "engine_score()")))
     bench = Bench(CallableStack(sample), scorers)
     rows = []
     for index, prompt in enumerate(prompts):

@@ -35,7 +35,7 @@ from kvreplay.harness.scope import Scope, SourceRun
 from kvreplay.harness.units import Unit
 from kvreplay.ledger import (
     CONTRACT_SCHEME,
-    ENGINE,
+    ENGINE_NOTE,
     ITEMS,
     MANIFEST,
     SNAPSHOTS_SAVED,
@@ -318,7 +318,7 @@ def _run_prepared(
     run, placement = scope.config, request.placement
     engine = session.engine(run, placement) if session else make_engine(run, placement)
     try:
-        ledger.note_experiment(experiment.name, ENGINE, engine.describe())
+        ledger.note_experiment(experiment.name, ENGINE_NOTE, engine.describe())
         name = experiment.name
         done = (lambda: decides_at_last(stop, ledger.rows(name))) if stop else (lambda: False)
         stopped = False

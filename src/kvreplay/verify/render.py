@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from xml.etree import ElementTree
 
+from kvreplay.core.claims import encode
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.power import percent, rate_upper_bound
 from kvreplay.harness.experiment import Experiment
@@ -56,7 +57,7 @@ def sentence(verdict: Verdict) -> str:
         else ""
     )
     if verdict.certificate is not None:
-        return head + verdict.certificate["sentence"] + uncached + "; " + _bits_clause(verdict)
+        return head + verdict.certificate.sentence + uncached + "; " + _bits_clause(verdict)
     if battery is not None:
         return head + _battery_clause(verdict, battery) + uncached + _stop_clause(verdict) + "."
     if level == "bits":
@@ -215,7 +216,7 @@ def to_json(verdict: Verdict) -> dict[str, Any]:
         "compared": list(verdict.compared),
         "counts": verdict.counts(),
         "items": [o.to_json() for o in verdict.items],
-        "certificate": verdict.certificate,
+        "certificate": None if verdict.certificate is None else encode(verdict.certificate),
         "environment": verdict.environment,
         "traffic": verdict.traffic,
         "planted_fault": verdict.planted_fault,

@@ -22,6 +22,7 @@ from kvreplay.core.power import rate_upper_bound
 from kvreplay.experiments.battery.experiment import MEASURED
 from kvreplay.harness.experiment import Experiment
 from kvreplay.ledger import Record
+from kvreplay.measure.certificate import FAITHFUL, CertificateClaims
 from kvreplay.verify.expectation import Expectation
 from kvreplay.verify.outcome import ItemOutcome, outcomes
 
@@ -50,7 +51,7 @@ class Verdict:
     expectation: Expectation
     compared: tuple[str, str]
     items: list[ItemOutcome]
-    certificate: dict[str, Any] | None = None
+    certificate: CertificateClaims | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     planned: int | None = None
     planted_fault: str | None = None  # the fault planted in the engine while it ran
@@ -99,7 +100,7 @@ class Verdict:
         if self.broken or not self.judged:
             return False
         if self.expectation.kind == "faithful":
-            return self.certificate is not None and self.certificate["verdict"] == "faithful"
+            return self.certificate is not None and self.certificate.verdict == FAITHFUL
         return self.bits_hold if self.expectation.kind == "bitwise" else self.tokens_hold
 
     @property
@@ -288,7 +289,9 @@ class StopRule:
         return cls(experiment, Expectation(**data["expectation"]))
 
 
-def _certificate(experiment: Experiment, rows: Iterable[Record], margin: float) -> dict[str, Any]:
+def _certificate(
+    experiment: Experiment, rows: Iterable[Record], margin: float
+) -> CertificateClaims:
     from kvreplay.measure.certificate import PairedSamples, certify
 
     samples = []
@@ -306,7 +309,7 @@ def _certificate(experiment: Experiment, rows: Iterable[Record], margin: float) 
                 changed=tuple(a.suffix_sha256 != b.suffix_sha256 for a, b in pairs),
             )
         )
-    return certify(samples, margin).to_json()
+    return certify(samples, margin).claims()
 
 
 def run_verdicts(

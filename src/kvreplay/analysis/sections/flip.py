@@ -7,8 +7,9 @@ the cheap risks the ROC draws, never the bootstrap."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,15 +19,17 @@ from kvreplay.analysis.flip import (
     PRIMARY_SCORE,
     SCORES,
     FlipAnalysis,
+    FlipPredictor,
+    PanelClaims,
     roc_points,
     row_risks,
     score_panel,
 )
+from kvreplay.core.claims import key
 from kvreplay.experiments.matrix.section import MATRIX, MATRIX_DESIGNS
 from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.harness.table import Ledger
 from kvreplay.ledger import Record
-from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Image, Paragraph
 from kvreplay.render.document import Table as Grid
 
@@ -55,7 +58,7 @@ class PanelRows:
     stream: int
 
 
-def _left_margins(data: Json) -> list[float] | None:
+def _left_margins(data: dict[str, Any]) -> list[float] | None:
     """The left arm's decoded-step margins, stage after stage (forced openers have none);
     None when the row does not hold them where this version writes them."""
     try:
@@ -121,39 +124,42 @@ def analyze_flip(runs: Iterable[Record] | None, ledgers: Mapping[str, Ledger]) -
     )
 
 
-def _claims(reading: Reading) -> Json:
-    return {"extra": {"flip_predictor": analyze_flip(reading.records, reading.ledgers).to_json()}}
+@dataclass(frozen=True)
+class FlipClaims:
+    flip_predictor: FlipPredictor = field(metadata=key(extra=True))
 
 
-def _panels(flip: Json) -> Iterator[tuple[str, str, Json]]:
+def _claims(reading: Reading) -> FlipClaims:
+    return FlipClaims(analyze_flip(reading.records, reading.ledgers).claims())
+
+
+def _panels(flip: FlipPredictor) -> Iterator[tuple[str, str, PanelClaims]]:
     """(section, precision, panel claims) in the order the predictor ran them."""
     for design in MATRIX_DESIGNS:
-        for precision, block in sorted(flip.get(design.section, {}).items()):
-            yield design.section, precision, block
+        for precision, panel in sorted(flip.panels.get(design.section, {}).items()):
+            yield design.section, precision, panel
 
 
-def _summary(claims: Json) -> list[str]:
+def _summary(claims: FlipClaims) -> list[str]:
     """One line per panel with the primary score's AUC and audit catch."""
-    flip = claims.get("extra", {}).get("flip_predictor")
-    if not flip:
-        return []
-    if "note" in flip:
-        return [f"flip_predictor: {flip['note']}"]
+    flip = claims.flip_predictor
+    if flip.method is None:
+        return [f"flip_predictor: {flip.note}"]
     lines = []
-    for section, precision, block in _panels(flip):
-        divergent = f"{block['divergent_rows']}/{block['rows']} divergent"
+    for section, precision, panel in _panels(flip):
+        divergent = f"{panel.divergent_rows}/{panel.rows} divergent"
         head = f"flip_predictor {section} {precision} ({divergent})"
-        result = block["scores"][flip["primary_score"]]
-        if result["auc"] is None:
-            lines.append(f"{head}: AUC {block['auc_status']}")
+        result = panel.scores[flip.method.primary_score]
+        if result.auc is None or result.auc_bootstrap_95_ci is None:
+            lines.append(f"{head}: AUC {panel.auc_status}")
             continue
-        low, high = result["auc_bootstrap_95_ci"]
-        audit = result["audit_top_share"]
+        low, high = result.auc_bootstrap_95_ci
+        audit = result.audit_top_share
         lines.append(
-            f"{head}: {flip['primary_score']} AUC {result['auc']:.3f}"
-            f" [{low:.3f}, {high:.3f}]; riskiest {audit['audited_rows']} rows catch"
-            f" {audit['divergent_caught']}/{block['divergent_rows']}"
-            f" ({audit['rows_tied_at_cut']} tied at the cut)"
+            f"{head}: {flip.method.primary_score} AUC {result.auc:.3f}"
+            f" [{low:.3f}, {high:.3f}]; riskiest {audit.audited_rows} rows catch"
+            f" {audit.divergent_caught}/{panel.divergent_rows}"
+            f" ({audit.rows_tied_at_cut} tied at the cut)"
         )
     return lines
 
@@ -176,43 +182,41 @@ METHOD_NOTE = (
 )
 
 
-def _rows(flip: Json) -> list[tuple[str, ...]]:
+def _rows(flip: FlipPredictor) -> list[tuple[str, ...]]:
     rows = []
-    for section, precision, block in _panels(flip):
+    for section, precision, panel in _panels(flip):
         head = (section, precision)
-        divergent = f"{block['divergent_rows']}/{block['rows']}"
-        if block["auc_status"] != "defined":
-            audited = str(block["scores"][SCORES[0].name]["audit_top_share"]["audited_rows"])
-            rows.append((*head, "every score", divergent, block["auc_status"], audited, "—", "—"))
+        divergent = f"{panel.divergent_rows}/{panel.rows}"
+        if not panel.defined:
+            audited = str(panel.scores[SCORES[0].name].audit_top_share.audited_rows)
+            rows.append((*head, "every score", divergent, panel.auc_status, audited, "—", "—"))
             continue
         for score in SCORES:
-            result = block["scores"][score.name]
-            audit = result["audit_top_share"]
-            if result["auc"] is None or result["auc_bootstrap_95_ci"] is None:
+            result = panel.scores[score.name]
+            audit = result.audit_top_share
+            if result.auc is None or result.auc_bootstrap_95_ci is None:
                 auc = "undefined"
             else:
-                low, high = result["auc_bootstrap_95_ci"]
-                auc = f"{result['auc']:.3f} [{low:.3f}, {high:.3f}]"
-            if audit["share_of_divergent"] is None or audit["bootstrap_95_ci"] is None:
+                low, high = result.auc_bootstrap_95_ci
+                auc = f"{result.auc:.3f} [{low:.3f}, {high:.3f}]"
+            if audit.share_of_divergent is None or audit.bootstrap_95_ci is None:
                 caught = expected = "undefined (no row diverges)"
             else:
-                low, high = (100 * bound for bound in audit["bootstrap_95_ci"])
-                share = f"{100 * audit['share_of_divergent']:.0f}% [{low:.0f}, {high:.0f}]"
-                caught = f"{audit['divergent_caught']}/{block['divergent_rows']} ({share})"
-                expected = f"{100 * audit['share_expected_if_ties_random']:.0f}%"
-            audited = f"{audit['audited_rows']} ({audit['rows_tied_at_cut']} tied at cut)"
+                low, high = (100 * bound for bound in audit.bootstrap_95_ci)
+                share = f"{100 * audit.share_of_divergent:.0f}% [{low:.0f}, {high:.0f}]"
+                caught = f"{audit.divergent_caught}/{panel.divergent_rows} ({share})"
+                expected = f"{100 * (audit.share_expected_if_ties_random or 0):.0f}%"
+            audited = f"{audit.audited_rows} ({audit.rows_tied_at_cut} tied at cut)"
             rows.append((*head, score.name, divergent, auc, audited, caught, expected))
     return rows
 
 
-def _report(page: Page) -> list[Block]:
+def _report(page: Page[FlipClaims]) -> list[Block]:
     """The predictor's table, ROC figure and method note; a plain note when skipped."""
-    flip = page.claims.get("extra", {}).get("flip_predictor")
-    if not flip:
-        return []
+    flip = page.claims.flip_predictor
     blocks: list[Block] = [Heading("Flip predictor: which rows will a rebuilt prefix change?")]
-    if "note" in flip:
-        return [*blocks, Paragraph(flip["note"])]
+    if flip.method is None:
+        return [*blocks, Paragraph(flip.note or "")]
     scores = "; ".join(f"`{s.name}` = {s.description}" for s in SCORES)
     blocks += [
         Paragraph(METHOD_NOTE.format(scores=scores, primary=PRIMARY_SCORE, share=AUDIT_SHARE)),
@@ -239,13 +243,11 @@ def _report(page: Page) -> list[Block]:
     return blocks
 
 
-def _figure_roc(page: Page, flip: Json) -> Path | None:
+def _figure_roc(page: Page[FlipClaims], flip: FlipPredictor) -> Path | None:
     """ROC of every score, one panel per matrix section, for precisions with a defined
     AUC: the curve from each row's risk, the AUC from the claims."""
     defined = {
-        (section, precision): block
-        for section, precision, block in _panels(flip)
-        if block["auc_status"] == "defined"
+        (section, precision): panel for section, precision, panel in _panels(flip) if panel.defined
     }
     sections: dict[str, list[PanelRows]] = {}
     for panel in panel_rows(page.records, page.ledgers)[0]:
@@ -257,7 +259,7 @@ def _figure_roc(page: Page, flip: Json) -> Path | None:
     for ax, (section, rows) in zip(axes, sections.items(), strict=True):
         ax.plot([0, 1], [0, 1], color="#999999", linewidth=0.8, linestyle=":", label="chance")
         for panel in rows:
-            results = defined[(section, panel.precision)]["scores"]
+            results = defined[(section, panel.precision)].scores
             for column, (colour, score) in enumerate(zip(SCORE_COLOURS, SCORES, strict=False)):
                 fpr, tpr = roc_points(np.ascontiguousarray(panel.risks[:, column]), panel.labels)
                 ax.plot(
@@ -266,7 +268,7 @@ def _figure_roc(page: Page, flip: Json) -> Path | None:
                     color=colour,
                     linestyle="-" if panel.precision == "bf16" else "--",
                     linewidth=1.5,
-                    label=f"{panel.precision} {score.name}: AUC {results[score.name]['auc']:.2f}",
+                    label=f"{panel.precision} {score.name}: AUC {results[score.name].auc:.2f}",
                 )
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.02)
@@ -278,4 +280,4 @@ def _figure_roc(page: Page, flip: Json) -> Path | None:
     return page.figures.save(figure, "flip_predictor_roc.png")
 
 
-FLIP = Section("flip", MATRIX.tables, _claims, _summary, report=_report, paper_order=9)
+FLIP = Section("flip", MATRIX.tables, FlipClaims, _claims, _summary, report=_report, paper_order=9)

@@ -4,9 +4,13 @@ each control continued differently."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvreplay.core.claims import key
 from kvreplay.experiments.matrix.table import SERVED_CONTROLS, SERVED_MATCHED_TABLE
 from kvreplay.harness.section import Page, Reading, Section
-from kvreplay.measure.rates import Json, median, rate_payload, rate_text
+from kvreplay.measure.rates import Rate, median
 from kvreplay.measure.stats import MATRIX_WILSON_Z
 from kvreplay.render.document import Block, Heading, Paragraph
 from kvreplay.render.document import Table as Grid
@@ -14,34 +18,67 @@ from kvreplay.render.document import Table as Grid
 SECTION = "served_matched"
 
 
-def _differs(control: str) -> str:
-    """The claims key of a control: ``uninterrupted_differs_from_live`` and so on."""
-    return control.replace("_equal_", "_differs_from_")
+@dataclass(frozen=True)
+class ControlRate(Rate):
+    """A control's rate of differing suffixes, where it ran, and what it compares."""
+
+    label: str = ""
 
 
-def _claims(reading: Reading) -> Json:
-    """Per precision: the engine, the cached tokens the hit and the miss read beside P's
-    length, and each control's rate of differing suffixes where it ran."""
+@dataclass(frozen=True)
+class ServedPrecision:
+    """One precision: the engine, the cached tokens the hit and the miss read beside P's
+    length, and each control's rate of differing suffixes."""
+
+    backend: str
+    rows: int
+    live_cached_tokens_median: float
+    prefill_cached_tokens_median: float
+    prefix_token_count_median: float
+    uninterrupted_differs_from_live: ControlRate
+    uninterrupted_differs_from_prefill: ControlRate
+    batched_differs_from_live: ControlRate
+
+
+@dataclass(frozen=True)
+class ServedClaims:
+    precisions: dict[str, ServedPrecision] = field(metadata=key(SECTION))
+
+
+CONTROLS: dict[str, Callable[[ServedPrecision], ControlRate]] = {
+    "uninterrupted_equal_live": lambda p: p.uninterrupted_differs_from_live,
+    "uninterrupted_equal_prefill": lambda p: p.uninterrupted_differs_from_prefill,
+    "batched_equal_live": lambda p: p.batched_differs_from_live,
+}
+"""Each control column of the served table, and its claim."""
+assert CONTROLS.keys() == SERVED_CONTROLS.keys()
+
+
+def _differs(column: str) -> str:
+    """The claim of a control column: ``uninterrupted_differs_from_live`` and so on."""
+    return column.replace("_equal_", "_differs_from_")
+
+
+def _claims(reading: Reading) -> ServedClaims:
     (ledger,) = reading.ledgers.values()
-    section: Json = {}
+    found = {}
     for precision in sorted(set(ledger["precision"].tolist())):
         rows = ledger.select(ledger["precision"] == precision)
-        block: Json = {
-            "backend": str(rows["backend"][0]),
-            "rows": len(rows),
-            "live_cached_tokens_median": median(rows["live_cached_tokens"]),
-            "prefill_cached_tokens_median": median(rows["prefill_cached_tokens"]),
-            "prefix_token_count_median": median(rows["prefix_token_count"]),
-        }
+        controls = {}
         for column, label in SERVED_CONTROLS.items():
             known = [v for v in rows[column] if v is not None]
             differ = sum(1 for v in known if not v)
-            block[_differs(column)] = {
-                "label": label,
-                **rate_payload(differ, len(known), MATRIX_WILSON_Z),
-            }
-        section[precision] = block
-    return {SECTION: section}
+            rate = Rate.of(differ, len(known), MATRIX_WILSON_Z)
+            controls[_differs(column)] = ControlRate(**vars(rate), label=label)
+        found[precision] = ServedPrecision(
+            backend=str(rows["backend"][0]),
+            rows=len(rows),
+            live_cached_tokens_median=median(rows["live_cached_tokens"]),
+            prefill_cached_tokens_median=median(rows["prefill_cached_tokens"]),
+            prefix_token_count_median=median(rows["prefix_token_count"]),
+            **controls,
+        )
+    return ServedClaims(found)
 
 
 SERVED_NOTE = (
@@ -57,19 +94,19 @@ SERVED_NOTE = (
 )
 
 
-def _report(page: Page) -> list[Block]:
+def _report(page: Page[ServedClaims]) -> list[Block]:
     """What a served run adds: its controls and how much of P the hit reused."""
-    section = page.claims.get(SECTION)
-    if not section:
+    precisions = page.claims.precisions
+    if not precisions:
         return []
     rows = [
         (
             precision,
-            f"{b['live_cached_tokens_median']:g} / {b['prefix_token_count_median']:g}",
-            f"{b['prefill_cached_tokens_median']:g}",
-            *(rate_text(b[key]) if b[key]["n"] else "—" for key in map(_differs, SERVED_CONTROLS)),
+            f"{p.live_cached_tokens_median:g} / {p.prefix_token_count_median:g}",
+            f"{p.prefill_cached_tokens_median:g}",
+            *(rate.text if (rate := claim(p)).n else "—" for claim in CONTROLS.values()),
         )
-        for precision, b in section.items()
+        for precision, p in precisions.items()
     ]
     return [
         Heading("Serving engine: prefix-cache hit vs miss"),
@@ -86,4 +123,6 @@ def _report(page: Page) -> list[Block]:
     ]
 
 
-SERVED = Section("served", (SERVED_MATCHED_TABLE,), _claims, report=_report, paper_order=5)
+SERVED = Section(
+    "served", (SERVED_MATCHED_TABLE,), ServedClaims, _claims, report=_report, paper_order=5
+)

@@ -77,6 +77,29 @@ def check_loadable(spec: str, attn_implementation: str, trust_remote_code: bool 
 
     The model is built on the meta device, so no weight stays in memory.
     """
+    from transformers import AutoModelForCausalLM
+
+    _check_buildable(spec, attn_implementation, trust_remote_code)
+    source, gguf_file, kwargs = pretrained(spec, trust_remote_code)
+    if gguf_file:
+        return  # the GGUF reader checked the file (check_gguf); it has no safetensors
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(
+            source,
+            device_map="meta",
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported in info, and refused below
+            use_safetensors=True,
+            **kwargs,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise KvreplayError(f"Could not load model {spec!r}: {first_line(exc)}.") from exc
+    check_loading_info(spec, info)
+
+
+def _check_buildable(spec: str, attn_implementation: str, trust_remote_code: bool) -> None:
+    """The model built from its config on the meta device with this attention, or the
+    sentence that says why not."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -108,21 +131,6 @@ def check_loadable(spec: str, attn_implementation: str, trust_remote_code: bool 
             f"Model {spec!r} is not a causal language model transformers can build from its "
             f"config.json ({type(exc).__name__}: {first_line(exc)})."
         ) from exc
-    source, gguf_file, kwargs = pretrained(spec, trust_remote_code)
-    if gguf_file:
-        return  # the GGUF reader checked the file (check_gguf); it has no safetensors
-    try:
-        _, info = AutoModelForCausalLM.from_pretrained(
-            source,
-            device_map="meta",
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,  # reported in info, and refused below
-            use_safetensors=True,
-            **kwargs,
-        )
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise KvreplayError(f"Could not load model {spec!r}: {first_line(exc)}.") from exc
-    check_loading_info(spec, info)
 
 
 def check_loading_info(spec: str, info: dict[str, Any]) -> None:

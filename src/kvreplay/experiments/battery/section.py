@@ -5,45 +5,68 @@ a random cut continued as the live decode it cut."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from kvreplay.core.claims import key
 from kvreplay.experiments.battery.table import BATTERY, BATTERY_TABLE
 from kvreplay.harness.section import Page, Reading, Section
-from kvreplay.measure.rates import Json, rate_payload, rate_text
+from kvreplay.measure.rates import Rate
 from kvreplay.measure.stats import MATRIX_WILSON_Z
 from kvreplay.render.document import Block, Heading, Paragraph
 from kvreplay.render.document import Table as Grid
 
 
-def _claims(reading: Reading) -> Json:
+@dataclass(frozen=True)
+class ShapeClaims:
+    """One request shape at one precision: its level, the items it was exercised on and
+    those where it parted hit from miss."""
+
+    level: str
+    exercised: int
+    detected: Rate
+
+
+@dataclass(frozen=True)
+class BatteryPrecision:
+    """One precision: the backend, the live decode against the hit at a random cut, and
+    each shape (keyed by its name beside the other two)."""
+
+    backend: str
+    live_equal: Rate
+    shapes: dict[str, ShapeClaims] = field(metadata=key(flatten=True))
+
+
+@dataclass(frozen=True)
+class BatteryClaims:
+    precisions: dict[str, BatteryPrecision] = field(metadata=key(BATTERY))
+
+
+def _claims(reading: Reading) -> BatteryClaims:
     (ledger,) = reading.ledgers.values()
-    section: Json = {}
+    found = {}
     for precision in sorted(set(ledger["precision"].tolist())):
         rows = ledger.select(ledger["precision"] == precision)
-        block: Json = {"backend": str(rows["backend"][0])}
+        shapes = {}
         for shape in dict.fromkeys(rows["shape"].tolist()):
             mine = rows.select(rows["shape"] == shape)
             ran = [e is not False for e in mine["exercised"]]
             detected = sum(bool(d) for d, r in zip(mine["detected"], ran, strict=True) if r)
-            block[shape] = {
-                "level": str(mine["level"][0]),
-                "exercised": sum(ran),
-                "detected": rate_payload(detected, sum(ran), MATRIX_WILSON_Z),
-            }
+            shapes[shape] = ShapeClaims(
+                str(mine["level"][0]), sum(ran), Rate.of(detected, sum(ran), MATRIX_WILSON_Z)
+            )
         live = [bool(v) for v in rows["live_equal"] if v is not None]
-        block["live_equal"] = rate_payload(sum(live), len(live), MATRIX_WILSON_Z)
-        section[precision] = block
-    return {BATTERY: section}
+        found[precision] = BatteryPrecision(
+            str(rows["backend"][0]), Rate.of(sum(live), len(live), MATRIX_WILSON_Z), shapes
+        )
+    return BatteryClaims(found)
 
 
-def _shapes(block: Json) -> list[str]:
-    return [k for k in block if k not in ("backend", "live_equal")]
-
-
-def _summary(claims: Json) -> list[str]:
+def _summary(claims: BatteryClaims) -> list[str]:
     return [
         f"{BATTERY} {precision}: detections "
-        + ", ".join(f"{s} {rate_text(b[s]['detected'])}" for s in _shapes(b))
-        + f"; live decode equals the hit at a cut {rate_text(b['live_equal'])}"
-        for precision, b in claims.get(BATTERY, {}).items()
+        + ", ".join(f"{name} {s.detected.text}" for name, s in p.shapes.items())
+        + f"; live decode equals the hit at a cut {p.live_equal.text}"
+        for precision, p in claims.precisions.items()
     ]
 
 
@@ -58,16 +81,15 @@ NOTE = (
 )
 
 
-def _report(page: Page) -> list[Block]:
-    section = page.claims.get(BATTERY)
-    if not section:
+def _report(page: Page[BatteryClaims]) -> list[Block]:
+    precisions = page.claims.precisions
+    if not precisions:
         return []
     rows = [
-        (precision, shape, b[shape]["level"], str(b[shape]["exercised"]),
-         rate_text(b[shape]["detected"]))
-        for precision, b in section.items()
-        for shape in _shapes(b)
-    ]  # fmt: skip
+        (precision, name, s.level, str(s.exercised), s.detected.text)
+        for precision, p in precisions.items()
+        for name, s in p.shapes.items()
+    ]
     return [
         Heading("Battery: the request shapes against their misses"),
         Paragraph(NOTE),
@@ -75,4 +97,4 @@ def _report(page: Page) -> list[Block]:
     ]
 
 
-SECTION = Section(BATTERY, (BATTERY_TABLE,), _claims, _summary, report=_report)
+SECTION = Section(BATTERY, (BATTERY_TABLE,), BatteryClaims, _claims, _summary, report=_report)

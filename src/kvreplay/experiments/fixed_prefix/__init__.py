@@ -17,6 +17,7 @@ DECLARATION = Declaration(
     section=SECTION,
     judged=True,
     outcome_rank=1,
+    prefix_kind="prefix",
     schema=panel_schema(
         {
             "dtypes": list_of(str),

@@ -6,12 +6,14 @@ server reported while the traffic arm ran."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvreplay.core.claims import key
 from kvreplay.experiments.history.table import HISTORIES, HISTORY_TABLE, LOAD
 from kvreplay.harness.section import Page, Reading, Section
-from kvreplay.measure.rates import Json, rate_payload, rate_text
+from kvreplay.measure.rates import Rate
 from kvreplay.measure.stats import MATRIX_WILSON_Z
 from kvreplay.render.document import Block, Heading, Paragraph
 from kvreplay.render.document import Table as Grid
@@ -21,21 +23,80 @@ ARMS = ("miss", *HISTORIES)
 """The arms each compared with the hit alone (and, but the miss, with the miss)."""
 
 
-def _rate(values: np.ndarray) -> Json:
+@dataclass(frozen=True)
+class Reads:
+    """How much of what its history wrote a hit's first request read, over rows."""
+
+    all: int
+    part: int
+    none: int
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Reads:
+        return cls(*(sum(1 for v in values if v == what) for what in ("all", "part", "none")))
+
+    @property
+    def text(self) -> str:
+        return f"{self.all}/{self.part}/{self.none}"
+
+
+@dataclass(frozen=True)
+class HistoryArm:
+    """One arm against the hit alone and (a history) against the miss, and its reads."""
+
+    name: str
+    differs_from_hit: Rate
+    differs_from_miss: Rate | None = None
+    read: Reads | None = None
+
+
+@dataclass(frozen=True)
+class HistoryPrecision:
+    """One precision: each arm's rate of suffixes differing from the hit and from the
+    miss, how much each hit read, and the traffic's load (medians over the rows)."""
+
+    backend: str
+    rows: int
+    miss_differs_from_hit: Rate
+    traffic_differs_from_hit: Rate
+    traffic_differs_from_miss: Rate
+    traffic_read: Reads
+    warm_differs_from_hit: Rate
+    warm_differs_from_miss: Rate
+    warm_read: Reads
+    evicted_differs_from_hit: Rate
+    evicted_differs_from_miss: Rate
+    evicted_read: Reads
+    hit_read: Reads
+    traffic_load_median: dict[str, float | None]
+
+    @property
+    def arms(self) -> tuple[HistoryArm, ...]:
+        """The arms in :data:`ARMS` order."""
+        return (
+            HistoryArm("miss", self.miss_differs_from_hit),
+            HistoryArm(
+                "traffic", self.traffic_differs_from_hit, self.traffic_differs_from_miss,
+                self.traffic_read,
+            ),
+            HistoryArm(
+                "warm", self.warm_differs_from_hit, self.warm_differs_from_miss, self.warm_read
+            ),
+            HistoryArm(
+                "evicted", self.evicted_differs_from_hit, self.evicted_differs_from_miss,
+                self.evicted_read,
+            ),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HistoryClaims:
+    precisions: dict[str, HistoryPrecision] = field(metadata=key(SECTION))
+
+
+def _rate(values: np.ndarray) -> Rate:
     known = [v for v in values if v is not None]
-    return rate_payload(sum(1 for v in known if not v), len(known), MATRIX_WILSON_Z)
-
-
-READS = ("all", "part", "none")
-
-
-def _reads(values: np.ndarray) -> dict[str, int]:
-    return {what: sum(1 for v in values if v == what) for what in READS}
-
-
-def _read_text(reads: Json) -> str:
-    """all/part/none counts (claims.json sorts its keys, so they are named here)."""
-    return "/".join(str(reads[what]) for what in READS)
+    return Rate.of(sum(1 for v in known if not v), len(known), MATRIX_WILSON_Z)
 
 
 def _median(values: np.ndarray) -> float | None:
@@ -47,32 +108,31 @@ def _number(value: float | None) -> str:
     return "—" if value is None else f"{value:g}"
 
 
-def _claims(reading: Reading) -> Json:
-    """Per precision: each arm's rate of suffixes differing from the hit and from the
-    miss, how much of what its history wrote each hit read, and the traffic's load
-    (medians over the rows)."""
+def _claims(reading: Reading) -> HistoryClaims:
     (ledger,) = reading.ledgers.values()
-    section: Json = {}
+    found = {}
     for precision in sorted(set(ledger["precision"].tolist())):
         rows = ledger.select(ledger["precision"] == precision)
-        block: Json = {"backend": str(rows["backend"][0]), "rows": len(rows)}
-        for arm in ARMS:
-            block[f"{arm}_differs_from_hit"] = _rate(rows[f"{arm}_equal_hit"])
-            if arm != "miss":
-                block[f"{arm}_differs_from_miss"] = _rate(rows[f"{arm}_equal_miss"])
-                block[f"{arm}_read"] = _reads(rows[f"{arm}_read"])
-        block["hit_read"] = _reads(rows["hit_read"])
-        block["traffic_load_median"] = {name: _median(rows[f"traffic_{name}"]) for name, _ in LOAD}
-        section[precision] = block
-    return {SECTION: section}
+        arms = {f"{arm}_differs_from_hit": _rate(rows[f"{arm}_equal_hit"]) for arm in ARMS}
+        for arm in HISTORIES:
+            arms[f"{arm}_differs_from_miss"] = _rate(rows[f"{arm}_equal_miss"])
+            arms[f"{arm}_read"] = Reads.of(rows[f"{arm}_read"])
+        found[precision] = HistoryPrecision(
+            backend=str(rows["backend"][0]),
+            rows=len(rows),
+            **arms,
+            hit_read=Reads.of(rows["hit_read"]),
+            traffic_load_median={name: _median(rows[f"traffic_{name}"]) for name, _ in LOAD},
+        )
+    return HistoryClaims(found)
 
 
-def _summary(claims: Json) -> list[str]:
+def _summary(claims: HistoryClaims) -> list[str]:
     return [
         f"{SECTION} {precision}: suffix differs from the hit alone: "
-        + ", ".join(f"{arm} {rate_text(b[f'{arm}_differs_from_hit'])}" for arm in ARMS)
-        + f"; evicted hit read all/part/none {_read_text(b['evicted_read'])}"
-        for precision, b in claims.get(SECTION, {}).items()
+        + ", ".join(f"{arm.name} {arm.differs_from_hit.text}" for arm in p.arms)
+        + f"; evicted hit read all/part/none {p.evicted_read.text}"
+        for precision, p in claims.precisions.items()
     ]
 
 
@@ -87,24 +147,24 @@ HISTORY_NOTE = (
 )
 
 
-def _report(page: Page) -> list[Block]:
-    section = page.claims.get(SECTION)
-    if not section:
+def _report(page: Page[HistoryClaims]) -> list[Block]:
+    precisions = page.claims.precisions
+    if not precisions:
         return []
     rows = [
         (
             precision,
-            arm,
-            rate_text(b[f"{arm}_differs_from_hit"]),
-            rate_text(b[f"{arm}_differs_from_miss"]) if arm != "miss" else "—",
-            _read_text(b[f"{arm}_read"]) if arm != "miss" else "—",
+            arm.name,
+            arm.differs_from_hit.text,
+            arm.differs_from_miss.text if arm.differs_from_miss else "—",
+            arm.read.text if arm.read else "—",
         )
-        for precision, b in section.items()
-        for arm in ARMS
+        for precision, p in precisions.items()
+        for arm in p.arms
     ]
     loads = [
-        (precision, *(_number(b["traffic_load_median"][name]) for name, _ in LOAD))
-        for precision, b in section.items()
+        (precision, *(_number(p.traffic_load_median[name]) for name, _ in LOAD))
+        for precision, p in precisions.items()
     ]
     return [
         Heading("History: the same hit after different histories, and under traffic"),
@@ -117,4 +177,4 @@ def _report(page: Page) -> list[Block]:
     ]
 
 
-HISTORY = Section("history", (HISTORY_TABLE,), _claims, _summary, report=_report)
+HISTORY = Section("history", (HISTORY_TABLE,), HistoryClaims, _claims, _summary, report=_report)

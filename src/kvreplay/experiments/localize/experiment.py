@@ -40,7 +40,7 @@ from kvreplay.experiments.localize.table import (
     SWEEPS,
     Probe,
 )
-from kvreplay.experiments.registry import outcome_sources
+from kvreplay.experiments.registry import EXPERIMENTS, outcome_sources
 from kvreplay.experiments.transplant.table import TRANSPLANT
 from kvreplay.harness.blocks import engine_of, follow_in_engine
 from kvreplay.harness.experiment import Experiment, planned_keys
@@ -169,7 +169,8 @@ class Localize(Experiment):
     panel = Panel((Arm("left", "replay"), Arm("prefill", "prefill")), keep_states=True)
 
     def select(self, scope: Scope, rows: dict[str, Record]) -> Selection:
-        sources = (*outcome_sources(), TRANSPLANT)  # a transplant panel's rows hold outcomes too
+        # a transplant panel's rows hold outcomes too
+        sources = (*outcome_sources(), EXPERIMENTS.get(TRANSPLANT))
         return select_panel(self.name, "divergent", scope, rows, sources)
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
@@ -247,5 +248,5 @@ class Localize(Experiment):
         from kvreplay.render.figures import Figures  # matplotlib loads only to draw
 
         probed = [row for row in rows if row.data.get("probes")]
-        directions = recovery(self.table.ledger(probed, {}))["directions"] if probed else {}
+        directions = recovery(self.table.ledger(probed, {})).directions if probed else {}
         return [draw(directions, Figures(run_dir / "figures"))]

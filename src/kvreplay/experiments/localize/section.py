@@ -6,15 +6,18 @@ sufficient window; its summary line, its report table per layer and its figure."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvreplay.core.claims import key
 from kvreplay.experiments.localize.table import LOCALIZE_TABLE
 from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.harness.table import Ledger
-from kvreplay.measure.rates import Json, count, fraction
+from kvreplay.measure.rates import count, fraction
 from kvreplay.render.document import Block, Heading, Image, Paragraph
 from kvreplay.render.document import Table as Grid
 
@@ -28,11 +31,80 @@ the count of layers from the bottom ([0, k)), the first layer of the top ([k, L)
 COMPONENTS = {"keys_only": "k", "values_only": "v"}
 
 
-def _tally(probes: Ledger) -> Json:
-    return {"recovered": count(probes["recovers_donor"]), "probed": len(probes)}
+@dataclass(frozen=True)
+class Tally:
+    """Divergent rows that recover the donor, of those probed."""
+
+    recovered: int
+    probed: int
+
+    @property
+    def cell(self) -> str:
+        return fraction(self.recovered, self.probed)
+
+    @property
+    def rate(self) -> float:
+        return self.recovered / self.probed
 
 
-def _sweep(probes: Ledger, sweep: str, num_layers: int) -> list[Json]:
+@dataclass(frozen=True)
+class SweepPoint(Tally):
+    """Recovery at one x of a sweep; claims.json names x as its sweep's axis."""
+
+    x: int = field(metadata=key("{axis}"))
+
+
+def _sweep_key(sweep: str) -> dict[str, object]:
+    return key(context={"axis": SWEEP_AXES[sweep]})
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One direction of transplant (donor into recipient): each sweep in order of x,
+    keys only and values only over all layers, and each row's minimal sufficient window."""
+
+    single: list[SweepPoint] = field(metadata=_sweep_key("single"))
+    prefix: list[SweepPoint] = field(metadata=_sweep_key("prefix"))
+    suffix: list[SweepPoint] = field(metadata=_sweep_key("suffix"))
+    keys_only: Tally
+    values_only: Tally
+    minimal_windows: dict[str, str]
+
+    @property
+    def all_layers(self) -> Tally:
+        """The full transplant: the prefix sweep's last step, [0, L)."""
+        return self.prefix[-1]
+
+
+SWEEPS: dict[str, Callable[[Direction], list[SweepPoint]]] = {
+    "single": lambda d: d.single,
+    "prefix": lambda d: d.prefix,
+    "suffix": lambda d: d.suffix,
+}
+PARTS: tuple[Callable[[Direction], Tally], ...] = (lambda d: d.keys_only, lambda d: d.values_only)
+"""The components the figure draws beside the full transplant, in COMPONENTS order."""
+
+
+@dataclass(frozen=True)
+class Localize:
+    """The localize claims of one run's probes."""
+
+    precision: str
+    num_layers: int
+    rows: int
+    directions: dict[str, Direction]
+
+
+@dataclass(frozen=True)
+class LocalizeClaims:
+    localize: Localize = field(metadata=key(SECTION))
+
+
+def _tally(probes: Ledger) -> Tally:
+    return Tally(count(probes["recovers_donor"]), len(probes))
+
+
+def _sweep(probes: Ledger, sweep: str, num_layers: int) -> list[SweepPoint]:
     """Recovery at each x of one sweep, in order of x."""
     rows = probes.select((probes["sweep"] == sweep) & (probes["component"] == "kv"))
     if sweep == "single":
@@ -42,60 +114,50 @@ def _sweep(probes: Ledger, sweep: str, num_layers: int) -> list[Json]:
     else:
         xs = num_layers - rows["layer_count"]
     return [
-        {SWEEP_AXES[sweep]: int(x), **_tally(rows.select(xs == x))}
-        for x in sorted(set(xs.tolist()))
+        SweepPoint(**vars(_tally(rows.select(xs == x))), x=int(x)) for x in sorted(set(xs.tolist()))
     ]
 
 
-def recovery(ledger: Ledger) -> Json:
+def recovery(ledger: Ledger) -> Localize:
     """The localize claims of one run's probes."""
     num_layers = int(ledger["num_layers"][0])
-    directions: Json = {}
+    directions = {}
     for direction in sorted(set(ledger["direction"].tolist())):
         probes = ledger.select(ledger["direction"] == direction)
         minimal = probes.select(probes["sweep"] == "minimal")
-        directions[direction] = {
+        directions[direction] = Direction(
             **{sweep: _sweep(probes, sweep, num_layers) for sweep in SWEEP_AXES},
             **{
                 name: _tally(probes.select(probes["component"] == component))
                 for name, component in COMPONENTS.items()
             },
-            "minimal_windows": dict(
+            minimal_windows=dict(
                 zip(minimal.row_ids.tolist(), minimal["layers"].tolist(), strict=True)
             ),
-        }
-    return {
-        "precision": str(ledger["precision"][0]),
-        "num_layers": num_layers,
-        "rows": len(set(ledger.row_ids.tolist())),
-        "directions": directions,
-    }
+        )
+    return Localize(
+        precision=str(ledger["precision"][0]),
+        num_layers=num_layers,
+        rows=len(set(ledger.row_ids.tolist())),
+        directions=directions,
+    )
 
 
-def _claims(reading: Reading) -> Json:
+def _claims(reading: Reading) -> LocalizeClaims:
     (ledger,) = reading.ledgers.values()
-    return {SECTION: recovery(ledger)}
+    return LocalizeClaims(recovery(ledger))
 
 
-def _all_layers(direction: Json) -> Json:
-    """The full transplant: the prefix sweep's last step, [0, L)."""
-    return direction["prefix"][-1]
-
-
-def _summary(claims: Json) -> list[str]:
-    section = claims.get(SECTION)
-    if section is None:
-        return []
+def _summary(claims: LocalizeClaims) -> list[str]:
+    section = claims.localize
     lines = []
-    for name, d in section["directions"].items():
-        full, alone = _all_layers(d), max(d["single"], key=lambda p: p["recovered"])
+    for name, d in section.directions.items():
+        full, alone = d.all_layers, max(d.single, key=lambda p: p.recovered)
         lines.append(
-            f"localize {section['precision']} {name}: all {section['num_layers']} layers recover"
-            f" the donor on {fraction(full['recovered'], full['probed'])} divergent rows, one"
-            f" layer alone on at most {fraction(alone['recovered'], alone['probed'])}"
-            f" (layer {alone['layer']}); keys only"
-            f" {fraction(d['keys_only']['recovered'], d['keys_only']['probed'])}, values only"
-            f" {fraction(d['values_only']['recovered'], d['values_only']['probed'])}"
+            f"localize {section.precision} {name}: all {section.num_layers} layers recover"
+            f" the donor on {full.cell} divergent rows, one layer alone on at most"
+            f" {alone.cell} (layer {alone.x}); keys only {d.keys_only.cell}, values only"
+            f" {d.values_only.cell}"
         )
     return lines
 
@@ -112,33 +174,27 @@ METHOD_NOTE = (
 )
 
 
-def _cell(point: Json) -> str:
-    return fraction(point["recovered"], point["probed"])
-
-
-def _report(page: Page) -> list[Block]:
-    section = page.claims.get(SECTION)
-    if section is None or not page.ledgers:
+def _report(page: Page[LocalizeClaims]) -> list[Block]:
+    section = page.claims.localize
+    if not page.ledgers:
         return []
-    directions = section["directions"]
+    directions = section.directions
     per_layer = [
-        (name, str(i), _cell(alone), _cell(below), _cell(above))
+        (name, str(i), alone.cell, below.cell, above.cell)
         for name, d in directions.items()
-        for i, (alone, below, above) in enumerate(
-            zip(d["single"], d["prefix"], d["suffix"], strict=True)
-        )
+        for i, (alone, below, above) in enumerate(zip(d.single, d.prefix, d.suffix, strict=True))
     ]
     components = [
         (
             name,
-            _cell(_all_layers(d)),
-            _cell(d["keys_only"]),
-            _cell(d["values_only"]),
-            ", ".join(f"{row}: {window}" for row, window in d["minimal_windows"].items()) or "—",
+            d.all_layers.cell,
+            d.keys_only.cell,
+            d.values_only.cell,
+            ", ".join(f"{row}: {window}" for row, window in d.minimal_windows.items()) or "—",
         )
         for name, d in directions.items()
     ]
-    rows = f"{section['rows']} divergent rows, {section['precision']}, {section['num_layers']}"
+    rows = f"{section.rows} divergent rows, {section.precision}, {section.num_layers}"
     return [
         Heading("Localize: which layers carry a divergent trajectory?"),
         Paragraph(f"{METHOD_NOTE} This run: {rows} layers."),
@@ -151,11 +207,7 @@ def _report(page: Page) -> list[Block]:
     ]
 
 
-def _rate(point: Json) -> float:
-    return point["recovered"] / point["probed"]
-
-
-def draw(directions: Json, figures: Figures) -> Path:
+def draw(directions: dict[str, Direction], figures: Figures) -> Path:
     """Four panels: single layers, growing prefixes, growing suffixes, K vs V vs both;
     saved as the experiment first drew it after each run (with matplotlib's Software
     stamp), so committed runs re-derive byte for byte."""
@@ -169,17 +221,17 @@ def draw(directions: Json, figures: Figures) -> Path:
     )
     for ax, (sweep, title, xlabel) in zip(axes, panels, strict=False):
         for name in names:
-            if points := directions[name][sweep]:
-                xs = [point[SWEEP_AXES[sweep]] for point in points]
-                ax.plot(xs, [100 * _rate(p) for p in points], marker="o", markersize=3, label=name)
+            if points := SWEEPS[sweep](directions[name]):
+                xs = [point.x for point in points]
+                ax.plot(xs, [100 * p.rate for p in points], marker="o", markersize=3, label=name)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         figures.integer_ticks(ax.xaxis)
     width = 0.8 / max(len(names), 1)
     for offset, name in enumerate(names):
         d = directions[name]
-        full = [_rate(_all_layers(d))] if d["prefix"] else [0.0]
-        values = full + [_rate(d[c]) if d[c]["probed"] else 0.0 for c in COMPONENTS]
+        full = [d.all_layers.rate] if d.prefix else [0.0]
+        values = full + [part(d).rate if part(d).probed else 0.0 for part in PARTS]
         positions = [i + offset * width for i in range(3)]
         axes[3].bar(positions, [100 * v for v in values], width=width, label=name)
     axes[3].set_xticks([i + width * (len(names) - 1) / 2 for i in range(3)])
@@ -194,4 +246,7 @@ def draw(directions: Json, figures: Figures) -> Path:
     return figures.write(figure, "localize.png")
 
 
-LOCALIZE = Section("localize", (LOCALIZE_TABLE,), _claims, _summary, report=_report, paper_order=8)
+LOCALIZE = Section(
+    "localize", (LOCALIZE_TABLE,), LocalizeClaims, _claims, _summary, report=_report,
+    paper_order=8,
+)  # fmt: skip

@@ -4,21 +4,37 @@ evidence and the method in the report, and each item's answer counts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvreplay.core.claims import key
 from kvreplay.experiments.resample.table import RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE
 from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.harness.table import Ledger
-from kvreplay.measure.certificate import PairedSamples, certify
-from kvreplay.measure.rates import Json, percent_interval
+from kvreplay.measure.certificate import CertificateClaims, PairedSamples, Power, certify
 from kvreplay.render.document import Block, Heading, Image, Paragraph
 from kvreplay.render.document import Table as Grid
 
 SECTION = "resample"
 OTHER_AFTER = 6  # answers drawn per item panel before the rest are lumped as "other"
+
+
+@dataclass(frozen=True)
+class ResamplePrecision(CertificateClaims):
+    """One precision's certificate, pooled over its items, the sampler that drew them,
+    and each item's own certificate."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    per_item: dict[str, CertificateClaims] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResampleClaims:
+    precisions: dict[str, ResamplePrecision] = field(metadata=key(SECTION))
 
 
 def paired_samples(rows: Ledger) -> list[PairedSamples]:
@@ -36,25 +52,25 @@ def paired_samples(rows: Ledger) -> list[PairedSamples]:
     ]
 
 
-def _claims(reading: Reading) -> Json:
+def _claims(reading: Reading) -> ResampleClaims:
     """The resample certificate of each precision, pooled over its items and per item."""
     (ledger,) = reading.ledgers.values()
     margin = float(ledger["margin"][0])
-    section: Json = {}
+    found = {}
     for precision in dict.fromkeys(ledger["precision"].tolist()):
         rows = ledger.select(ledger["precision"] == precision)
         items = paired_samples(rows)
-        section[precision] = {
-            **certify(items, margin).to_json(),
-            "temperature": float(rows["temperature"][0]),
-            "top_p": float(rows["top_p"][0]),
-            "per_item": {item.item: certify([item], margin).to_json() for item in items},
-        }
-    return {SECTION: section}
+        found[precision] = ResamplePrecision(
+            **vars(certify(items, margin).claims()),
+            temperature=float(rows["temperature"][0]),
+            top_p=float(rows["top_p"][0]),
+            per_item={item.item: certify([item], margin).claims() for item in items},
+        )
+    return ResampleClaims(found)
 
 
-def _summary(claims: Json) -> list[str]:
-    return [f"resample {p}: {block['sentence']}" for p, block in claims.get(SECTION, {}).items()]
+def _summary(claims: ResampleClaims) -> list[str]:
+    return [f"resample {p}: {block.sentence}" for p, block in claims.precisions.items()]
 
 
 METHOD_NOTE = (
@@ -80,44 +96,50 @@ METHOD_NOTE = (
 )
 
 
-def _estimate(value: float, interval: list[float], spec: str) -> str:
+def _estimate(value: float, interval: tuple[float, float], spec: str) -> str:
     return f"{value:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
 
 
-def _rows(section: Json) -> list[tuple[str, ...]]:
+def _rows(precisions: dict[str, ResamplePrecision]) -> list[tuple[str, ...]]:
     rows = []
-    for precision, b in section.items():
+    for precision, b in precisions.items():
         changed, tv, accuracy = (
-            b["seeds_changed"],
-            b["tv_distance"],
-            b["accuracy_difference_prefill_minus_live"],
+            b.seeds_changed,
+            b.tv_distance,
+            b.accuracy_difference_prefill_minus_live,
         )
         rows.append(
             (
                 precision,
-                f"{b['temperature']:g} / {b['top_p']:g}",
-                f"{b['items']} × {b['samples_per_item']}",
-                f"{changed['count']}/{changed['n']} {percent_interval(changed)}",
-                str(b["answers_changed"]),
-                f"{b['mcnemar']['exact_two_sided_p']:.3g}",
-                _estimate(accuracy["estimate"], accuracy["tost_90_ci"], "+.3f"),
-                _estimate(tv["estimate"], tv["bootstrap_95_ci"], ".3f"),
-                f"{tv['equal_distributions_mean']:.3f}",
-                f"{tv['tost_upper_bound']:.3f}",
-                f"{tv['permutation_p']:.3g}",
-                b["verdict"],
+                f"{b.temperature:g} / {b.top_p:g}",
+                f"{b.items} × {b.samples_per_item}",
+                f"{changed.count}/{changed.n} {changed.percent}",
+                str(b.answers_changed),
+                f"{b.mcnemar.exact_two_sided_p:.3g}",
+                _estimate(accuracy.estimate, accuracy.tost_90_ci, "+.3f"),
+                _estimate(tv.estimate, tv.bootstrap_95_ci, ".3f"),
+                f"{tv.equal_distributions_mean:.3f}",
+                f"{tv.tost_upper_bound:.3f}",
+                f"{tv.permutation_p:.3g}",
+                b.verdict,
             )
         )
     return rows
 
 
-def _report(page: Page) -> list[Block]:
+def _power_row(precision: str, entry: Power) -> tuple[str, ...]:
+    needed = entry.samples_per_item
+    counts = (needed.accuracy, needed.tv, needed.faithful)
+    return (precision, f"{entry.margin:g}", *(str(k or "—") for k in counts))
+
+
+def _report(page: Page[ResampleClaims]) -> list[Block]:
     """The certificate first, one sentence per precision; then its evidence and method."""
-    section = page.claims.get(SECTION)
-    if not section or not page.ledgers:
+    precisions = page.claims.precisions
+    if not precisions or not page.ledgers:
         return []
     blocks: list[Block] = [Heading("Resample: is resampling from a rebuilt prefix faithful?")]
-    blocks += [Paragraph(f"{precision}: {b['sentence']}") for precision, b in section.items()]
+    blocks += [Paragraph(f"{precision}: {b.sentence}") for precision, b in precisions.items()]
     blocks += [
         Grid(
             (
@@ -134,27 +156,16 @@ def _report(page: Page) -> list[Block]:
                 "permutation p",
                 "verdict",
             ),
-            _rows(section),
+            _rows(precisions),
         ),  # fmt: skip
         Paragraph(METHOD_NOTE),
         Grid(
             ("precision", "margin", "samples per item: accuracy", "TV", "faithful verdict"),
-            [
-                (
-                    precision,
-                    f"{entry['margin']:g}",
-                    *(
-                        str(entry["samples_per_item"][k] or "—")
-                        for k in ("accuracy", "tv", "faithful")
-                    ),
-                )
-                for precision, b in section.items()
-                for entry in b["power"]
-            ],
-        ),  # fmt: skip
+            [_power_row(p, entry) for p, b in precisions.items() for entry in b.power],
+        ),
     ]
     (ledger,) = page.ledgers.values()
-    for precision, b in section.items():
+    for precision, b in precisions.items():
         rows = ledger.select(ledger["precision"] == precision)
         figure = _figure(page, rows, b, precision)
         blocks.append(
@@ -175,7 +186,9 @@ def answer_order(live: dict[str, int], prefill: dict[str, int]) -> list[str]:
     )
 
 
-def _figure(page: Page, rows: Ledger, block: Json, precision: str) -> Path:
+def _figure(
+    page: Page[ResampleClaims], rows: Ledger, block: ResamplePrecision, precision: str
+) -> Path:
     """Small multiples: each item's live vs prefill answer counts, then every item's TV
     and the pooled TV with its bootstrap interval."""
     panels = len(rows) + 1
@@ -203,15 +216,15 @@ def _figure(page: Page, rows: Ledger, block: Json, precision: str) -> Path:
         if i == 0:
             ax.legend(fontsize=6)
     ax = axes[len(rows)]
-    tv = block["tv_distance"]
-    low, high = tv["bootstrap_95_ci"]
+    tv = block.tv_distance
+    low, high = tv.bootstrap_95_ci
     ax.plot(
         np.zeros(len(rows)), rows["tv_distance"], "o", color="#bbbbbb", markersize=3, label="items"
     )
     # a percentile interval of the upward-biased plug-in TV may lie above the estimate
     ax.vlines(1, low, high, color="#34495e", label="pooled, 95% CI")
-    ax.plot([1], [tv["estimate"]], "o", color="#34495e")
-    ax.axhline(block["margin"], color="#c0392b", linewidth=0.8, linestyle="--", label="margin")
+    ax.plot([1], [tv.estimate], "o", color="#34495e")
+    ax.axhline(block.margin, color="#c0392b", linewidth=0.8, linestyle="--", label="margin")
     ax.set_xticks([0, 1], ["per item", "pooled"], fontsize=7)
     ax.set_xlim(-0.6, 1.6)
     ax.set_ylim(0, 1.02)
@@ -225,6 +238,7 @@ def _figure(page: Page, rows: Ledger, block: Json, precision: str) -> Path:
 RESAMPLE = Section(
     "resample",
     (RESAMPLE_TABLE, SERVED_RESAMPLE_TABLE),
+    ResampleClaims,
     _claims,
     _summary,
     report=_report,

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvreplay.backends import ModelRef, make_backend
 from kvreplay.backends.rollout import ScorerSpec, parse_scorers
+from kvreplay.core.cache import Recent
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, chat_messages, encode_prompt
 from kvreplay.core.options import option
@@ -135,19 +136,18 @@ def followup_ids(tokenizer: Any, text: str, chat: bool | None) -> list[int]:
     return [int(t) for t in tokenizer.encode(tail, add_special_tokens=False)]
 
 
-_DIGESTS: dict[tuple[str, str, bool], str] = {}
+_DIGESTS: Recent[tuple[str, str], str] = Recent(64)
 
 
 def scorer_digest(spec: ScorerSpec, model: str) -> str:
     """The model digest of the files a scorer runs (its own model, or the run's), as its
-    backend describes them; computed once per process."""
+    backend describes them; computed once per process while it is among the last used."""
     assert spec.backend is not None
-    key = (spec.backend, spec.model or model)
-    if key not in _DIGESTS:
-        backend = make_backend(spec.backend)
-        info = backend.describe_model(key[1], _scheme())
-        _DIGESTS[key] = info["model_digest"]
-    return _DIGESTS[key]
+    backend, files = spec.backend, spec.model or model
+    return _DIGESTS.get(
+        (backend, files),
+        lambda: make_backend(backend).describe_model(files, _scheme())["model_digest"],
+    )
 
 
 def _scheme() -> int:

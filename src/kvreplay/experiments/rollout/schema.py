@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.backends.rollout import ENGINE, SCHEDULES, ScorerSpec
+from kvreplay.backends.rollout import OWN_PREFILL, SCHEDULES, ScorerSpec
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import LOGPROB_MODES, Sampling
 from kvreplay.core.sampler import Sampler
@@ -115,7 +115,7 @@ def config_relations(config: dict[str, Any]) -> list[str]:
     for scorer in config["scorers"]:
         spec = ScorerSpec(scorer["backend"], scorer["precision"], scorer["schedule"],
                           scorer["model"])  # fmt: skip
-        if scorer["label"] != spec.label or scorer["label"] == ENGINE:
+        if scorer["label"] != spec.label or scorer["label"] == OWN_PREFILL:
             problems.append(f"scorer {scorer['label']!r} is not labelled as its spec")
     return problems
 
@@ -147,7 +147,9 @@ def _turn_problems(
 ) -> list[str]:  # fmt: skip
     """Each turn of one rollout against the config (its scorers, cap, follow-up and
     controls) and its cached tokens against what the stack could have reused."""
-    scorers = {s["label"] for s in config["scorers"]} | ({ENGINE} if config["engine"] else set())
+    scorers = {s["label"] for s in config["scorers"]} | (
+        {OWN_PREFILL} if config["engine"] else set()
+    )
     exact = backend is not None and not backend.capabilities.cached_token_report
     problems = []
     context = list(row["prompt_token_ids"])

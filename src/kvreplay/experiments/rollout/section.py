@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvreplay.backends.rollout import ENGINE
+from kvreplay.backends.rollout import OWN_PREFILL
+from kvreplay.core.claims import key
 from kvreplay.experiments.rollout.roll import MISS
 from kvreplay.experiments.rollout.sides import Sequences, controls, read_sides
 from kvreplay.experiments.rollout.table import ROLLOUT_SIDE, ROLLOUT_TABLE
@@ -132,7 +134,7 @@ def _scorer_claims(sequences: Sequences, scorer: str, greedy: bool) -> Json:
 def precision_claims(sequences: Sequences, temperature: float, precision: str) -> Json:
     """Everything the section says of one precision's sequences."""
     scorers = sequences.scorers()
-    trainers = [s for s in scorers if s != ENGINE]
+    trainers = [s for s in scorers if s != OWN_PREFILL]
     claims: Json = {
         "temperature": temperature,
         "sequences": len(sequences.keys),
@@ -141,9 +143,9 @@ def precision_claims(sequences: Sequences, temperature: float, precision: str) -
         "decomposition": {},
         "controls": {},
     }
-    if ENGINE in scorers:
+    if OWN_PREFILL in scorers:
         for trainer in trainers:
-            d = sequences.chain([ROLLOUT_SIDE, ENGINE, trainer])
+            d = sequences.chain([ROLLOUT_SIDE, OWN_PREFILL, trainer])
             if d is not None:
                 claims["decomposition"][trainer] = decomposition_claims(
                     d, ["engine", "cross"], _stream(precision, trainer)
@@ -169,10 +171,12 @@ def _control_claims(
         "rollout": [h for h in hits if h is not None],
         control: [s[control].cached_tokens for s in sequences.with_side(control)],
     }
-    if control == MISS and ENGINE in sequences.scorers():
+    if control == MISS and OWN_PREFILL in sequences.scorers():
         found["chains"] = {}
-        for trainer in trainers or [ENGINE]:
-            names = [ROLLOUT_SIDE, MISS, ENGINE] + ([trainer] if trainer != ENGINE else [])
+        for trainer in trainers or [OWN_PREFILL]:
+            names = [ROLLOUT_SIDE, MISS, OWN_PREFILL] + (
+                [trainer] if trainer != OWN_PREFILL else []
+            )
             chain = sequences.chain(names)
             if chain is not None and chain.total.size:
                 terms = ["cache", "engine", "cross"][: len(names) - 1]
@@ -201,7 +205,7 @@ def _ordered(mapping: Json) -> list[tuple[str, Any]]:
     return sorted(
         mapping.items(),
         key=lambda kv: (
-            kv[0] != ENGINE,
+            kv[0] != OWN_PREFILL,
             order.index(kv[0]) if kv[0] in order else len(order),
             kv[0],
         ),
@@ -275,8 +279,8 @@ METHOD = (
 )
 
 
-def _report(page: Page) -> list[Block]:
-    section = page.claims.get(SECTION)
+def _report(page: Page[RolloutClaims]) -> list[Block]:
+    section = page.claims.precisions
     if not section:
         return []
     blocks: list[Block] = [
@@ -323,7 +327,7 @@ def _report(page: Page) -> list[Block]:
                 )
             )
         for scorer, s in _ordered(c["scorers"]):
-            if scorer == ENGINE and len(c["scorers"]) > 1:
+            if scorer == OWN_PREFILL and len(c["scorers"]) > 1:
                 continue
             blocks.append(
                 Grid(
@@ -372,6 +376,18 @@ def _term_row(chain: str, name: str, term: Json) -> tuple[str, ...]:
     )
 
 
+@dataclass(frozen=True)
+class RolloutClaims:
+    """The section's claims by precision (still plain JSON inside: see issue 52)."""
+
+    precisions: dict[str, Any] = field(metadata=key(SECTION))
+
+
 ROLLOUT_SECTION = Section(
-    "rollout", (ROLLOUT_TABLE,), rollout_claims, summary_lines, report=_report
+    "rollout",
+    (ROLLOUT_TABLE,),
+    RolloutClaims,
+    lambda reading: RolloutClaims(rollout_claims(reading)[SECTION]),
+    lambda claims: summary_lines({SECTION: claims.precisions}),
+    report=_report,
 )
