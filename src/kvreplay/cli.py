@@ -447,7 +447,7 @@ def env_command(run_dir: Path, venv: str | None) -> None:
 
 
 def _mismatch_options() -> list[click.Parameter]:
-    from kvreplay.run.logged import LoggedRequest
+    from kvreplay.run.mismatch import LoggedRequest
 
     logged = click.Argument(["logged"], type=UserPath(path_type=Path, dir_okay=False))
     return [logged, *(click_option(s) for s in every(LoggedRequest))]
@@ -460,7 +460,7 @@ def mismatch_command(logged: Path, **values: Any) -> None:
     response ids, rollout and trainer log-probabilities; docs/experiments/rollout.md).
     With a gate, exit 0 when it holds and 1 when not."""
     from kvreplay.engines.threads import intra_op_threads
-    from kvreplay.run.logged import LoggedRequest, analyze_logged
+    from kvreplay.run.mismatch import LoggedRequest, analyze_logged
 
     request = build(LoggedRequest, values)
     with intra_op_threads(request.threads):

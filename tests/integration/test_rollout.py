@@ -139,7 +139,7 @@ def test_a_bound_the_pair_breaks_fails(tmp_path: Path, tiny_dirs, items: Path) -
 def test_your_own_callables_give_the_runs_numbers(drift_run: Path, tiny_dirs) -> None:
     """kvreplay's own hf backend wrapped as two callables: the same rollouts and
     log-probabilities as the CLI run, bit for bit, and the same claims."""
-    from kvreplay.run.own_stack import audit_own_stack
+    from kvreplay.experiments.rollout import audit_own_stack
 
     lm = load_model(str(tiny_dirs["drift_qwen2"]), "fp32")
     stack, trainer = rollout_stack(lm), scorer(lm, "prefill")
@@ -277,7 +277,7 @@ def test_non_finite_logged_log_probabilities_are_refused(tmp_path: Path, value: 
 
 
 def test_your_own_sampler_returning_nan_is_refused() -> None:
-    from kvreplay.run.own_stack import audit_own_stack
+    from kvreplay.experiments.rollout import audit_own_stack
 
     with pytest.raises(KvreplayError, match="not a finite number at most 0"):
         audit_own_stack([[1, 2]], lambda p, s: ([3], [math.nan]), lambda p, t: [-0.1], Sampling())

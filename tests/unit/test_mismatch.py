@@ -11,7 +11,7 @@ import pytest
 from kvreplay.backends.rollout import ScorerSpec, parse_scorers
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import Sampling, Scored, Turn
-from kvreplay.measure.mismatch import (
+from kvreplay.experiments.rollout.metrics import (
     METRIC_NAMES,
     Pairs,
     by_margin,

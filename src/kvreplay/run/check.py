@@ -21,17 +21,19 @@ from typing import Any
 from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import Declared, arguments, option
+from kvreplay.core.options import declared as declared_options
 from kvreplay.core.outputs import Inputs, check_targets
+from kvreplay.core.registry import load
 from kvreplay.experiments.registry import check_experiment, declared
+from kvreplay.harness.gate import Judged, TrainerGate, TrainerRequest
 from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
 from kvreplay.run.enginelog import engine_log
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.repro import repro_pack
 from kvreplay.run.request import RunOptions, RunRequest
 from kvreplay.verify.expectation import DEFAULT_MARGIN, EXPECTATIONS, Expectation, parse_expectation
-from kvreplay.verify.mismatch import MismatchBounds
-from kvreplay.verify.render import SCHEMA, junit, screen, to_json
-from kvreplay.verify.verdict import StopRule, Verdict, judge
+from kvreplay.verify.render import SCHEMA, junit, screen, sentence, to_json
+from kvreplay.verify.verdict import StopRule, judge
 
 DEFAULT_ITEMS = 4  # items a check runs without --n or --max-rate
 DEFAULT_SAMPLES = 8  # seeded samples per item at temperature > 0
@@ -43,7 +45,8 @@ CHECK_DEFAULTS: dict[str, Any] = {"dtypes": ("bf16",)}
 class CheckRequest(RunOptions):
     """What ``kvreplay check`` was asked: the shared run options, what must hold, and
     where the verdict goes; ``own`` holds the options given of the experiment it runs
-    (``--select``, ``--screen``; a ``--trainer`` check's rollout options)."""
+    (``--select``, ``--screen``) or of the trainer gate (its bounds and the rollout
+    options it takes)."""
 
     out: Path | None = field(
         default=None,
@@ -130,7 +133,6 @@ class CheckRequest(RunOptions):
             "Show the engine's own log here instead of writing it to the run folder's engine.log.",
         ),
     )
-    bounds: MismatchBounds = field(default_factory=MismatchBounds)
     own: dict[str, Any] = field(default_factory=dict)
     command: list[str] = field(default_factory=list)
 
@@ -161,17 +163,16 @@ class CheckRequest(RunOptions):
         return ["kvreplay", "check", *narrowed.words()]
 
 
-def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
+def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Judged:
     """Run (or resume) the check asked for, print its verdict, write its outputs, and
     return the verdict. Every refusal comes before the run writes. The run stops once its
     verdict is decided (:func:`~kvreplay.verify.verdict.decided`)."""
     from kvreplay.experiments import get_experiment
-    from kvreplay.run.mismatch_check import refuse_without_trainer, run_mismatch_check
     from kvreplay.run.runner import run
 
     if request.trainer is not None:  # a gate on the training-inference mismatch
-        return run_mismatch_check(request, echo, (DEFAULT_ITEMS, default_out(request)))  # type: ignore[return-value]
-    refuse_without_trainer(request)
+        return _run_trainer_check(request, request.trainer, echo)
+    _refuse_trainer_options(request)
     temperature = request.sampler.temperature
     expectation = parse_expectation(
         request.expect, request.max_divergent, request.margin, temperature, request.max_rate
@@ -199,15 +200,87 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     rows = [r for r in records if r.experiment == name]
     planned = len(request.dtypes) * n
     verdict = judge(experiment, rows, expectation, recorded_environment(ledger.manifest), planned)
-    echo(screen(verdict))
-    write_outputs((to_json(verdict), junit(verdict)), request.json_path, request.junit_path)
+    judged = Judged(verdict, sentence(verdict), screen(verdict), to_json(verdict), junit(verdict))
+    echo(judged.screen)
+    write_outputs((judged.json, judged.junit), request.json_path, request.junit_path)
     pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
     if pack is not None:
         echo(f"repro pack: {pack.folder}; reproduce the first divergence with: {pack.command}")
     log = out / ENGINE_LOG
     said = f"; the engine's own log is {log}" if log.is_file() and not request.verbose else ""
     echo(f"check run: {out} (kvreplay audit {out} re-executes it{said})")
-    return verdict
+    return judged
+
+
+# A live vs prefill check's own options, refused beside --trainer.
+PREFILL_ONLY = ("max_divergent", "margin", "samples", "max_rate", "repro")
+
+
+def trainer_gate() -> tuple[str, TrainerGate]:
+    """The experiment that serves the ``trainer`` role and its gate, by its declaration."""
+    name = check_experiment("trainer")
+    where = declared()[name].gate
+    assert where is not None, f"experiment {name} serves the trainer role without a gate"
+    gate: TrainerGate = load(where)
+    return name, gate
+
+
+def _trainer_options() -> set[str]:
+    _, gate = trainer_gate()
+    return {*declared_options(load(gate.options)), *gate.takes}
+
+
+def _run_trainer_check(request: CheckRequest, trainer: str, echo: Callable[[str], None]) -> Judged:
+    """``kvreplay check --trainer SPEC``: run (or resume) the small run the trainer gate
+    asks for, in its own folder, and have the gate judge its rows; every refusal comes
+    before the run writes."""
+    from kvreplay.run.runner import run
+
+    specs = declared_options(type(request))
+    for key in PREFILL_ONLY:
+        if getattr(request, key) not in (None, False):
+            raise KvreplayError(
+                f"{specs[key].flag} applies to the live vs prefill check, not to --trainer."
+            )
+    other = sorted(set(request.own) - _trainer_options())
+    if other or request.backend.traffic_clients:
+        flag = "--traffic" if not other else "--" + other[0].replace("_", "-")
+        raise KvreplayError(f"{flag} applies to the live vs prefill check, not to --trainer.")
+    name, gate = trainer_gate()
+    asked = TrainerRequest(trainer, request.expect, dict(request.own))
+    planned = gate.plan(asked)
+    base = default_out(request)
+    out = request.out or base.with_name(base.name + planned.suffix)
+    check_outputs(out, request.json_path, request.junit_path, out.with_name(out.name + ".repro"))
+    check_targets(
+        {"--json": request.json_path, "--junit": request.junit_path},
+        {},
+        Inputs.of((out, request.items, request.model, request.plan)),
+    )
+    shared = {f.name: getattr(request, f.name) for f in fields(RunOptions)}
+    n = request.n if request.n is not None else DEFAULT_ITEMS
+    run_request = RunRequest(
+        **shared | {"n": n}, experiment=name, out=out, extra=planned.options,
+        command=request.command,
+    )  # fmt: skip
+    run(run_request, quiet=True)
+    ledger = RunLedger.open_existing(out)
+    records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
+    config = ledger.manifest["experiments"][name]["config"]
+    environment = recorded_environment(ledger.manifest)
+    judged = gate.judge(asked, records, config, request.backend.name, environment)
+    echo(judged.screen)
+    write_outputs((judged.json, judged.junit), request.json_path, request.junit_path)
+    echo(f"check run: {out} (kvreplay audit {out} re-executes it)")
+    return judged
+
+
+def _refuse_trainer_options(request: CheckRequest) -> None:
+    """The trainer gate's own options given to a live vs prefill check are refused."""
+    taken = sorted(set(request.own) & _trainer_options())
+    if taken:
+        flag = check_own_options()[taken[0]].flag
+        raise KvreplayError(f"{flag} applies to a mismatch check; give --trainer too.")
 
 
 def _experiment(request: CheckRequest, expectation: Expectation) -> tuple[str, dict[str, Any]]:
@@ -236,12 +309,12 @@ def default_out(request: RunOptions) -> Path:
 
 def check_own_options() -> dict[str, Declared]:
     """The options of the experiments a check runs that it takes: the greedy one's
-    (``--select``, ``--screen``) and the rollout options a ``--trainer`` check takes."""
-    from kvreplay.run.mismatch_check import ROLLOUT, TAKEN
-
+    (``--select``, ``--screen``), and the trainer gate's own (its bounds) with the
+    options of its experiment that it takes."""
     greedy = declared()[check_experiment("greedy")].option_fields()
-    rollout = declared()[ROLLOUT].option_fields()
-    return {**greedy, **{key: rollout[key] for key in TAKEN}}
+    name, gate = trainer_gate()
+    taken = {k: v for k, v in declared()[name].option_fields().items() if k in gate.takes}
+    return {**greedy, **taken, **declared_options(load(gate.options))}
 
 
 def _item_count(request: CheckRequest, expectation: Expectation) -> int:

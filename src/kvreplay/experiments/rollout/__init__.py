@@ -1,11 +1,31 @@
 """The rollout experiment, one package (design: rollout stack, scorer, mismatch): its run
 (``experiment``; it loads torch only when a unit runs), the per-rollout routine
-(``roll``), its CSV (``table``), the CSV read back as sequences (``sides``) and its
-section of the analysis and report (``section``), declared here and registered by one
-line in :mod:`kvreplay.experiments.registry`."""
+(``roll``), its CSV (``table``), the CSV read back as sequences (``sides``), the metrics
+(``metrics``), its section of the analysis and report (``section``), the mismatch
+verdict and its renderings (``verdict``, ``render``), the gate of ``kvreplay check
+--trainer`` (``gate``), rollouts a framework logged (``logged``) and the audit of a
+stack of your own (``own_stack``); declared here and registered by one line in
+:mod:`kvreplay.experiments.registry`. Nothing outside the package imports its modules:
+the rest of kvreplay reaches it through this declaration."""
 
-from kvreplay.experiments.rollout.section import ROLLOUT_SECTION
+from kvreplay.experiments.rollout.logged import TRAINER as LOGGED_TRAINER
+from kvreplay.experiments.rollout.logged import load_logged, rescore
+from kvreplay.experiments.rollout.own_stack import OwnStackResult, audit_own_stack, sides_of
+from kvreplay.experiments.rollout.render import (
+    mismatch_json,
+    mismatch_junit,
+    mismatch_screen,
+    mismatch_sentence,
+)
+from kvreplay.experiments.rollout.section import ROLLOUT_SECTION, summary_lines
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
+from kvreplay.experiments.rollout.verdict import (
+    MismatchBounds,
+    MismatchExpectation,
+    MismatchVerdict,
+    judge,
+    parse_expectation,
+)
 from kvreplay.harness.declaration import Declaration
 
 DECLARATION = Declaration(
@@ -20,4 +40,26 @@ DECLARATION = Declaration(
     temperature=1.0,
     section=ROLLOUT_SECTION,
     capability="rollout",
+    check="trainer",
+    gate=f"{__name__}.gate:GATE",
 )
+
+__all__ = [
+    "DECLARATION",
+    "LOGGED_TRAINER",
+    "MismatchBounds",
+    "MismatchExpectation",
+    "MismatchVerdict",
+    "OwnStackResult",
+    "audit_own_stack",
+    "judge",
+    "load_logged",
+    "mismatch_json",
+    "mismatch_junit",
+    "mismatch_screen",
+    "mismatch_sentence",
+    "parse_expectation",
+    "rescore",
+    "sides_of",
+    "summary_lines",
+]

@@ -2,7 +2,7 @@
 ``rollout_logprobs.csv`` (design: mismatch).
 
 Per precision of the rollout stack: every scorer's metrics against the rollout's own
-log-probabilities (:data:`kvreplay.measure.mismatch.METRICS`), where along the sequence
+log-probabilities (:data:`kvreplay.experiments.rollout.metrics.METRICS`), where along the sequence
 and at what top-1/top-2 gap the differences sit, and the first position where the
 scorer's argmax is not the sampled token; the decomposition of each trainer's total
 into the engine's own term (its prefill against its decode: the paper's live vs
@@ -22,11 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvreplay.backends.rollout import ENGINE
-from kvreplay.experiments.rollout.roll import MISS
-from kvreplay.experiments.rollout.sides import Sequences, controls, read_sides
-from kvreplay.experiments.rollout.table import ROLLOUT_SIDE, ROLLOUT_TABLE
-from kvreplay.harness.section import Page, Reading, Section
-from kvreplay.measure.mismatch import (
+from kvreplay.experiments.rollout.metrics import (
     DEFAULT_CAP,
     Decomposition,
     by_margin,
@@ -35,6 +31,10 @@ from kvreplay.measure.mismatch import (
     metrics,
     term_interval,
 )
+from kvreplay.experiments.rollout.roll import MISS
+from kvreplay.experiments.rollout.sides import Sequences, controls, read_sides
+from kvreplay.experiments.rollout.table import ROLLOUT_SIDE, ROLLOUT_TABLE
+from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Paragraph
 from kvreplay.render.document import Table as Grid

@@ -1,5 +1,5 @@
 """The rollout CSV read back as sequences (one per item, seed and turn) and their sides,
-and the pairs and chains the mismatch is measured on (:mod:`kvreplay.measure.mismatch`).
+and the pairs and chains the mismatch is measured on (:mod:`kvreplay.experiments.rollout.metrics`).
 The section and the gate read the same sides, so a claim and a verdict cannot disagree.
 Plain data and numpy, no torch."""
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvreplay.experiments.rollout.metrics import Decomposition, Pairs, decompose
 from kvreplay.experiments.rollout.table import CONTROL, PREFILL, ROLLOUT_SIDE
 from kvreplay.harness.table import Ledger
-from kvreplay.measure.mismatch import Decomposition, Pairs, decompose
 
 
 @dataclass(frozen=True)

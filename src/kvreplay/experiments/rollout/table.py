@@ -7,7 +7,7 @@ it reported), every scorer's teacher-forced pass over it and the controls (see
 side): the ``rollout`` decode, each scorer (``engine``: the stack's own prefill, then
 the others by label) and each control, with the side's log-probabilities as a JSON
 list. Every metric and term of the analysis is computed from these lines
-(:mod:`kvreplay.measure.mismatch`); a control's lines say how many of its leading tokens
+(:mod:`kvreplay.experiments.rollout.metrics`); a control's lines say how many of its leading tokens
 are the rollout's (``agree_tokens``), the only ones compared. Plain data, no torch.
 """
 

@@ -16,30 +16,14 @@ lengths, token ids, finite log-probabilities at most 0.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvreplay.backends.rollout import ENGINE
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.jsonio import JsonError, parse_json
-from kvreplay.core.options import option
 from kvreplay.core.paths import read_regular
 from kvreplay.core.rollout import Scored, Turn
-from kvreplay.engines.threads import DEFAULT_THREADS
-from kvreplay.experiments.rollout.section import summary_lines
-from kvreplay.model.embedded import DEFAULT_MODEL
-from kvreplay.run.outputs import write_outputs
-from kvreplay.run.own_stack import sides_of
-from kvreplay.verify.mismatch import (
-    MismatchBounds,
-    MismatchExpectation,
-    judge,
-    parse_expectation,
-)
-from kvreplay.verify.mismatch_render import mismatch_json, mismatch_junit, mismatch_screen
 
 LOGGED = "logged"  # the precision logged rows are filed under
 TRAINER = "trainer"
@@ -160,67 +144,3 @@ def rescore(rows: list[dict[str, Any]], spec_text: str, model: str) -> None:
     for row in rows:
         turn = row["rollouts"][0]["turns"][0]
         turn["scores"][ENGINE] = scorer.score(row["prompt_token_ids"], turn["token_ids"]).to_dict()
-
-
-@dataclass(frozen=True)
-class LoggedRequest:
-    """What ``kvreplay mismatch LOGGED.jsonl`` is asked, each option declared once."""
-
-    rescore_with: str | None = field(
-        default=None,
-        metadata=option(
-            "--rescore",
-            "Score the responses with the rollout engine's own one-shot prefill "
-            "(BACKEND:PRECISION, e.g. vllm:bf16), splitting the total into terms.",
-        ),
-    )
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata=option("--model", "The model that sampled the rollouts (for --rescore)."),
-    )
-    expect: str | None = field(
-        default=None,
-        metadata=option(
-            "--expect", "Gate: every token's two log-probabilities the same float.",
-            choices=("bitwise",),
-        ),
-    )  # fmt: skip
-    bounds: MismatchBounds = field(default_factory=MismatchBounds)
-    json_path: Path | None = field(
-        default=None,
-        metadata=option(
-            "--json", "Write the verdict (with a gate) or the claims as JSON.", target="file"
-        ),
-    )
-    junit_path: Path | None = field(
-        default=None,
-        metadata=option("--junit", "Write JUnit XML: one test case per rollout.", target="file"),
-    )
-    threads: int = field(
-        default=DEFAULT_THREADS,
-        metadata=option("--threads", "torch threads of the rescoring engine.", minimum=1),
-    )
-
-
-def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], None]) -> int:
-    """``kvreplay mismatch LOGGED.jsonl``: the metrics (and, with an engine side, the
-    decomposition) of logged rollouts, and a verdict where an expectation is given;
-    the exit code (0 without an expectation, else the verdict's)."""
-    gate = request.expect is not None or request.bounds.given
-    expectation = (
-        parse_expectation(request.expect, request.bounds) if gate else MismatchExpectation()
-    )
-    rows = load_logged(path)
-    if request.rescore_with is not None:
-        rescore(rows, request.rescore_with, request.model)
-    verdict = judge(sides_of(rows), TRAINER, expectation, "rollout", 1.0)
-    for line in summary_lines({"rollout_mismatch": verdict.claims}):
-        echo(line)
-    if gate:
-        echo(mismatch_screen(verdict))
-    json_path = request.json_path
-    if json_path is not None and not gate:
-        json_path.write_text(json.dumps(verdict.claims, indent=2, sort_keys=True) + "\n")
-        json_path = None
-    write_outputs((mismatch_json(verdict), mismatch_junit(verdict)), json_path, request.junit_path)
-    return verdict.exit_code if gate else 0

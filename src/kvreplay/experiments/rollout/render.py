@@ -1,6 +1,6 @@
 """A mismatch verdict's renderings (design: judgment apart from rendering): the sentence,
 the JSON of ``--json``, the JUnit XML of ``--junit`` and the screen, each read from the
-:class:`~kvreplay.verify.mismatch.MismatchVerdict` value and judging nothing again."""
+:class:`~kvreplay.experiments.rollout.verdict.MismatchVerdict` value and judging nothing again."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from xml.etree import ElementTree
 
 from kvreplay.core.power import percent, rate_upper_bound
 from kvreplay.experiments.rollout.section import dominance
-from kvreplay.verify.mismatch import SCHEMA, MismatchVerdict, SequenceOutcome
+from kvreplay.experiments.rollout.verdict import SCHEMA, MismatchVerdict, SequenceOutcome
 
 
 def mismatch_sentence(v: MismatchVerdict) -> str:

@@ -9,8 +9,9 @@ teacher-forced pass. Optionally ``engine_score`` is the sampler's own prefill, w
 splits the total into the engine's term and the cross-stack term. The rollouts run
 through the experiment's own per-rollout routine
 (:func:`kvreplay.experiments.rollout.roll.roll`) into the same rows, the same CSV
-lines, the same section claims and the same :class:`~kvreplay.verify.mismatch.MismatchVerdict`
-as ``kvreplay run rollout`` and ``kvreplay check --trainer``. Nothing is written to disk.
+lines, the same section claims and the same
+:class:`~kvreplay.experiments.rollout.verdict.MismatchVerdict` as ``kvreplay run
+rollout`` and ``kvreplay check --trainer``. Nothing is written to disk.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from kvreplay.core.rollout import Conversation, Sampling, Scored, Turn, check_lo
 from kvreplay.experiments.rollout.roll import Bench, roll
 from kvreplay.experiments.rollout.sides import Sequences, read_sides
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
+from kvreplay.experiments.rollout.verdict import MismatchExpectation, MismatchVerdict, judge
 from kvreplay.ledger import Record
-from kvreplay.verify.mismatch import MismatchExpectation, MismatchVerdict, judge
 
 SampleFn = Callable[[list[int], Sampling], tuple[Sequence[int], Sequence[float]]]
 ScoreFn = Callable[[list[int], list[int]], Sequence[float]]

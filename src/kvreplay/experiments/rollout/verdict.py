@@ -6,7 +6,7 @@ The *bits* level asks whether every token's two log-probabilities are the same f
 (what a bitwise-aligned pair of stacks promises: its KL is exactly 0); the *numbers*
 level asks whether the mismatch stays within what the expectation allows: the k3 KL
 estimator at most ``max_k3_kl`` and no token's |delta log p| above ``max_abs_logp``
-(:mod:`kvreplay.measure.mismatch` defines both). A verdict names the level it holds at,
+(:mod:`kvreplay.experiments.rollout.metrics` defines both). A verdict names the level it holds at,
 reports the other, and states its power: at the bits level the exact 95% upper bound on
 the rate of sequences whose log-probabilities part (0 of n rules out no more than
 that), at the numbers level the 95% upper bound of the k3 KL over resampled sequences
@@ -26,10 +26,10 @@ import numpy as np
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import option
 from kvreplay.core.power import rate_upper_bound
+from kvreplay.experiments.rollout.metrics import DEFAULT_CAP, Pairs, metrics, term_interval
 from kvreplay.experiments.rollout.section import precision_claims
 from kvreplay.experiments.rollout.sides import Sequences
 from kvreplay.experiments.rollout.table import ROLLOUT_SIDE
-from kvreplay.measure.mismatch import DEFAULT_CAP, Pairs, metrics, term_interval
 
 SCHEMA = "kvreplay-mismatch-v1"
 DEFAULT_MAX_K3_KL = 1e-3

@@ -1,0 +1,88 @@
+"""What ``kvreplay check`` gives back, whichever kind of verdict it judged (design: check,
+verdict): the live vs prefill verdict (:mod:`kvreplay.verify.verdict`) or an experiment's
+own, reached through its declaration (``Declaration.gate``: the rollout experiment's
+mismatch verdict for ``check --trainer``). Both kinds answer the same two questions
+(does it hold, which exit code) and come with their renderings, so the command, the
+pytest helper and the outputs name neither kind.
+
+A check asks an experiment's gate with a typed request (:class:`TrainerRequest`: the
+trainer, the expectation given and the gate's own options), never with the whole
+command line; kvreplay check runs the experiment, and the gate judges its rows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvreplay.ledger import Record
+from kvreplay.measure.rates import Json
+
+
+class GateVerdict(Protocol):
+    """A verdict a check gives: whether the expectation holds, and the exit code."""
+
+    @property
+    def holds(self) -> bool: ...
+
+    @property
+    def exit_code(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A check's verdict with what it says: its sentence, the screen, the JSON of
+    ``--json`` and the JUnit XML of ``--junit``."""
+
+    verdict: GateVerdict
+    sentence: str
+    screen: str
+    json: Json
+    junit: str
+
+    @property
+    def holds(self) -> bool:
+        return self.verdict.holds
+
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
+
+@dataclass(frozen=True)
+class TrainerRequest:
+    """What ``kvreplay check --trainer SPEC`` asks the gate of the experiment that serves
+    the ``trainer`` role: the trainer's spec, ``--expect`` and the gate's own options as
+    given (its bounds and the experiment options a check takes)."""
+
+    trainer: str
+    expect: str | None = None
+    own: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainerRun:
+    """What the gate asks kvreplay check to run: the experiment's options (beside the
+    shared run options) and the folder name's suffix."""
+
+    options: dict[str, object]
+    suffix: str
+
+
+class TrainerGate(Protocol):
+    """The gate of a ``--trainer`` check: it refuses what it cannot judge before anything
+    runs, says what to run, and judges the rows of the run."""
+
+    options: str  # module:Class of its own options (each a field with option metadata)
+    takes: tuple[str, ...]  # the experiment's own options a check takes
+
+    def plan(self, request: TrainerRequest) -> TrainerRun: ...
+
+    def judge(
+        self,
+        request: TrainerRequest,
+        rows: list[Record],
+        config: Json,
+        stack: str,
+        environment: Json,
+    ) -> Judged: ...

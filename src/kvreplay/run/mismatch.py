@@ -1,0 +1,94 @@
+"""``kvreplay mismatch LOGGED.jsonl`` (design: mismatch): the metrics of rollouts a
+framework logged (:mod:`kvreplay.experiments.rollout`'s logged rollouts), their
+decomposition where an engine side is given or rescored, and a verdict where an
+expectation is given."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvreplay.core.options import option
+from kvreplay.engines.threads import DEFAULT_THREADS
+from kvreplay.experiments.rollout import (
+    LOGGED_TRAINER,
+    MismatchBounds,
+    MismatchExpectation,
+    judge,
+    load_logged,
+    mismatch_json,
+    mismatch_junit,
+    mismatch_screen,
+    parse_expectation,
+    rescore,
+    sides_of,
+    summary_lines,
+)
+from kvreplay.model.embedded import DEFAULT_MODEL
+from kvreplay.run.outputs import write_outputs
+
+
+@dataclass(frozen=True)
+class LoggedRequest:
+    """What ``kvreplay mismatch LOGGED.jsonl`` is asked, each option declared once."""
+
+    rescore_with: str | None = field(
+        default=None,
+        metadata=option(
+            "--rescore",
+            "Score the responses with the rollout engine's own one-shot prefill "
+            "(BACKEND:PRECISION, e.g. vllm:bf16), splitting the total into terms.",
+        ),
+    )
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=option("--model", "The model that sampled the rollouts (for --rescore)."),
+    )
+    expect: str | None = field(
+        default=None,
+        metadata=option(
+            "--expect", "Gate: every token's two log-probabilities the same float.",
+            choices=("bitwise",),
+        ),
+    )  # fmt: skip
+    bounds: MismatchBounds = field(default_factory=MismatchBounds)
+    json_path: Path | None = field(
+        default=None,
+        metadata=option(
+            "--json", "Write the verdict (with a gate) or the claims as JSON.", target="file"
+        ),
+    )
+    junit_path: Path | None = field(
+        default=None,
+        metadata=option("--junit", "Write JUnit XML: one test case per rollout.", target="file"),
+    )
+    threads: int = field(
+        default=DEFAULT_THREADS,
+        metadata=option("--threads", "torch threads of the rescoring engine.", minimum=1),
+    )
+
+
+def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], None]) -> int:
+    """``kvreplay mismatch LOGGED.jsonl``: the metrics (and, with an engine side, the
+    decomposition) of logged rollouts, and a verdict where an expectation is given;
+    the exit code (0 without an expectation, else the verdict's)."""
+    gate = request.expect is not None or request.bounds.given
+    expectation = (
+        parse_expectation(request.expect, request.bounds) if gate else MismatchExpectation()
+    )
+    rows = load_logged(path)
+    if request.rescore_with is not None:
+        rescore(rows, request.rescore_with, request.model)
+    verdict = judge(sides_of(rows), LOGGED_TRAINER, expectation, "rollout", 1.0)
+    for line in summary_lines({"rollout_mismatch": verdict.claims}):
+        echo(line)
+    if gate:
+        echo(mismatch_screen(verdict))
+    json_path = request.json_path
+    if json_path is not None and not gate:
+        json_path.write_text(json.dumps(verdict.claims, indent=2, sort_keys=True) + "\n")
+        json_path = None
+    write_outputs((mismatch_json(verdict), mismatch_junit(verdict)), json_path, request.junit_path)
+    return verdict.exit_code if gate else 0
