@@ -258,7 +258,10 @@ GOOD = {"id": "a", "prompt_ids": [1, 2], "response_ids": [3, 4, 5],
     ("change", "expected"),
     [
         ({"trainer_logprobs": [-0.1, -0.2]}, "its 'trainer_logprobs' holds 2 values for 3"),
-        ({"rollout_logprobs": [-0.1, 0.5, -0.2]}, "its 'rollout_logprobs' holds 0.5, not a"),
+        (
+            {"rollout_logprobs": [-0.1, 0.5, -0.2]},
+            "its 'rollout_logprobs' holds 0.5 at token 1, not a",
+        ),
         ({"response_ids": []}, "its 'response_ids' is not a non-empty list of token ids"),
         ({"prompt_ids": None}, "its 'prompt_ids' is not a non-empty list of token ids"),
     ],
@@ -304,3 +307,28 @@ def test_llamacpp_rollouts_scored_by_transformers(
     assert set(by) == {"rollout", "engine", "engine:replay", "hf:fp32"}
     assert by["engine:replay"] == by["rollout"]
     assert invoke("audit", out).exit_code == 0
+
+
+def test_analyze_reads_a_response_longer_than_a_csv_field(tmp_path: Path) -> None:
+    """A rollout CSV line holds a whole response's log-probabilities: one of 9,000 tokens
+    (about 190,000 characters, beyond Python's default field limit of 131,072) reads."""
+    from kvreplay.experiments.rollout import ROLLOUT_TABLE
+    from kvreplay.ledger import Record
+
+    n = 9000
+    turn = {"token_ids": [7] * n, "logprobs": [-0.12345678901234] * n, "margins": None,
+            "cached_tokens": 0, "finish": "length",
+            "scores": {"hf:fp32": {"logprobs": [-0.12345678901233] * n, "margins": None,
+                                   "argmax_differs": None}}}  # fmt: skip
+    row = {"item_id": "long", "precision": "fp32", "status": "ok", "temperature": 1.0,
+           "prompt_token_ids": [1, 2], "rollouts": [{"seed": 0, "turns": [turn]}]}  # fmt: skip
+    record = Record(0, "rollout/long/fp32", "rollout", row, "w", {}, "", "", "")
+    folder = tmp_path / "csvs"
+    folder.mkdir()
+    text = ROLLOUT_TABLE.csv([record], {})
+    assert len(text) > 2 * 131072  # two lists of 9,000 numbers, each beyond the default limit
+    (folder / "rollout_logprobs.csv").write_text(text)
+    result = invoke("analyze", folder)
+    assert result.exit_code == 0, result.output
+    claims = json.loads((folder / "claims.json").read_text())["rollout_mismatch"]["fp32"]
+    assert claims["scorers"]["hf:fp32"]["metrics"]["tokens"] == n

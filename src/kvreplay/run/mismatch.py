@@ -1,7 +1,7 @@
-"""``kvreplay mismatch LOGGED.jsonl`` (design: mismatch): the metrics of rollouts a
-framework logged (:mod:`kvreplay.experiments.rollout`'s logged rollouts), their
-decomposition where an engine side is given or rescored, and a verdict where an
-expectation is given."""
+"""``kvreplay mismatch LOGGED`` (design: logged rollouts): the metrics of rollouts a
+framework logged (a JSONL file, or a folder of prime-rl's or NeMo-RL's dumps), read a
+rollout at a time; their decomposition where an engine side is given or rescored; their
+trend by step; and a verdict where an expectation is given."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from kvreplay.experiments.rollout import (
     LOGGED_TRAINER,
     MismatchBounds,
     MismatchExpectation,
+    Rescorer,
     judge,
-    load_logged,
+    measure,
     mismatch_json,
     mismatch_junit,
     mismatch_screen,
     parse_expectation,
-    rescore,
-    sides_of,
+    read_logged,
     summary_lines,
 )
 from kvreplay.model.embedded import DEFAULT_MODEL
@@ -78,10 +78,10 @@ def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], Non
     expectation = (
         parse_expectation(request.expect, request.bounds) if gate else MismatchExpectation()
     )
-    rows = load_logged(path)
+    rollouts = read_logged(path)
     if request.rescore_with is not None:
-        rescore(rows, request.rescore_with, request.model)
-    verdict = judge(sides_of(rows), LOGGED_TRAINER, expectation, "rollout", 1.0)
+        rollouts = map(Rescorer(request.rescore_with, request.model), rollouts)
+    verdict = judge(measure(rollouts, LOGGED_TRAINER), LOGGED_TRAINER, expectation, "rollout")
     for line in summary_lines({"rollout_mismatch": verdict.claims}):
         echo(line)
     if gate:

@@ -9,8 +9,8 @@ stack of your own (``own_stack``); declared here and registered by one line in
 the rest of kvreplay reaches it through this declaration."""
 
 from kvreplay.experiments.rollout.logged import TRAINER as LOGGED_TRAINER
-from kvreplay.experiments.rollout.logged import load_logged, rescore
-from kvreplay.experiments.rollout.own_stack import OwnStackResult, audit_own_stack, sides_of
+from kvreplay.experiments.rollout.logged import Rescorer, read_logged
+from kvreplay.experiments.rollout.own_stack import OwnStackResult, audit_own_stack
 from kvreplay.experiments.rollout.render import (
     mismatch_json,
     mismatch_junit,
@@ -18,7 +18,9 @@ from kvreplay.experiments.rollout.render import (
     mismatch_sentence,
 )
 from kvreplay.experiments.rollout.section import ROLLOUT_SECTION, summary_lines
+from kvreplay.experiments.rollout.sides import Rollout, Side
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
+from kvreplay.experiments.rollout.tally import Measured, measure
 from kvreplay.experiments.rollout.verdict import (
     MismatchBounds,
     MismatchExpectation,
@@ -50,16 +52,20 @@ __all__ = [
     "MismatchBounds",
     "MismatchExpectation",
     "MismatchVerdict",
+    "Measured",
     "OwnStackResult",
+    "ROLLOUT_TABLE",
+    "Rescorer",
+    "Rollout",
+    "Side",
     "audit_own_stack",
     "judge",
-    "load_logged",
+    "measure",
     "mismatch_json",
     "mismatch_junit",
     "mismatch_screen",
     "mismatch_sentence",
     "parse_expectation",
-    "rescore",
-    "sides_of",
+    "read_logged",
     "summary_lines",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from kvreplay.backends.rollout import ScorerSpec
+from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import build
 from kvreplay.experiments.rollout.render import (
     mismatch_json,
@@ -19,8 +20,9 @@ from kvreplay.experiments.rollout.render import (
     mismatch_screen,
     mismatch_sentence,
 )
-from kvreplay.experiments.rollout.sides import read_sides
-from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
+from kvreplay.experiments.rollout.sides import recorded
+from kvreplay.experiments.rollout.table import ROLLOUT
+from kvreplay.experiments.rollout.tally import measure
 from kvreplay.experiments.rollout.verdict import MismatchBounds, judge, parse_expectation
 from kvreplay.harness.gate import Judged, TrainerRequest, TrainerRun
 from kvreplay.ledger import Record
@@ -45,6 +47,11 @@ class RolloutGate:
         """The rollout run the check asks for (its scorer, the options taken), after
         refusing a trainer or an expectation that cannot be judged."""
         trainer = ScorerSpec.parse(request.trainer)
+        if self._bounds(request).fail_on_growth:
+            raise KvreplayError(
+                "--fail-on-growth judges rollouts logged over training steps (kvreplay "
+                "mismatch); a check samples its rollouts at one step."
+            )
         parse_expectation(request.expect, self._bounds(request))
         taken = {k: v for k, v in request.own.items() if k in TAKEN}
         suffix = "-vs-" + re.sub(r"[^A-Za-z0-9._-]+", "-", trainer.label)
@@ -61,10 +68,9 @@ class RolloutGate:
         trainer = ScorerSpec.parse(request.trainer).label
         expectation = parse_expectation(request.expect, self._bounds(request))
         done = [r for r in rows if r.experiment == ROLLOUT and r.data["status"] == "ok"]
-        sides = read_sides(ROLLOUT_TABLE.ledger(done, config)) if done else {}
+        measured = measure(recorded(done, config) if done else iter(()), trainer)
         rollout = f"{stack}:{','.join(config['dtypes'])}"
-        temperature = float(config["sampling"]["temperature"])
-        verdict = judge(sides, trainer, expectation, rollout, temperature, environment)
+        verdict = judge(measured, trainer, expectation, rollout, environment)
         return Judged(
             verdict,
             mismatch_sentence(verdict),

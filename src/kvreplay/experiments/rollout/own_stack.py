@@ -23,8 +23,9 @@ from typing import Any
 from kvreplay.backends.rollout import ENGINE
 from kvreplay.core.rollout import Conversation, Sampling, Scored, Turn, check_logprobs
 from kvreplay.experiments.rollout.roll import Bench, roll
-from kvreplay.experiments.rollout.sides import Sequences, read_sides
-from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
+from kvreplay.experiments.rollout.sides import recorded
+from kvreplay.experiments.rollout.table import ROLLOUT
+from kvreplay.experiments.rollout.tally import measure
 from kvreplay.experiments.rollout.verdict import MismatchExpectation, MismatchVerdict, judge
 from kvreplay.ledger import Record
 
@@ -74,11 +75,10 @@ class CallableScorer:
 
 @dataclass
 class OwnStackResult:
-    """What the audit of your own stack found: the rows (as a run records them), each
-    precision's sequences, the section's claims, and the verdict."""
+    """What the audit of your own stack found: the rows (as a run records them), the
+    verdict, and the section's claims."""
 
     rows: list[dict[str, Any]]
-    sequences: dict[str, Sequences]
     verdict: MismatchVerdict
     claims: dict[str, Any] = field(default_factory=dict)
 
@@ -120,20 +120,10 @@ def audit_own_stack(
                 "rollouts": rollouts,
             }
         )
-    sequences = sides_of(rows)
-    verdict = judge(
-        sequences, trainer, expectation or MismatchExpectation(), "sample()", sampling.temperature
-    )
-    return OwnStackResult(rows, sequences, verdict, verdict.claims)
-
-
-def sides_of(rows: Sequence[dict[str, Any]]) -> dict[str, Sequences]:
-    """Rollout rows read as a run's CSV reads them: through the table's lines (rows kept
-    in memory, so unchained)."""
     records = [
-        Record(
-            i, f"{ROLLOUT}/{row['item_id']}/{row['precision']}", ROLLOUT, row, OWN, {}, "", "", ""
-        )
+        Record(i, f"{ROLLOUT}/{row['item_id']}/{OWN}", ROLLOUT, row, OWN, {}, "", "", "")
         for i, row in enumerate(rows)
-    ]
-    return read_sides(ROLLOUT_TABLE.ledger(records, {}))
+    ]  # kept in memory, so unchained
+    measured = measure(recorded(records, {}), trainer)
+    verdict = judge(measured, trainer, expectation or MismatchExpectation(), "sample()")
+    return OwnStackResult(rows, verdict, verdict.claims)
