@@ -10,9 +10,9 @@
   [served]`` an experiment's CSV columns (its table in
   :func:`kvreplay.experiments.registry.experiment_tables`), ``backends`` every backend's
   capabilities, ``settings BACKEND`` a backend's options (its settings class),
-  ``options EXPERIMENT`` a run command's options, ``declared check|trainer|audit`` the
-  options of ``kvreplay check``, of its trainer gate or of ``kvreplay audit`` (their typed
-  requests), ``metrics`` the
+  ``options EXPERIMENT`` a run command's options, ``declared check|trainer|update|audit``
+  the options of ``kvreplay check``, of its role gates or of ``kvreplay audit`` (their
+  typed requests), ``metrics`` the
   mismatch metrics (:data:`kvreplay.experiments.rollout.metrics.METRICS`). A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
@@ -180,16 +180,18 @@ def declared_markdown(command: str) -> str:
     from kvreplay.core.options import every
     from kvreplay.core.registry import load
     from kvreplay.experiments.registry import declared
-    from kvreplay.run.check import CheckRequest, trainer_gate
+    from kvreplay.run.check import ROLES, CheckRequest, role_gate
     from kvreplay.run.request import RunOptions
 
     if command == "check":
         shared = {s.name for s in every(RunOptions)}
         specs = [s for s in every(CheckRequest) if s.name not in shared]
-    elif command == "trainer":
-        name, gate = trainer_gate()
+    elif command in ROLES:
+        name, gate = role_gate(command)
         own = declared()[name].option_fields()
-        specs = [own[k] for k in gate.takes] + list(every(load(gate.options)))
+        specs = [own[k] for k in gate.takes] + (
+            list(every(load(gate.options))) if gate.options else []
+        )
     else:
         specs = list(every(AuditRequest))
     lines = ["| option | default | what it sets |", "|---|---|---|"]

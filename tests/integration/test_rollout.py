@@ -332,3 +332,36 @@ def test_analyze_reads_a_response_longer_than_a_csv_field(tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     claims = json.loads((folder / "claims.json").read_text())["rollout_mismatch"]["fp32"]
     assert claims["scorers"]["hf:fp32"]["metrics"]["tokens"] == n
+
+
+def test_the_trainer_loads_its_precision_as_trainers_load_it(
+    tmp_path: Path, tiny_dirs, items: Path
+) -> None:
+    """An hf trainer loads bf16 as from_pretrained(dtype=bf16) leaves the model (the
+    rotary inv_freq kept in fp32), records so, and with --trainer-load cast as every run
+    loads (every floating tensor cast): the two score the same tokens differently, each
+    equal to its plain transformers forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_dirs["qwen2"]
+    found = {}
+    for load in ("pretrained", "cast"):
+        out = tmp_path / load
+        extra = () if load == "pretrained" else ("--trainer-load", "cast")
+        rollout(out, model, items, "--n", 1, "--dtypes", "fp32", "--scorers", "hf:bf16", *extra)
+        config = json.loads((out / "manifest.json").read_text())["experiments"]["rollout"]
+        assert config["config"]["scorers"][0]["load"] == load
+        (row,) = rows(out)
+        turn = row["rollouts"][0]["turns"][0]
+        plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+        if load == "cast":
+            plain = plain.to(torch.bfloat16)
+        ids = row["prompt_token_ids"] + turn["token_ids"]
+        with torch.inference_mode():
+            logits = plain(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        start = len(row["prompt_token_ids"]) - 1
+        expected = [float(logits[start + i, t]) for i, t in enumerate(turn["token_ids"])]
+        found[load] = turn["scores"]["hf:bf16"]["logprobs"]
+        assert found[load] == expected
+    assert found["pretrained"] != found["cast"]

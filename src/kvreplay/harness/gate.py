@@ -1,13 +1,15 @@
 """What ``kvreplay check`` gives back, whichever kind of verdict it judged (design: check,
 verdict): the live vs prefill verdict (:mod:`kvreplay.verify.verdict`) or an experiment's
 own, reached through its declaration (``Declaration.gate``: the rollout experiment's
-mismatch verdict for ``check --trainer``). Both kinds answer the same two questions
-(does it hold, which exit code) and come with their renderings, so the command, the
-pytest helper and the outputs name neither kind.
+mismatch verdict for ``check --trainer``, the weight-update experiment's stale-cache
+verdict for ``check --update``). Every kind answers the same two questions (does it
+hold, which exit code) and comes with its renderings, so the command, the pytest helper
+and the outputs name no kind.
 
-A check asks an experiment's gate with a typed request (:class:`TrainerRequest`: the
-trainer, the expectation given and the gate's own options), never with the whole
-command line; kvreplay check runs the experiment, and the gate judges its rows."""
+A check asks an experiment's gate with a typed request (:class:`GateRequest`: the role,
+what the role's option named, the expectation given and the gate's own options), never
+with the whole command line; kvreplay check runs the experiment, and the gate judges its
+rows."""
 
 from __future__ import annotations
 
@@ -50,18 +52,20 @@ class Judged:
 
 
 @dataclass(frozen=True)
-class TrainerRequest:
-    """What ``kvreplay check --trainer SPEC`` asks the gate of the experiment that serves
-    the ``trainer`` role: the trainer's spec, ``--expect`` and the gate's own options as
-    given (its bounds and the experiment options a check takes)."""
+class GateRequest:
+    """What ``kvreplay check --ROLE SPEC`` asks the gate of the experiment that serves the
+    role (``trainer``: the trainer's scorer spec; ``update``: the weights to update to):
+    the spec, ``--expect`` and the gate's own options as given (its bounds, and the
+    experiment options a check takes)."""
 
-    trainer: str
+    role: str
+    spec: str
     expect: str | None = None
     own: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class TrainerRun:
+class GateRun:
     """What the gate asks kvreplay check to run: the experiment's options (beside the
     shared run options) and the folder name's suffix."""
 
@@ -69,18 +73,18 @@ class TrainerRun:
     suffix: str
 
 
-class TrainerGate(Protocol):
-    """The gate of a ``--trainer`` check: it refuses what it cannot judge before anything
-    runs, says what to run, and judges the rows of the run."""
+class Gate(Protocol):
+    """An experiment's gate in a check role: it refuses what it cannot judge before
+    anything runs, says what to run, and judges the rows of the run."""
 
-    options: str  # module:Class of its own options (each a field with option metadata)
+    options: str | None  # module:Class of its own options (None: it has none)
     takes: tuple[str, ...]  # the experiment's own options a check takes
 
-    def plan(self, request: TrainerRequest) -> TrainerRun: ...
+    def plan(self, request: GateRequest) -> GateRun: ...
 
     def judge(
         self,
-        request: TrainerRequest,
+        request: GateRequest,
         rows: list[Record],
         config: Json,
         stack: str,

@@ -25,7 +25,7 @@ from kvreplay.core.options import declared as declared_options
 from kvreplay.core.outputs import Inputs, check_targets
 from kvreplay.core.registry import load
 from kvreplay.experiments.registry import check_experiment, declared
-from kvreplay.harness.gate import Judged, TrainerGate, TrainerRequest
+from kvreplay.harness.gate import Gate, GateRequest, Judged
 from kvreplay.ledger import ENGINE_LOG, RunLedger, parse_rows
 from kvreplay.run.enginelog import engine_log
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
@@ -126,6 +126,17 @@ class CheckRequest(RunOptions):
             "engine:replay) teacher-forces them; see docs/experiments/rollout.md.",
         ),
     )
+    update: str | None = field(
+        default=None,
+        metadata=option(
+            "--update",
+            "Gate a weight update instead: the backend under test is updated to these "
+            "weights mid-run through its own path (perturb:SCALE[:SEED], or a model folder "
+            "of the same architecture and tokenizer), and a prompt cached before the update "
+            "must be served after it as a miss, bit for bit (the stale-cache bug); see "
+            "docs/experiments/weight-update.md.",
+        ),
+    )
     verbose: bool = field(
         default=False,
         metadata=option(
@@ -170,9 +181,10 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Judged:
     from kvreplay.experiments import get_experiment
     from kvreplay.run.runner import run
 
-    if request.trainer is not None:  # a gate on the training-inference mismatch
-        return _run_trainer_check(request, request.trainer, echo)
-    _refuse_trainer_options(request)
+    role = _role(request)
+    if role is not None:  # a gate of an experiment's own: the mismatch, a weight update
+        return _run_gate_check(request, *role, echo)
+    _refuse_gate_options(request)
     temperature = request.sampler.temperature
     expectation = parse_expectation(
         request.expect, request.max_divergent, request.margin, temperature, request.max_rate
@@ -212,42 +224,55 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Judged:
     return judged
 
 
-# A live vs prefill check's own options, refused beside --trainer.
+# A live vs prefill check's own options, refused beside a gate's role.
 PREFILL_ONLY = ("max_divergent", "margin", "samples", "max_rate", "repro")
+ROLES = ("trainer", "update")
+"""The check roles an experiment's own gate judges, each named by a CheckRequest field."""
 
 
-def trainer_gate() -> tuple[str, TrainerGate]:
-    """The experiment that serves the ``trainer`` role and its gate, by its declaration."""
-    name = check_experiment("trainer")
+def role_gate(role: str) -> tuple[str, Gate]:
+    """The experiment that serves a role and its gate, by its declaration."""
+    name = check_experiment(role)
     where = declared()[name].gate
-    assert where is not None, f"experiment {name} serves the trainer role without a gate"
-    gate: TrainerGate = load(where)
+    assert where is not None, f"experiment {name} serves the {role} role without a gate"
+    gate: Gate = load(where)
     return name, gate
 
 
-def _trainer_options() -> set[str]:
-    _, gate = trainer_gate()
-    return {*declared_options(load(gate.options)), *gate.takes}
+def _gate_options(role: str) -> set[str]:
+    _, gate = role_gate(role)
+    own = declared_options(load(gate.options)) if gate.options else {}
+    return {*own, *gate.takes}
 
 
-def _run_trainer_check(request: CheckRequest, trainer: str, echo: Callable[[str], None]) -> Judged:
-    """``kvreplay check --trainer SPEC``: run (or resume) the small run the trainer gate
-    asks for, in its own folder, and have the gate judge its rows; every refusal comes
-    before the run writes."""
+def _role(request: CheckRequest) -> tuple[str, str] | None:
+    """The role a check's options ask for and its spec (None: live vs prefill)."""
+    given = [(role, getattr(request, role)) for role in ROLES if getattr(request, role)]
+    if len(given) > 1:
+        raise KvreplayError(f"--{given[0][0]} and --{given[1][0]} ask for two checks; give one.")
+    return given[0] if given else None
+
+
+def _run_gate_check(
+    request: CheckRequest, role: str, spec: str, echo: Callable[[str], None]
+) -> Judged:
+    """``kvreplay check --ROLE SPEC``: run (or resume) the small run the role's gate asks
+    for, in its own folder, and have the gate judge its rows; every refusal comes before
+    the run writes."""
     from kvreplay.run.runner import run
 
     specs = declared_options(type(request))
     for key in PREFILL_ONLY:
         if getattr(request, key) not in (None, False):
             raise KvreplayError(
-                f"{specs[key].flag} applies to the live vs prefill check, not to --trainer."
+                f"{specs[key].flag} applies to the live vs prefill check, not to --{role}."
             )
-    other = sorted(set(request.own) - _trainer_options())
+    other = sorted(set(request.own) - _gate_options(role))
     if other or request.backend.traffic_clients:
-        flag = "--traffic" if not other else "--" + other[0].replace("_", "-")
-        raise KvreplayError(f"{flag} applies to the live vs prefill check, not to --trainer.")
-    name, gate = trainer_gate()
-    asked = TrainerRequest(trainer, request.expect, dict(request.own))
+        flag = "--traffic" if not other else check_own_options()[other[0]].flag
+        raise KvreplayError(f"{flag} does not apply to a --{role} check.")
+    name, gate = role_gate(role)
+    asked = GateRequest(role, spec, request.expect, dict(request.own))
     planned = gate.plan(asked)
     base = default_out(request)
     out = request.out or base.with_name(base.name + planned.suffix)
@@ -263,7 +288,8 @@ def _run_trainer_check(request: CheckRequest, trainer: str, echo: Callable[[str]
         **shared | {"n": n}, experiment=name, out=out, extra=planned.options,
         command=request.command,
     )  # fmt: skip
-    run(run_request, quiet=True)
+    with engine_log(out, request.verbose):
+        run(run_request, quiet=True)
     ledger = RunLedger.open_existing(out)
     records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
     config = ledger.manifest["experiments"][name]["config"]
@@ -275,12 +301,14 @@ def _run_trainer_check(request: CheckRequest, trainer: str, echo: Callable[[str]
     return judged
 
 
-def _refuse_trainer_options(request: CheckRequest) -> None:
-    """The trainer gate's own options given to a live vs prefill check are refused."""
-    taken = sorted(set(request.own) & _trainer_options())
-    if taken:
-        flag = check_own_options()[taken[0]].flag
-        raise KvreplayError(f"{flag} applies to a mismatch check; give --trainer too.")
+def _refuse_gate_options(request: CheckRequest) -> None:
+    """A gate's own options given to a live vs prefill check are refused."""
+    greedy = set(declared()[check_experiment("greedy")].option_fields())
+    for role in ROLES:
+        taken = sorted((set(request.own) & _gate_options(role)) - greedy)
+        if taken:
+            flag = check_own_options()[taken[0]].flag
+            raise KvreplayError(f"{flag} applies to a --{role} check; give --{role} too.")
 
 
 def _experiment(request: CheckRequest, expectation: Expectation) -> tuple[str, dict[str, Any]]:
@@ -309,12 +337,15 @@ def default_out(request: RunOptions) -> Path:
 
 def check_own_options() -> dict[str, Declared]:
     """The options of the experiments a check runs that it takes: the greedy one's
-    (``--select``, ``--screen``), and the trainer gate's own (its bounds) with the
-    options of its experiment that it takes."""
-    greedy = declared()[check_experiment("greedy")].option_fields()
-    name, gate = trainer_gate()
-    taken = {k: v for k, v in declared()[name].option_fields().items() if k in gate.takes}
-    return {**greedy, **taken, **declared_options(load(gate.options))}
+    (``--select``, ``--screen``), and each role gate's own (the trainer's bounds) with
+    the options of its experiment that it takes."""
+    found = dict(declared()[check_experiment("greedy")].option_fields())
+    for role in ROLES:
+        name, gate = role_gate(role)
+        own = declared()[name].option_fields()
+        found |= {k: v for k, v in own.items() if k in gate.takes}
+        found |= declared_options(load(gate.options)) if gate.options else {}
+    return found
 
 
 def _item_count(request: CheckRequest, expectation: Expectation) -> int:

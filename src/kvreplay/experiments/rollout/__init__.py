@@ -10,6 +10,7 @@ the rest of kvreplay reaches it through this declaration."""
 
 from kvreplay.experiments.rollout.logged import TRAINER as LOGGED_TRAINER
 from kvreplay.experiments.rollout.logged import Rescorer, read_logged
+from kvreplay.experiments.rollout.metrics import ChainTally
 from kvreplay.experiments.rollout.own_stack import OwnStackResult, audit_own_stack
 from kvreplay.experiments.rollout.render import (
     mismatch_json,
@@ -17,10 +18,10 @@ from kvreplay.experiments.rollout.render import (
     mismatch_screen,
     mismatch_sentence,
 )
-from kvreplay.experiments.rollout.section import ROLLOUT_SECTION, summary_lines
+from kvreplay.experiments.rollout.section import ROLLOUT_SECTION, count, number, summary_lines
 from kvreplay.experiments.rollout.sides import Rollout, Side
 from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_TABLE
-from kvreplay.experiments.rollout.tally import Measured, measure
+from kvreplay.experiments.rollout.tally import Measured, decomposition_claims, measure, stream_of
 from kvreplay.experiments.rollout.verdict import (
     MismatchBounds,
     MismatchExpectation,
@@ -47,6 +48,7 @@ DECLARATION = Declaration(
 )
 
 __all__ = [
+    "ChainTally",
     "DECLARATION",
     "LOGGED_TRAINER",
     "MismatchBounds",
@@ -59,13 +61,17 @@ __all__ = [
     "Rollout",
     "Side",
     "audit_own_stack",
+    "count",
+    "decomposition_claims",
     "judge",
     "measure",
     "mismatch_json",
     "mismatch_junit",
     "mismatch_screen",
     "mismatch_sentence",
+    "number",
     "parse_expectation",
     "read_logged",
+    "stream_of",
     "summary_lines",
 ]

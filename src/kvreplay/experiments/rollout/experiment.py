@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.backends import ModelRef, make_backend
-from kvreplay.backends.rollout import ScorerSpec, parse_scorers
+from kvreplay.backends.rollout import LOADS, ScorerSpec, parse_scorers, scorer_load
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, chat_messages, encode_prompt
 from kvreplay.core.options import option
@@ -88,6 +88,17 @@ class RolloutOptions:
     )
     followup: str = field(
         default=FOLLOWUP, metadata=option("--followup", "The user message of every later turn.")
+    )
+    trainer_load: str = field(
+        default="pretrained",
+        metadata=option(
+            "--trainer-load",
+            "How a scorer whose backend has a choice (hf) loads its precision: pretrained "
+            "(as from_pretrained(dtype=...) leaves the model, the buffers it keeps in fp32 "
+            "kept: as a trainer loads it) or cast (every floating tensor cast to the "
+            "precision, the rotary inv_freq too: as kvreplay's runs load).",
+            choices=LOADS,
+        ),
     )
 
     def sampling(self, scope: Scope) -> Sampling:
@@ -221,6 +232,11 @@ class Rollout(Experiment):
                     "model_digest": run.model_digest
                     if spec.backend is None
                     else scorer_digest(spec, run.model),
+                    **(
+                        {"load": scorer_load(spec.backend, options.trainer_load)}
+                        if spec.backend is not None
+                        else {}
+                    ),
                 }
                 for spec in parse_scorers(options.scorers)
             ],
@@ -268,7 +284,9 @@ class Rollout(Experiment):
                 scorers.append((entry["label"], backend.scorer(opened, spec.schedule)))
             else:
                 model = ModelRef(spec.model or run.model, entry["model_digest"], run.device)
-                scorers.append((entry["label"], open_scorer(spec, model)))
+                # a run recorded before scorers chose how to load cast every tensor
+                load = entry.get("load", "cast")
+                scorers.append((entry["label"], open_scorer(spec, model, load)))
         sampling = Sampling(**inputs["sampling"])
         tokenizer = opened.tokenizer
         followups = (tuple(inputs["followup_token_ids"]),) * (inputs["turns"] - 1)

@@ -24,11 +24,11 @@ from kvreplay.experiments.rollout.sides import recorded
 from kvreplay.experiments.rollout.table import ROLLOUT
 from kvreplay.experiments.rollout.tally import measure
 from kvreplay.experiments.rollout.verdict import MismatchBounds, judge, parse_expectation
-from kvreplay.harness.gate import Judged, TrainerRequest, TrainerRun
+from kvreplay.harness.gate import GateRequest, GateRun, Judged
 from kvreplay.ledger import Record
 from kvreplay.measure.rates import Json
 
-TAKEN = ("top_k", "logprobs", "max_tokens", "ignore_eos")
+TAKEN = ("top_k", "logprobs", "max_tokens", "ignore_eos", "trainer_load")
 """The rollout experiment's options a check takes (one rollout per item: no --samples)."""
 
 
@@ -39,14 +39,14 @@ class RolloutGate:
     takes = TAKEN
 
     @staticmethod
-    def _bounds(request: TrainerRequest) -> MismatchBounds:
+    def _bounds(request: GateRequest) -> MismatchBounds:
         bounds: MismatchBounds = build(MismatchBounds, request.own)
         return bounds
 
-    def plan(self, request: TrainerRequest) -> TrainerRun:
+    def plan(self, request: GateRequest) -> GateRun:
         """The rollout run the check asks for (its scorer, the options taken), after
         refusing a trainer or an expectation that cannot be judged."""
-        trainer = ScorerSpec.parse(request.trainer)
+        trainer = ScorerSpec.parse(request.spec)
         if self._bounds(request).fail_on_growth:
             raise KvreplayError(
                 "--fail-on-growth judges rollouts logged over training steps (kvreplay "
@@ -55,17 +55,17 @@ class RolloutGate:
         parse_expectation(request.expect, self._bounds(request))
         taken = {k: v for k, v in request.own.items() if k in TAKEN}
         suffix = "-vs-" + re.sub(r"[^A-Za-z0-9._-]+", "-", trainer.label)
-        return TrainerRun({**taken, "scorers": trainer.label}, suffix)
+        return GateRun({**taken, "scorers": trainer.label}, suffix)
 
     def judge(
         self,
-        request: TrainerRequest,
+        request: GateRequest,
         rows: list[Record],
         config: Json,
         stack: str,
         environment: Json,
     ) -> Judged:
-        trainer = ScorerSpec.parse(request.trainer).label
+        trainer = ScorerSpec.parse(request.spec).label
         expectation = parse_expectation(request.expect, self._bounds(request))
         done = [r for r in rows if r.experiment == ROLLOUT and r.data["status"] == "ok"]
         measured = measure(recorded(done, config) if done else iter(()), trainer)

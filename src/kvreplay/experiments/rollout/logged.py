@@ -420,7 +420,8 @@ class Rescorer:
         backend = make_backend(spec.backend)
         backend.check_installed()
         self.vocabulary = vocabulary_size(text_config(self.model), load_tokenizer(self.model))
-        self.scorer = open_scorer(spec, ModelRef(self.model, scorer_digest(spec, self.model)))
+        reference = ModelRef(self.model, scorer_digest(spec, self.model))
+        self.scorer = open_scorer(spec, reference, "pretrained")
 
     def __call__(self, rollout: Rollout) -> Rollout:
         assert rollout.ids is not None, "a logged rollout carries its ids"
