@@ -45,6 +45,18 @@ DECLARATION = Declaration(
     capability="rollout",
     check="trainer",
     gate=f"{__name__}.gate:GATE",
+    config={
+        "item_ids": list,
+        "dtypes": list,
+        "sampling": dict,
+        "seeds": list,
+        "turns": int,
+        "followup": (str, type(None)),
+        "followup_token_ids": list,
+        "engine": bool,
+        "scorers": list,
+        "companions": int,
+    },
 )
 
 __all__ = [

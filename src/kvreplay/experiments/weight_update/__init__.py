@@ -26,4 +26,5 @@ DECLARATION = Declaration(
     capability="weight_update",
     check="update",
     gate=f"{__name__}.gate:GATE",
+    config={"item_ids": list, "dtypes": list, "sampling": dict, "update": dict, "update_at": int},
 )
