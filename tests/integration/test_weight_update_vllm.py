@@ -76,3 +76,35 @@ def test_a_sync_that_forgets_the_reset_is_caught(setup, tmp_path: Path) -> None:
     assert "STALE CACHE" in done.stdout and "cached tokens" in done.stdout
     verdict = json.loads(out.with_suffix(".json").read_text())
     assert verdict["stale"] == 2
+
+
+def test_a_trainer_at_the_new_weights_gives_the_cross_term(setup, tmp_path: Path) -> None:
+    """--scorers: a trainer loads the run's model as trainers do, moved to the new weights;
+    its floats are a plain transformers forward of that model, and the in-flight and
+    cross terms add up to its total."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvreplay.model.update import WeightUpdate
+
+    model, items = setup
+    out = tmp_path / "run"
+    done = kvreplay("run", "weight-update", "--backend", "vllm", "--model", model, "--items", items,
+                    "--n", 1, "--dtypes", "bf16", "--update", "perturb:0.05:1", "--scorers",
+                    "hf:bf16", "--out", out)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = [json.loads(x)["data"] for x in (out / "rows.jsonl").read_text().splitlines()]
+    plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    WeightUpdate.parse("perturb:0.05:1").apply(plain, model)
+    ids = row["prompt_token_ids"] + row["inflight"]["token_ids"]
+    with torch.inference_mode():
+        logits = plain(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    start = len(row["prompt_token_ids"]) - 1
+    tokens = row["inflight"]["token_ids"]
+    expected = [float(logits[start + i, t]) for i, t in enumerate(tokens)]
+    assert row["inflight_scores"]["hf:bf16"]["logprobs"] == expected
+    assert kvreplay("analyze", out).returncode == 0
+    cross = json.loads((out / "claims.json").read_text())["weight_update"]["bf16"]["cross"]
+    d = cross["hf:bf16"]
+    inflight, term = d["terms"]["inflight"]["mean"], d["terms"]["cross"]["mean"]
+    assert inflight + term == pytest.approx(d["total"]["mean"], abs=1e-12)

@@ -104,6 +104,23 @@ LOADS = ("pretrained", "cast")
 (:attr:`~kvreplay.backends.base.Backend.trainer_loads`)."""
 
 
+_DIGESTS: dict[tuple[str, str], str] = {}
+
+
+def scorer_digest(spec: ScorerSpec, model: str) -> str:
+    """The model digest of the files a scorer runs (its own model, or the run's), as its
+    backend describes them; computed once per process."""
+    from kvreplay.backends import make_backend
+    from kvreplay.model.identity import IDENTITY_SCHEME
+
+    assert spec.backend is not None
+    key = (spec.backend, spec.model or model)
+    if key not in _DIGESTS:
+        info = make_backend(spec.backend).describe_model(key[1], IDENTITY_SCHEME)
+        _DIGESTS[key] = info["model_digest"]
+    return _DIGESTS[key]
+
+
 def open_model(backend: Backend, model: ModelRef, precision: str, load: str | None = None) -> Any:
     """What a backend computes with at a precision: its served model where it serves
     requests (vllm, http), else its loaded model (hf, llamacpp), loaded as ``load`` says

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.backends import ModelRef, make_backend
-from kvreplay.backends.rollout import LOADS, ScorerSpec, parse_scorers, scorer_load
+from kvreplay.backends.rollout import LOADS, ScorerSpec, parse_scorers, scorer_digest, scorer_load
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, chat_messages, encode_prompt
 from kvreplay.core.options import option
@@ -128,27 +128,6 @@ def followup_ids(tokenizer: Any, text: str, chat: bool | None) -> list[int]:
         )
     tail = rendered.split(MARK, 1)[1]
     return [int(t) for t in tokenizer.encode(tail, add_special_tokens=False)]
-
-
-_DIGESTS: dict[tuple[str, str, bool], str] = {}
-
-
-def scorer_digest(spec: ScorerSpec, model: str) -> str:
-    """The model digest of the files a scorer runs (its own model, or the run's), as its
-    backend describes them; computed once per process."""
-    assert spec.backend is not None
-    key = (spec.backend, spec.model or model)
-    if key not in _DIGESTS:
-        backend = make_backend(spec.backend)
-        info = backend.describe_model(key[1], _scheme())
-        _DIGESTS[key] = info["model_digest"]
-    return _DIGESTS[key]
-
-
-def _scheme() -> int:
-    from kvreplay.model.identity import IDENTITY_SCHEME
-
-    return IDENTITY_SCHEME
 
 
 def check_scorers(specs: list[ScorerSpec], scope: Scope) -> None:

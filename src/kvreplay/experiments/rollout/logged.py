@@ -406,8 +406,7 @@ class Rescorer:
 
     def __init__(self, spec_text: str, model: str):
         from kvreplay.backends import ModelRef, make_backend
-        from kvreplay.backends.rollout import ScorerSpec, open_scorer
-        from kvreplay.experiments.rollout.experiment import scorer_digest
+        from kvreplay.backends.rollout import ScorerSpec, open_scorer, scorer_digest
         from kvreplay.model.reading import load_tokenizer, text_config, vocabulary_size
         from kvreplay.model.sources import canonical_spec
 

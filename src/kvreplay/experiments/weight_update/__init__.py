@@ -26,5 +26,12 @@ DECLARATION = Declaration(
     capability="weight_update",
     check="update",
     gate=f"{__name__}.gate:GATE",
-    config={"item_ids": list, "dtypes": list, "sampling": dict, "update": dict, "update_at": int},
+    config={
+        "item_ids": list,
+        "dtypes": list,
+        "sampling": dict,
+        "update": dict,
+        "update_at": int,
+        "scorers": list,
+    },
 )

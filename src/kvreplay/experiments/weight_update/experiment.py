@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvreplay.backends import ModelRef, make_backend
+from kvreplay.backends.rollout import ScorerSpec, parse_scorers, scorer_digest
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.extras import missing
 from kvreplay.core.items import Item, encode_prompt
@@ -61,6 +63,15 @@ class UpdateOptions:
         default=48,
         metadata=option("--max-tokens", "Tokens a request samples (past EOS).", minimum=2),
     )
+    scorers: str = field(
+        default="",
+        metadata=option(
+            "--scorers",
+            "Comma-separated trainers (BACKEND:PRECISION of a backend that loads the model in "
+            "process, e.g. hf:bf16) that score the in-flight rollout's tokens under the new "
+            "weights: the cross term beside the in-flight one (none: no cross term).",
+        ),
+    )
     update_at: int | None = field(
         default=None,
         metadata=option(
@@ -91,6 +102,33 @@ def weights_of(options: UpdateOptions) -> WeightUpdate:
     return WeightUpdate.parse(options.update)
 
 
+def trainers_of(options: UpdateOptions) -> list[ScorerSpec]:
+    return parse_scorers(options.scorers) if options.scorers else []
+
+
+def spec_entry(spec: ScorerSpec, model: str) -> dict[str, Any]:
+    """A trainer as the config records it: its spec, its model's digest, its loading."""
+    assert spec.backend is not None
+    return {"label": spec.label, **spec.to_dict(), "model_digest": scorer_digest(spec, model),
+            "load": "pretrained"}  # fmt: skip
+
+
+_TRAINERS: dict[tuple[str, str, str], Any] = {}
+
+
+def trainer(entry: dict[str, Any], run: Any, weights: WeightUpdate, folder: Any) -> Any:
+    """A trainer's scorer at the new weights: its precision loaded as a trainer loads it,
+    then moved to the update in place; once per process."""
+    key = (entry["label"], entry["model_digest"], weights.spec)
+    if key not in _TRAINERS:
+        backend = make_backend(entry["backend"])
+        model = ModelRef(run.model, entry["model_digest"], run.device)
+        lm = backend.load_trainer(model, entry["precision"], entry["load"])
+        weights.apply(lm.model, folder)
+        _TRAINERS[key] = backend.scorer(lm, "prefill")
+    return _TRAINERS[key]
+
+
 class WeightUpdateExperiment(Experiment):
     """The weight-update experiment on a served engine (vLLM in process, ``vllm serve``)."""
 
@@ -115,11 +153,20 @@ class WeightUpdateExperiment(Experiment):
             )
         options.at()
         options.sampling(scope).check(backend.rollout_logprobs(), backend.name)
+        for spec in trainers_of(options):
+            trainer = make_backend(spec.backend or "")
+            if spec.model is not None or spec.schedule != "prefill" or not trainer.trainer_loads:
+                raise KvreplayError(
+                    f"--scorers {spec.label}: weight-update's trainers are a backend that loads "
+                    "the run's model in process (hf:PRECISION), moved to the new weights."
+                )
+            trainer.check_installed()
         return super().select(scope, rows)
 
     def config(self, scope: Scope, selection: Selection) -> dict[str, Any]:
         options = own_options(UpdateOptions, scope, "weight-update's")
         weights = weights_of(options)
+        trainers = [spec_entry(spec, scope.config.model) for spec in trainers_of(options)]
         digest = None
         if weights.folder is not None:
             from kvreplay.model.reading import source_identity
@@ -131,13 +178,14 @@ class WeightUpdateExperiment(Experiment):
             "sampling": options.sampling(scope).to_dict(),
             "update": {**weights.to_dict(), "model_digest": digest},
             "update_at": options.at(),
+            "scorers": trainers,
         }
 
     def units(
         self, phase: int, scope: Scope, selection: Selection, rows: dict[str, Record]
     ) -> list[Unit]:
         config = self.config(scope, selection)
-        shared = {k: config[k] for k in ("sampling", "update", "update_at")}
+        shared = {k: config[k] for k in ("sampling", "update", "update_at", "scorers")}
         return [
             Unit(UnitKey(self.name, item.id, dtype), item, dtype, shared)
             for dtype in scope.dtypes
@@ -193,6 +241,12 @@ class WeightUpdateExperiment(Experiment):
                     row["inflight"] = inflight.to_dict()
                     scored = engine.score(prompt, inflight.token_ids)
                     row["inflight_prefill"] = scored.to_dict()
+                    row["inflight_scores"] = {
+                        entry["label"]: trainer(entry, run, weights, folder)
+                        .score(prompt, inflight.token_ids)
+                        .to_dict()
+                        for entry in inputs.get("scorers", [])
+                    }
             finally:
                 updater.sync(None)  # the run's own weights for the next unit
         return row

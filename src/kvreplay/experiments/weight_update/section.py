@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvreplay.experiments.rollout import ChainTally, count, decomposition_claims, number, stream_of
-from kvreplay.experiments.weight_update.table import UPDATE_TABLE
+from kvreplay.experiments.weight_update.table import TRAINED, UPDATE_TABLE
 from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.harness.table import LedgerError
 from kvreplay.measure.rates import Json
@@ -58,6 +58,7 @@ class PrecisionTally:
         self.cached_max = 0
         self.parted: list[Json] = []
         self.chains = {term: ChainTally(1) for term in TERMS}
+        self.cross: dict[str, ChainTally] = {}
         self.temperature = 0.0
 
     def add(self, arms: dict[str, Mapping[str, Any]]) -> None:
@@ -86,6 +87,10 @@ class PrecisionTally:
             at = int(arms["inflight"]["update_at"])
             self.chains["inflight"].add([decoded[at:], prefill[at:]], key)
             self.chains["policy"].add([decoded[:at], prefill[:at]], key)
+            for arm in (a for a in arms if a.startswith(TRAINED)):
+                trained = np.asarray(arms[arm]["logprobs"])
+                chain = self.cross.setdefault(arm[len(TRAINED) :], ChainTally(2))
+                chain.add([decoded[at:], prefill[at:], trained[at:]], key)
 
     def claims(self) -> Json:
         found: Json = {
@@ -102,6 +107,13 @@ class PrecisionTally:
             chain.finish()
             if chain.tokens:
                 found[term] = decomposition_claims(chain, [term], stream_of(self.precision, term))
+        found["cross"] = {
+            label: decomposition_claims(
+                chain.finish(), ["inflight", "cross"], stream_of(self.precision, "cross", label)
+            )
+            for label, chain in sorted(self.cross.items())
+            if chain.finish().tokens
+        }
         return found
 
 
@@ -153,6 +165,12 @@ def summary_lines(claims: Json) -> list[str]:
             f"weight-update {precision}: mean |delta log p| "
             + ", ".join(_term(c, term) for term in TERMS)
         )
+        for label, d in sorted(c.get("cross", {}).items()):
+            inflight, cross = d["terms"]["inflight"], d["terms"]["cross"]
+            lines.append(
+                f"weight-update {precision} -> {label}: after the update, mean |term| in-flight "
+                f"{number(inflight['abs_mean'])}, cross {number(cross['abs_mean'])}"
+            )
     return lines
 
 

@@ -2,9 +2,10 @@
 (design: weight update arm). Arms: ``before`` (sampled under the run's own weights, the
 cache filled), ``after`` (the same request right after the weights were synced),
 ``miss`` (again after a reset: the reference), ``inflight`` (a rollout whose weights
-were updated once it had sampled ``update_at`` tokens) and the engine's own prefill under
+were updated once it had sampled ``update_at`` tokens), the engine's own prefill under
 the new weights of the miss's and the in-flight rollout's tokens (``miss:engine``,
-``inflight:engine``). Like the rollout CSV, a line holds a whole response: the table is
+``inflight:engine``) and each trainer's of the in-flight rollout's
+(``inflight:trainer:LABEL``). Like the rollout CSV, a line holds a whole response: the table is
 read a line at a time, never held. Plain data, no torch."""
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ ARMS = ("before", "after", "miss", "inflight")
 """The decoded arms, in the order a row records and the CSV writes them."""
 SCORED = {"miss:engine": "miss", "inflight:engine": "inflight"}
 """The engine's prefill of an arm's tokens under the new weights, by the line it writes."""
+TRAINED = "inflight:trainer:"
+"""A trainer's prefill of the in-flight rollout's tokens under the new weights: the line's
+arm is this and the trainer's label."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ def arm_lines(rows: Iterable[Record]) -> Iterator[ArmLine]:
             if scored is not None and turn is not None:
                 yield ArmLine(row, line, PREFILL, turn["token_ids"], scored["logprobs"],
                               None, None, None)  # fmt: skip
+        for label, scored in sorted(row.get("inflight_scores", {}).items()):
+            yield ArmLine(row, TRAINED + label, PREFILL, row["inflight"]["token_ids"],
+                          scored["logprobs"], None, None, None)  # fmt: skip
 
 
 COLUMNS: tuple[Column[ArmLine], ...] = (
@@ -80,9 +87,10 @@ def check_line(line: Mapping[str, Any], first: Mapping[str, Any]) -> tuple[str, 
     token."""
     if line["temperature"] != first["temperature"]:
         return "temperature", "it must be the same on every row"
-    if line["arm"] not in (*ARMS, *SCORED):
+    scored = line["arm"] in SCORED or str(line["arm"]).startswith(TRAINED)
+    if line["arm"] not in ARMS and not scored:
         return "arm", "it must be an arm"
-    if line["kind"] != (PREFILL if line["arm"] in SCORED else DECODE):
+    if line["kind"] != (PREFILL if scored else DECODE):
         return "kind", "it must be the arm's kind"
     if len(line["logprobs"]) != line["token_count"]:
         return "logprobs", "it must hold one value per token"
