@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.backends.rollout import ENGINE
-from kvreplay.core.rollout import Conversation, Sampling, Scored, Turn, check_logprobs
+from kvreplay.core.rollout import (
+    Conversation,
+    Sampling,
+    Scored,
+    Turn,
+    check_logprobs,
+    converse,
+)
 from kvreplay.experiments.rollout.roll import Bench, roll
 from kvreplay.experiments.rollout.sides import recorded
 from kvreplay.experiments.rollout.table import ROLLOUT
@@ -47,16 +54,14 @@ class CallableStack:
         """A callable's cache is its own."""
 
     def sample(self, conversations: Sequence[Conversation], reuse: bool) -> list[list[Turn]]:
-        found = []
-        for conversation in conversations:
-            context, turns = list(conversation.prompt_ids), []
-            for index in range(conversation.turns):
-                if index:
-                    context += [*turns[-1].token_ids, *conversation.followups[index - 1]]
-                tokens, logprobs = self.sample_fn(list(context), conversation.sampling)
-                turns.append(Turn([int(t) for t in tokens], [float(v) for v in logprobs]))
-            found.append(turns)
-        return found
+        def one(conversation: Conversation) -> list[Turn]:
+            def turn(context: list[int]) -> Turn:
+                tokens, logprobs = self.sample_fn(context, conversation.sampling)
+                return Turn([int(t) for t in tokens], [float(v) for v in logprobs])
+
+            return converse(conversation, turn)
+
+        return [one(conversation) for conversation in conversations]
 
 
 @dataclass
