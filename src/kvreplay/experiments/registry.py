@@ -32,6 +32,7 @@ BUILTIN: tuple[str, ...] = (
     "kvreplay.experiments.localize:DECLARATION",
     "kvreplay.experiments.history:DECLARATION",
     "kvreplay.experiments.rollout:DECLARATION",
+    "kvreplay.experiments.weight_update:DECLARATION",
 )
 EXPERIMENTS: Registry[Declaration] = Registry(
     "experiment", located(BUILTIN, "kvreplay.experiments")

@@ -105,6 +105,15 @@ FAULTS: tuple[Fault, ...] = (
         "a hit sampled at temperature > 0",
     ),
     Fault(
+        "vllm-update-stale-cache",
+        "vllm",
+        "prime-rl PR #1650, NeMo-RL PR #4018, lmdeploy #4917: the prefix cache not reset "
+        "after a weight update, so rollouts after a sync read K/V the old weights wrote",
+        "model runner, reload_weights (the weight sync's load) and scheduler, "
+        "reset_prefix_cache: the first reset after a reload is skipped (it reports success)",
+        "a prompt cached before a weight update and sent again after it",
+    ),
+    Fault(
         "llamacpp-restore-perturbed",
         "llamacpp",
         "LMCache #717: cached KV serialised lossily, seen only when restored",

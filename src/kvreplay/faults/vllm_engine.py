@@ -250,6 +250,35 @@ def hit_temperature() -> list[Patch]:
     return [step_hook(before), (GPUModelRunner, "_sample", make)]
 
 
+def update_stale_cache() -> list[Patch]:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    reloaded: list[bool] = []  # a weight reload since the last reset
+
+    def make_reload(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reload_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            reloaded.append(True)
+            return result
+
+        return reload_weights
+
+    def make_reset(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> bool:
+            if reloaded:  # the sync's reset, forgotten: the old weights' blocks stay
+                reloaded.clear()
+                return True
+            return bool(original(self, *args, **kwargs))
+
+        return reset_prefix_cache
+
+    return [
+        (GPUModelRunner, "reload_weights", make_reload),
+        (Scheduler, "reset_prefix_cache", make_reset),
+    ]
+
+
 HOOKS: dict[str, Callable[[], list[Patch]]] = {
     "vllm-hit-ulp": hit_ulp,
     "vllm-aligned-stale": aligned_stale,
@@ -260,4 +289,5 @@ HOOKS: dict[str, Callable[[], list[Patch]]] = {
     "vllm-evict-stale-hash": evict_stale_hash,
     "vllm-second-hit-lossy": second_hit_lossy,
     "vllm-hit-temperature": hit_temperature,
+    "vllm-update-stale-cache": update_stale_cache,
 }
