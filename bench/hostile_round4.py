@@ -438,8 +438,7 @@ def _constant(value: Any) -> Callable[..., Any]:
 
 def api_family() -> Family:
     from kvreplay.core.rollout import Sampling
-    from kvreplay.run.own_stack import audit_own_stack
-    from kvreplay.verify.mismatch import MismatchExpectation
+    from kvreplay.experiments.rollout import MismatchExpectation, audit_own_stack
 
     family = Family("api: audit_own_stack")
     for label, given in _api_cases():

@@ -10,11 +10,12 @@
   [served]`` an experiment's CSV columns (its table in
   :func:`kvreplay.experiments.registry.experiment_tables`), ``backends`` every backend's
   capabilities, ``settings BACKEND`` a backend's options (its settings class),
-  ``options EXPERIMENT`` a run command's options, ``declared check|audit`` the options of
-  ``kvreplay check`` or ``kvreplay audit`` (their typed requests), ``metrics`` the
-  mismatch metrics (:data:`kvreplay.measure.mismatch.METRICS`), ``faults`` the fault
-  suite (:data:`kvreplay.faults.registry.FAULTS`), ``detection PATH`` the detection
-  tables of a ``bench/faults.py`` results file. A block
+  ``options EXPERIMENT`` a run command's options, ``declared check|trainer|update|audit``
+  the options of ``kvreplay check``, of its role gates or of ``kvreplay audit`` (their
+  typed requests), ``metrics`` the mismatch metrics
+  (:data:`kvreplay.experiments.rollout.metrics.METRICS`), ``faults`` the fault suite
+  (:data:`kvreplay.faults.registry.FAULTS`), ``detection PATH`` the detection tables of a
+  ``bench/faults.py`` results file. A block
   that differs is a warning. ``python docs/_hooks/kvreplay_docs.py --write`` makes every
   block anew; the pages stay plain Markdown that reads the same in the repository.
 
@@ -176,16 +177,25 @@ def options_markdown(experiment: str) -> str:
 
 
 def declared_markdown(command: str) -> str:
-    """The options ``kvreplay check`` (beyond the run options every run command shares)
-    or ``kvreplay audit`` takes, as their typed requests declare them."""
+    """The options ``kvreplay check`` (beyond the run options every run command shares),
+    its trainer gate (``trainer``: its own and those of its experiment it takes) or
+    ``kvreplay audit`` take, as their typed requests declare them."""
     from kvreplay.audit.request import AuditRequest
     from kvreplay.core.options import every
-    from kvreplay.run.check import CheckRequest
+    from kvreplay.core.registry import load
+    from kvreplay.experiments.registry import declared
+    from kvreplay.run.check import ROLES, CheckRequest, role_gate
     from kvreplay.run.request import RunOptions
 
     if command == "check":
         shared = {s.name for s in every(RunOptions)}
         specs = [s for s in every(CheckRequest) if s.name not in shared]
+    elif command in ROLES:
+        name, gate = role_gate(command)
+        own = declared()[name].option_fields()
+        specs = [own[k] for k in gate.takes] + (
+            list(every(load(gate.options))) if gate.options else []
+        )
     else:
         specs = list(every(AuditRequest))
     lines = ["| option | default | what it sets |", "|---|---|---|"]
@@ -215,8 +225,8 @@ def _default(param: click.Option) -> str:
 
 
 def metrics_markdown() -> str:
-    """Every mismatch metric as :data:`kvreplay.measure.mismatch.METRICS` defines it."""
-    from kvreplay.measure.mismatch import METRICS
+    """Every mismatch metric as :data:`kvreplay.experiments.rollout.metrics.METRICS` defines it."""
+    from kvreplay.experiments.rollout.metrics import METRICS
 
     lines = ["| metric | definition | what RL frameworks log as |", "|---|---|---|"]
     for m in METRICS:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -482,9 +483,9 @@ def env_command(run_dir: Path, venv: str | None) -> None:
 
 
 def _mismatch_options() -> list[click.Parameter]:
-    from kvreplay.run.logged import LoggedRequest
+    from kvreplay.run.mismatch import LoggedRequest
 
-    logged = click.Argument(["logged"], type=UserPath(path_type=Path, dir_okay=False))
+    logged = click.Argument(["logged"], type=UserPath(path_type=Path))
     return [logged, *(click_option(s) for s in every(LoggedRequest))]
 
 
@@ -495,10 +496,12 @@ def mismatch_command(logged: Path, **values: Any) -> None:
     response ids, rollout and trainer log-probabilities; docs/experiments/rollout.md).
     With a gate, exit 0 when it holds and 1 when not."""
     from kvreplay.engines.threads import intra_op_threads
-    from kvreplay.run.logged import LoggedRequest, analyze_logged
+    from kvreplay.run.mismatch import LoggedRequest, analyze_logged
 
     request = build(LoggedRequest, values)
-    with intra_op_threads(request.threads):
+    # torch (and its threads) only where a rescoring engine computes
+    threads = intra_op_threads(request.threads) if request.rescore_with else nullcontext()
+    with threads:
         sys.exit(analyze_logged(logged, request, click.echo))
 
 

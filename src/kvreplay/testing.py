@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvreplay.harness.gate import Judged
 from kvreplay.run.check import run_check
-from kvreplay.verify.render import sentence
-from kvreplay.verify.verdict import Verdict
 
 
-def check(*args: str, out: Path | str | None = None, quiet: bool = True) -> Verdict:
-    """Run ``kvreplay check ARGS`` here and return its verdict (a refusal raises
-    :class:`~kvreplay.core.errors.KvreplayError` or click's usage error)."""
+def check(*args: str, out: Path | str | None = None, quiet: bool = True) -> Judged:
+    """Run ``kvreplay check ARGS`` here and return its verdict with its sentence
+    (``.verdict``: the live vs prefill verdict, or with ``--trainer`` the mismatch
+    verdict; a refusal raises :class:`~kvreplay.core.errors.KvreplayError` or click's
+    usage error)."""
     from kvreplay.cli import check_request, main
 
     command = main.get_command(None, "check")  # type: ignore[arg-type]
@@ -31,11 +32,11 @@ def check(*args: str, out: Path | str | None = None, quiet: bool = True) -> Verd
     return run_check(check_request(context.params), echo)
 
 
-def assert_check_holds(*args: str, out: Path | str | None = None) -> Verdict:
+def assert_check_holds(*args: str, out: Path | str | None = None) -> Judged:
     """Run the check; fail the calling test with its verdict sentence unless it holds."""
     import pytest
 
-    verdict = check(*args, out=out)
-    if not verdict.holds:
-        pytest.fail(sentence(verdict), pytrace=False)
-    return verdict
+    judged = check(*args, out=out)
+    if not judged.holds:
+        pytest.fail(judged.sentence, pytrace=False)
+    return judged

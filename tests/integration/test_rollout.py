@@ -139,7 +139,7 @@ def test_a_bound_the_pair_breaks_fails(tmp_path: Path, tiny_dirs, items: Path) -
 def test_your_own_callables_give_the_runs_numbers(drift_run: Path, tiny_dirs) -> None:
     """kvreplay's own hf backend wrapped as two callables: the same rollouts and
     log-probabilities as the CLI run, bit for bit, and the same claims."""
-    from kvreplay.run.own_stack import audit_own_stack
+    from kvreplay.experiments.rollout import audit_own_stack
 
     lm = load_model(str(tiny_dirs["drift_qwen2"]), "fp32")
     stack, trainer = rollout_stack(lm), scorer(lm, "prefill")
@@ -258,7 +258,10 @@ GOOD = {"id": "a", "prompt_ids": [1, 2], "response_ids": [3, 4, 5],
     ("change", "expected"),
     [
         ({"trainer_logprobs": [-0.1, -0.2]}, "its 'trainer_logprobs' holds 2 values for 3"),
-        ({"rollout_logprobs": [-0.1, 0.5, -0.2]}, "its 'rollout_logprobs' holds 0.5, not a"),
+        (
+            {"rollout_logprobs": [-0.1, 0.5, -0.2]},
+            "its 'rollout_logprobs' holds 0.5 at token 1, not a",
+        ),
         ({"response_ids": []}, "its 'response_ids' is not a non-empty list of token ids"),
         ({"prompt_ids": None}, "its 'prompt_ids' is not a non-empty list of token ids"),
     ],
@@ -277,7 +280,7 @@ def test_non_finite_logged_log_probabilities_are_refused(tmp_path: Path, value: 
 
 
 def test_your_own_sampler_returning_nan_is_refused() -> None:
-    from kvreplay.run.own_stack import audit_own_stack
+    from kvreplay.experiments.rollout import audit_own_stack
 
     with pytest.raises(KvreplayError, match="not a finite number at most 0"):
         audit_own_stack([[1, 2]], lambda p, s: ([3], [math.nan]), lambda p, t: [-0.1], Sampling())
@@ -304,3 +307,61 @@ def test_llamacpp_rollouts_scored_by_transformers(
     assert set(by) == {"rollout", "engine", "engine:replay", "hf:fp32"}
     assert by["engine:replay"] == by["rollout"]
     assert invoke("audit", out).exit_code == 0
+
+
+def test_analyze_reads_a_response_longer_than_a_csv_field(tmp_path: Path) -> None:
+    """A rollout CSV line holds a whole response's log-probabilities: one of 9,000 tokens
+    (about 190,000 characters, beyond Python's default field limit of 131,072) reads."""
+    from kvreplay.experiments.rollout import ROLLOUT_TABLE
+    from kvreplay.ledger import Record
+
+    n = 9000
+    turn = {"token_ids": [7] * n, "logprobs": [-0.12345678901234] * n, "margins": None,
+            "cached_tokens": 0, "finish": "length",
+            "scores": {"hf:fp32": {"logprobs": [-0.12345678901233] * n, "margins": None,
+                                   "argmax_differs": None}}}  # fmt: skip
+    row = {"item_id": "long", "precision": "fp32", "status": "ok", "temperature": 1.0,
+           "prompt_token_ids": [1, 2], "rollouts": [{"seed": 0, "turns": [turn]}]}  # fmt: skip
+    record = Record(0, "rollout/long/fp32", "rollout", row, "w", {}, "", "", "")
+    folder = tmp_path / "csvs"
+    folder.mkdir()
+    text = ROLLOUT_TABLE.csv([record], {})
+    assert len(text) > 2 * 131072  # two lists of 9,000 numbers, each beyond the default limit
+    (folder / "rollout_logprobs.csv").write_text(text)
+    result = invoke("analyze", folder)
+    assert result.exit_code == 0, result.output
+    claims = json.loads((folder / "claims.json").read_text())["rollout_mismatch"]["fp32"]
+    assert claims["scorers"]["hf:fp32"]["metrics"]["tokens"] == n
+
+
+def test_the_trainer_loads_its_precision_as_trainers_load_it(
+    tmp_path: Path, tiny_dirs, items: Path
+) -> None:
+    """An hf trainer loads bf16 as from_pretrained(dtype=bf16) leaves the model (the
+    rotary inv_freq kept in fp32), records so, and with --trainer-load cast as every run
+    loads (every floating tensor cast): the two score the same tokens differently, each
+    equal to its plain transformers forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_dirs["qwen2"]
+    found = {}
+    for load in ("pretrained", "cast"):
+        out = tmp_path / load
+        extra = () if load == "pretrained" else ("--trainer-load", "cast")
+        rollout(out, model, items, "--n", 1, "--dtypes", "fp32", "--scorers", "hf:bf16", *extra)
+        config = json.loads((out / "manifest.json").read_text())["experiments"]["rollout"]
+        assert config["config"]["scorers"][0]["load"] == load
+        (row,) = rows(out)
+        turn = row["rollouts"][0]["turns"][0]
+        plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+        if load == "cast":
+            plain = plain.to(torch.bfloat16)
+        ids = row["prompt_token_ids"] + turn["token_ids"]
+        with torch.inference_mode():
+            logits = plain(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        start = len(row["prompt_token_ids"]) - 1
+        expected = [float(logits[start + i, t]) for i, t in enumerate(turn["token_ids"])]
+        found[load] = turn["scores"]["hf:bf16"]["logprobs"]
+        assert found[load] == expected
+    assert found["pretrained"] != found["cast"]

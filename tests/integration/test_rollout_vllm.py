@@ -97,9 +97,9 @@ def test_plain_calls_give_the_recorded_floats(
         max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=8192, enforce_eager=True,
         seed=0, distributed_executor_backend="uni",
     )  # fmt: skip
-    # the hf backend loads a precision as from_pretrained(dtype) and then .to(dtype), which
-    # also casts the rotary inv_freq buffer that from_pretrained alone keeps in fp32
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(torch.bfloat16)
+    # the trainer loads bf16 as a trainer does: from_pretrained(dtype) alone, which keeps
+    # the rotary inv_freq buffer in fp32 (--trainer-load cast would cast it too)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
     for row in recorded:
         prompt = row["prompt_token_ids"]
         turn = row["rollouts"][0]["turns"][0]

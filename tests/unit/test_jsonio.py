@@ -63,3 +63,36 @@ def test_integers_parse_the_same_with_or_without_the_fast_path() -> None:
         parse_json("[" + "9" * 65 + "]")
     with pytest.raises(JsonError, match="too large"):
         parse_json("[1e400]")
+
+
+FAST_CASES = [
+    (b'{"a": [1, 2.5, -3e-2], "b": {"c": "x"}}', None),
+    (b'\xef\xbb\xbf{"a": 1}', None),
+    (b'{"a": 1e400}', None),  # infinity, for the caller to refuse, as parse_json reads it
+    (b'{"a": 1, "a": 2}', "names the key 'a' twice"),
+    (b'{"x": [{"k": 1, "k": 2}]}', "names the key 'k' twice"),
+    (b'{"a": 1, "\\u0061": 2}', "names the key 'a' twice"),
+    (b'{"a1": 1, "a2": 2, "a 1": [1, 2]}', None),  # keys alike once digits are gone
+    (b'{"a": NaN}', "NaN is not a JSON number"),
+    (b'{"a": "\\ud800"}', "lone surrogate"),
+    (b"[" * 70 + b"]" * 70, "nested deeper than 64 levels"),
+]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["standard library", "orjson"])
+@pytest.mark.parametrize(("text", "refused"), FAST_CASES)
+def test_the_fast_reader_reads_as_the_strict_one(
+    fast: bool, text: bytes, refused: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """parse_json_fast is parse_json(finite=False) whether orjson is installed or not."""
+    from kvreplay.core import jsonio
+
+    if fast:
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(jsonio, "_orjson", lambda: None)
+    if refused is None:
+        assert jsonio.parse_json_fast(text) == parse_json(text, finite=False)
+    else:
+        with pytest.raises(JsonError, match=refused):
+            jsonio.parse_json_fast(text)

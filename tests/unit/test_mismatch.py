@@ -1,5 +1,8 @@
-"""The mismatch metrics, each against its definition computed by hand (issue 44), the
-exact decomposition, and the sampling settings whose log-probabilities are ambiguous."""
+"""The mismatch metrics, each against its definition computed by hand (issues 44, 51),
+token- and sequence-level; the same numbers however the stream is cut; the exact
+decomposition and its tolerance for log-probabilities that are not float32; intervals,
+exact sums and order statistics; the trend's alarm; and the sampling settings whose
+log-probabilities are ambiguous."""
 
 from __future__ import annotations
 
@@ -11,23 +14,34 @@ import pytest
 from kvreplay.backends.rollout import ScorerSpec, parse_scorers
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import Sampling, Scored, Turn
-from kvreplay.measure.mismatch import (
+from kvreplay.experiments.rollout import metrics as module
+from kvreplay.experiments.rollout.metrics import (
     METRIC_NAMES,
-    Pairs,
-    by_margin,
-    by_position,
-    decompose,
+    ChainTally,
+    OutcomeTally,
+    PairTally,
     first_argmax_divergence,
     metrics,
-    term_interval,
+    trend,
 )
+from kvreplay.measure import streamed
+from kvreplay.measure.streamed import Spill, mean_interval, quantiles
 
 ROLLOUT = [[-0.5, -1.0, -2.0], [-0.1, -3.0]]
 SCORER = [[-0.5, -1.5, -1.0], [-0.2, -3.0]]
 
 
+def tally(rollout: list[list[float]], scorer: list[list[float]], margins=None) -> PairTally:
+    pair = PairTally("g")
+    for i, (r, s) in enumerate(zip(rollout, scorer, strict=True)):
+        gaps = None if margins is None else np.asarray(margins[i], dtype=float)
+        pair.add(np.asarray(r, dtype=float), np.asarray(s, dtype=float), np.arange(len(r)),
+                 len(r), gaps)  # fmt: skip
+    return pair
+
+
 def test_each_metric_is_its_definition() -> None:
-    found = metrics(Pairs.of(ROLLOUT, SCORER), cap=2.0)
+    found = metrics(tally(ROLLOUT, SCORER).totals())
     r, s = np.concatenate(ROLLOUT), np.concatenate(SCORER)
     d = s - r
     assert set(found) == set(METRIC_NAMES)
@@ -49,20 +63,71 @@ def test_each_metric_is_its_definition() -> None:
     # verl's perplexities: each sequence's, then their mean
     ppl = np.mean([math.exp(-np.mean(x)) for x in ROLLOUT])
     assert found["ppl_rollout"] == pytest.approx(ppl)
+    assert found["token_mult_prob_error"] == pytest.approx(np.mean(np.exp(np.abs(d))))
+
+
+def test_the_sequence_level_metrics_are_their_frameworks_definitions() -> None:
+    rng = np.random.default_rng(3)
+    rollout = [list(-rng.exponential(1, n)) for n in (5, 40, 9, 120)]
+    scorer = [list(np.minimum(np.array(x) + rng.normal(0, 0.08, len(x)), 0)) for x in rollout]
+    found = metrics(tally(rollout, scorer).totals())
+    sums = np.array(
+        [np.sum(np.array(s) - np.array(r)) for r, s in zip(rollout, scorer, strict=True)]
+    )
+    means = np.array(
+        [np.mean(np.array(s) - np.array(r)) for r, s in zip(rollout, scorer, strict=True)]
+    )
+    assert found["seq_ratio_min"] == pytest.approx(np.exp(sums.min()))
+    assert found["seq_ratio_max"] == pytest.approx(np.exp(sums.max()))
+    assert found["seq_ratio_median"] == pytest.approx(np.exp(np.median(sums)))
+    assert found["seq_geo_ratio_min"] == pytest.approx(np.exp(means.min()))
+    assert found["seq_truncated_verl"] == np.count_nonzero(sums > math.log(2))  # verl TIS, 2
+    assert found["seq_masked_trl"] == np.count_nonzero(np.exp(sums) > 3)  # TRL sequence_mask
+    assert found["chi2_seq"] == pytest.approx(np.mean(np.exp(2 * sums)) - 1)
+    w = np.exp(sums)
+    assert found["ess_seq"] == pytest.approx(w.sum() ** 2 / (w.size * (w**2).sum()))
 
 
 def test_a_constant_side_has_no_correlation() -> None:
-    found = metrics(Pairs.of([[-1.0, -1.0]], [[-1.0, -2.0]]))
+    found = metrics(tally([[-1.0, -1.0]], [[-1.0, -2.0]]).totals())
     assert found["probs_pearson"] is None
 
 
 def test_where_and_at_what_gap_the_differences_sit() -> None:
-    pairs = Pairs.of([[0.0] * 8], [[0.0] * 7 + [-1.0]], [[0.05] * 7 + [3.0]])
-    positions = by_position(pairs)
-    assert [b["large"] for b in positions] == [0] * 7 + [1]  # |delta| 1 > log 2
-    gaps = by_margin(pairs)
+    pair = tally([[0.0] * 8], [[0.0] * 7 + [-1.0]], [[0.05] * 7 + [3.0]])
+    pair.totals()
+    assert [b["large"] for b in pair.by_position()] == [0] * 7 + [1]  # |delta| 1 > log 2
+    gaps = pair.by_margin()
     assert gaps[0]["tokens"] == 7 and gaps[4]["large"] == 1
     assert gaps[-1]["margin_to"] is None  # the last bin is open, and JSON has no Infinity
+
+
+def test_each_sequence_is_judged_alone() -> None:
+    judged = OutcomeTally()
+    for i, (r, s) in enumerate([([-0.1, -0.2], [-0.1, -0.25]), ([-0.3], [-0.3])]):
+        judged.add(np.array(r), np.array(s), np.arange(len(r)), f"s{i}", "g", {"step": i})
+    first, second = judged.outcomes
+    assert (first.key, first.first_differs, second.first_differs) == ("s0", 1, None)
+    assert first.abs_logp_max == pytest.approx(0.05) and second.where == {"step": 1}
+    d = np.array([0.0, -0.05, 0.0])
+    assert judged.kl_k3 == pytest.approx(np.mean(np.expm1(d) - d))
+
+
+def test_the_numbers_do_not_depend_on_how_the_stream_is_cut(monkeypatch) -> None:
+    """The same rollouts read again give the same numbers bit for bit; read in other
+    blocks, the same counts, extremes and quantiles, and sums within rounding."""
+    rng = np.random.default_rng(1)
+    rollout = [list(-rng.exponential(1, n)) for n in rng.integers(1, 300, 40)]
+    scorer = [list(np.minimum(np.array(x) + rng.normal(0, 0.05, len(x)), 0)) for x in rollout]
+    whole = metrics(tally(rollout, scorer).totals())
+    assert metrics(tally(rollout, scorer).totals()) == whole
+    monkeypatch.setattr(module, "BLOCK_TOKENS", 7)
+    monkeypatch.setattr(streamed, "IN_MEMORY", 5)
+    cut = metrics(tally(rollout, scorer).totals())
+    for name, value in whole.items():
+        assert cut[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+    for name in ("tokens", "abs_logp_max", "ratio_q01", "ratio_q50", "seq_ratio_max"):
+        assert cut[name] == whole[name]
 
 
 def test_first_argmax_divergence() -> None:
@@ -70,23 +135,73 @@ def test_first_argmax_divergence() -> None:
     assert first_argmax_divergence([]) is None
 
 
+def chain(sides: list[list[np.ndarray]]) -> ChainTally:
+    found = ChainTally(2)
+    for sequence in zip(*sides, strict=True):
+        found.add(list(sequence))
+    return found.finish()
+
+
 def test_the_terms_add_up_to_the_total_exactly() -> None:
     rng = np.random.default_rng(0)
-    sides = [
-        [list(rng.uniform(-20, 0, 50).astype(np.float32).astype(float)) for _ in range(3)]
-        for _ in range(3)
-    ]
-    d = decompose([("rollout", sides[0]), ("engine", sides[1]), ("trainer", sides[2])])
-    assert d.names == ("engine", "trainer")
-    assert np.array_equal(d.terms[0] + d.terms[1], d.total)
+    sides = [[rng.uniform(-20, 0, 50).astype(np.float32).astype(float) for _ in range(3)]
+             for _ in range(3)]  # fmt: skip
+    found = chain(sides)
+    assert found.exact and found.tokens == 150
+    engine, cross, total = (found.summary(i, 1)["mean"] for i in (0, 1, -1))
+    assert engine + cross == pytest.approx(total)
+
+
+def test_log_probabilities_that_are_not_float32_add_up_within_the_tolerance() -> None:
+    """Rounded (4 decimals) or float64 log-probabilities: the terms add up within the
+    stated tolerance, not bit for bit, and the claims say so (no refusal, no traceback)."""
+    rng = np.random.default_rng(2)
+    sides = [[np.round(rng.uniform(-20, 0, 64), 4) for _ in range(2)] for _ in range(3)]
+    found = chain(sides)
+    assert not found.exact and found.tokens == 128
 
 
 def test_paired_intervals_share_their_resamples() -> None:
-    values = np.array([1.0, 2.0, 3.0, 4.0])
-    sequence = np.array([0, 0, 1, 1])
-    first = term_interval(values, sequence, 7)
-    again = term_interval(values, sequence, 7)
-    assert first == again and first is not None and first.low <= 2.5 <= first.high
+    sums, tokens = np.array([3.0, 7.0]), np.array([2.0, 2.0])
+    first = mean_interval(sums, tokens, 7)
+    assert first == mean_interval(sums, tokens, 7)
+    assert first is not None and first.low <= 2.5 <= first.high and first.method == "bootstrap"
+
+
+def test_many_sequences_take_the_normal_interval(monkeypatch) -> None:
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(10, 100, 1500).astype(float)
+    sums = tokens * rng.normal(0.02, 0.01, tokens.size)
+    bootstrap = mean_interval(sums, tokens, 3)
+    monkeypatch.setattr(streamed, "BOOTSTRAP_SEQUENCES", 100)
+    normal = mean_interval(sums, tokens, 3)
+    assert bootstrap is not None and normal is not None and normal.method == "normal"
+    assert normal.low == pytest.approx(bootstrap.low, rel=0.02)
+    assert normal.high == pytest.approx(bootstrap.high, rel=0.02)
+
+
+@pytest.mark.parametrize("in_memory", [1 << 22, 3])
+def test_order_statistics_are_exact(in_memory: int) -> None:
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 17, 5000):
+        x = rng.normal(0, 0.05, n) * rng.choice([1, 1e-12, 1e6], n)
+        x[::7] = 0.0
+        spill = Spill(in_memory)
+        for part in np.array_split(x, 3):
+            spill.add(part)
+        qs = [0.0, 0.01, 0.05, 0.5, 0.95, 0.99, 1.0]
+        assert quantiles(spill, qs) == np.quantile(x, qs).tolist()
+        capped = np.quantile(np.exp(np.minimum(x, 700)), qs).tolist()
+        assert quantiles(spill, qs, lambda v: math.exp(min(v, 700))) == capped
+
+
+def test_a_growing_mismatch_raises_the_alarm() -> None:
+    rising = trend([1, 2, 3, 4, 5], [1e-4, 2e-4, 2.5e-4, 4e-4, 9e-4])
+    assert rising["alarm"] and rising["p_value"] == pytest.approx(1 / 120)
+    assert rising["slope_per_step"] > 0
+    assert not trend([1, 2, 3, 4, 5], [3e-4, 1e-4, 4e-4, 1e-4, 5e-4])["alarm"]
+    assert not trend([1, 2, 3], [1e-4, 2e-4, 3e-4])["alarm"]  # three steps cannot reach 0.05
+    assert not trend(list(range(8)), [0.0] * 8)["alarm"]  # bit-equal at every step
 
 
 @pytest.mark.parametrize(

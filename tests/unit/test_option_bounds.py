@@ -19,7 +19,7 @@ from kvreplay.core.options import Declared, every
 from kvreplay.core.sampler import Sampler
 from kvreplay.experiments.registry import EXPERIMENTS
 from kvreplay.run.check import CheckRequest
-from kvreplay.run.logged import LoggedRequest
+from kvreplay.run.mismatch import LoggedRequest
 from kvreplay.run.refeed import RefeedPlan
 from kvreplay.run.request import RunRequest
 

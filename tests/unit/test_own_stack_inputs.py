@@ -14,8 +14,7 @@ import pytest
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import Sampling
-from kvreplay.run.own_stack import audit_own_stack
-from kvreplay.verify.mismatch import MismatchExpectation
+from kvreplay.experiments.rollout import MismatchExpectation, audit_own_stack
 
 SAMPLING = Sampling(max_tokens=4)
 

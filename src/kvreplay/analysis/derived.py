@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvreplay.core.paths import open_regular, read_regular
 from kvreplay.experiments.registry import recorded_table
-from kvreplay.ledger import Record, RunLedger, rows_of
+from kvreplay.ledger import Record, RunLedger, csv_dict_reader, rows_of
 
 
 def _same_bytes(path: Path, lines: Iterator[str]) -> bool:
@@ -90,9 +90,9 @@ def _differences(path: Path, columns: list[str], expected: str) -> list[str]:
     if actual == expected:
         return []
     problems = []
-    want = list(csv.DictReader(io.StringIO(expected)))
+    want = list(csv_dict_reader(io.StringIO(expected)))
     try:
-        have = list(csv.DictReader(io.StringIO(actual, newline="")))
+        have = list(csv_dict_reader(io.StringIO(actual, newline="")))
     except csv.Error as exc:
         return [f"{path.name}: does not read as a CSV ({exc})"]
     if len(want) != len(have):

@@ -18,7 +18,7 @@ from kvreplay.core.extras import INSTALL, missing, require
 from kvreplay.core.options import Declared, check_bounds, declared, option
 
 if TYPE_CHECKING:
-    from kvreplay.backends.roles import RolloutStack, Scorer
+    from kvreplay.backends.roles import RolloutStack, Scorer, WeightUpdater
     from kvreplay.backends.served import ServedModel
 
 
@@ -38,6 +38,7 @@ class Capabilities:
     batch_control: bool = False  # can put requests in one batch
     rollout: bool = False  # samples with each token's log-probability (a rollout stack)
     scoring: bool = False  # teacher-forces token ids, each position's log-probability (a scorer)
+    weight_update: bool = False  # updates its weights mid-run through the engine's own path
 
     def describe(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
@@ -273,6 +274,17 @@ class Backend:
         (``empty_state``, ``tokenizer``, ``num_layers``, ``model_digest``)."""
         raise KvreplayError(f"The {self.name} backend loads no model with K/V access.")
 
+    trainer_loads: ClassVar[tuple[str, ...]] = ()
+    """How it can load a precision for a trainer's scorer (design: rollout stack,
+    scorer): ``pretrained`` (as the library's own loader leaves a model at that
+    precision, buffers it keeps in fp32 kept: what a trainer loads) or ``cast`` (every
+    floating tensor cast to it: what kvreplay's runs load); empty: its one way."""
+
+    def load_trainer(self, model: ModelRef, precision: str, load: str) -> Any:
+        """The model a scorer of this backend computes with at a precision, loaded the
+        way ``load`` names (one of :attr:`trainer_loads`)."""
+        return self.load_model(model, precision)
+
     def expected_hit(self, computed: int) -> int:
         """How many of ``computed`` prompt tokens a prefix-cache hit must report."""
         return computed
@@ -293,6 +305,11 @@ class Backend:
         """The log-probabilities this backend's rollout stack can report (``raw``,
         ``processed``; :mod:`kvreplay.core.rollout`), known before a run."""
         return ()
+
+    def weight_updater(self, opened: Any, model_folder: str) -> WeightUpdater:
+        """This backend's own path for updating its weights mid-run (design: weight update
+        arm), over what it computes with at a precision and the run's model folder."""
+        raise KvreplayError(f"The {self.name} backend cannot update its weights mid-run.")
 
     def scorer(self, opened: Any, schedule: str = "prefill") -> Scorer:
         """This backend as a scorer (design: scorer) in ``schedule`` (``prefill``: one

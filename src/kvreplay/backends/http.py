@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -74,7 +74,10 @@ class HttpBackend(Backend):
 
     name = "http"
     summary = "a running server (vllm serve, llama-server): prefix-cache hit vs miss over HTTP"
-    capabilities = SERVED  # companions go concurrently: batch composition attempted, not set
+    # companions go concurrently: batch composition attempted, not set; a rollout stack, a
+    # scorer and a weight update where the server offers them (vllm serve; llama-server
+    # refuses each in one sentence)
+    capabilities = replace(SERVED, rollout=True, scoring=True, weight_update=True)
     connection = ("url", "api_key_env", "timeout")
     parallel_workers = False
     url: str = field(default="", metadata=option("--url", "The server's base address."))
@@ -245,6 +248,28 @@ class HttpBackend(Backend):
             vocabulary_size(text_config(model.spec), tokenizer),
             int(self.probe.identity["settings"]["block_size"]),
         )
+
+    def rollout_stack(self, opened: Any) -> Any:
+        from kvreplay.backends.http_rollout import HttpRollout
+
+        return HttpRollout(opened, self.rollout_logprobs(), f"http:{self.probe.server}")
+
+    def rollout_logprobs(self) -> tuple[str, ...]:
+        from kvreplay.backends.http_rollout import reported
+
+        return reported(self.adapter.logprobs_mode(), self.url)
+
+    def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
+        from kvreplay.backends.http_rollout import HttpPrefill
+
+        if schedule != "prefill":
+            raise KvreplayError("A server scores in one prefill only (no replay schedule).")
+        return HttpPrefill(opened, f"http:{self.probe.server} prefill")
+
+    def weight_updater(self, opened: Any, model_folder: str) -> Any:
+        from kvreplay.backends.http_rollout import HttpUpdater
+
+        return HttpUpdater(opened, model_folder)
 
 
 @dataclass

@@ -11,12 +11,20 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvreplay.backends.answers import MAX_COUNT
-from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
+from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request, Sampled
 from kvreplay.backends.server import Client, Probe, answer_limit, metric_sums
+from kvreplay.core.errors import KvreplayError
+from kvreplay.core.rollout import Sampling
 
 # What llama-server's /metrics (--metrics) says is in flight, by kvreplay's names.
 LLAMA_LOAD = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
 MAX_PATH = 4096  # characters of the model path the server reports (its name is recorded)
+
+NO_ROLLOUT = (
+    "The server at {url} (llama-server) reports log(p) of a float32 softmax probability, "
+    "floored at the smallest float, not a sampled token's log-probability, so it is not yet "
+    "a rollout stack; sample with --backend llamacpp or a vllm serve."
+)
 
 
 class LlamaServer:
@@ -157,3 +165,23 @@ class LlamaServer:
     def eviction_tokens(self, computed: int) -> int:
         """One unrelated prompt as long as P on the arm's slot replaces what it holds."""
         return computed
+
+    def logprobs_mode(self) -> str | None:
+        return None  # log(p) of a float32 softmax, floored: not yet read as a rollout's
+
+    def sample(
+        self, model: str, prompt: Sequence[int], sampling: Sampling, eos: Sequence[int]
+    ) -> Sampled:
+        raise KvreplayError(NO_ROLLOUT.format(url=self.client.url))
+
+    def prompt_logprobs(self, model: str, ids: Sequence[int]) -> list[list[tuple[int, float]]]:
+        raise KvreplayError(
+            f"The server at {self.client.url} (llama-server) returns no prompt "
+            "log-probabilities, so it cannot score."
+        )
+
+    def reload_weights(self, folder: str) -> None:
+        raise KvreplayError(
+            f"The server at {self.client.url} (llama-server) cannot reload its weights in "
+            "place; restart it on the new weights instead."
+        )

@@ -1,14 +1,18 @@
-"""The two roles a backend may play in the rollout experiment (design: rollout stack,
-scorer), as protocols: sampling with each token's log-probability, and teacher-forcing
-token ids. A backend says it can play them through its capabilities and returns one from
-``Backend.rollout_stack`` / ``Backend.scorer``."""
+"""The roles a backend may play in the rollout experiments (design: rollout stack,
+scorer, weight update arm), as protocols: sampling with each token's log-probability,
+teacher-forcing token ids, and updating its weights mid-run. A backend says it can play
+them through its capabilities and returns one from ``Backend.rollout_stack`` /
+``Backend.scorer`` / ``Backend.weight_updater``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvreplay.core.rollout import Conversation, Scored, Turn
+
+if TYPE_CHECKING:
+    from kvreplay.model.update import WeightUpdate
 
 
 class RolloutStack(Protocol):
@@ -38,4 +42,22 @@ class Scorer(Protocol):
     def score(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> Scored:
         """Each of ``token_ids``' log-probabilities (raw) after the prompt and the tokens
         before it, computed in this scorer's schedule."""
+        ...
+
+
+class WeightUpdater(Protocol):
+    """A rollout engine whose weights a run updates mid-run through the engine's own path
+    (design: weight update arm), as an RL step syncs new weights into it."""
+
+    inflight: bool  # whether a running request can continue across an update
+
+    def sync(self, weights: WeightUpdate | None) -> None:
+        """Load ``weights`` (None: the run's own) through the engine's own path, then reset
+        its prefix cache: a correct sync, after which no request reads a block the old
+        weights wrote."""
+
+    def sample_inflight(self, conversation: Conversation, at: int, weights: WeightUpdate) -> Turn:
+        """A rollout whose weights are updated to ``weights`` once it has sampled ``at``
+        tokens, its later tokens decoded over the K/V the old weights wrote (no reset:
+        what asynchronous RL does with a request in flight)."""
         ...

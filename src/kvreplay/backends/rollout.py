@@ -107,11 +107,36 @@ def parse_scorers(text: str) -> list[ScorerSpec]:
     return specs
 
 
-def open_model(backend: Backend, model: ModelRef, precision: str) -> Any:
+LOADS = ("pretrained", "cast")
+"""How a scorer may load its precision, where its backend has a choice
+(:attr:`~kvreplay.backends.base.Backend.trainer_loads`)."""
+
+
+_DIGESTS: Recent[tuple[str, str], str] = Recent(64)
+
+
+def scorer_digest(spec: ScorerSpec, model: str) -> str:
+    """The model digest of the files a scorer runs (its own model, or the run's), as its
+    backend describes them; computed once per process while it is among the last used."""
+    from kvreplay.backends import make_backend
+    from kvreplay.model.identity import IDENTITY_SCHEME
+
+    assert spec.backend is not None
+    backend, files = spec.backend, spec.model or model
+    return _DIGESTS.get(
+        (backend, files),
+        lambda: make_backend(backend).describe_model(files, IDENTITY_SCHEME)["model_digest"],
+    )
+
+
+def open_model(backend: Backend, model: ModelRef, precision: str, load: str | None = None) -> Any:
     """What a backend computes with at a precision: its served model where it serves
-    requests (vllm, http), else its loaded model (hf, llamacpp)."""
+    requests (vllm, http), else its loaded model (hf, llamacpp), loaded as ``load`` says
+    where the backend has a choice."""
     if backend.capabilities.cache_control:
         return backend.open_served(model, precision)
+    if load is not None and load in backend.trainer_loads:
+        return backend.load_trainer(model, precision, load)
     return backend.load_model(model, precision)
 
 
@@ -120,22 +145,31 @@ OPENED_MODELS = 4
 _OPENED: Recent[str, Any] = Recent(OPENED_MODELS)
 
 
-def _opened(backend: Backend, model: ModelRef, precision: str) -> Any:
-    """One model per backend, settings, model files and precision in a process: scoring
-    every rollout of a run loads each scorer once."""
-    key = sha256_json([backend.contract(), dataclasses.asdict(model), precision])
-    return _OPENED.get(key, lambda: open_model(backend, model, precision))
+def _opened(backend: Backend, model: ModelRef, precision: str, load: str | None) -> Any:
+    """One model per backend, settings, model files, precision and way of loading in a
+    process: scoring every rollout of a run loads each scorer once."""
+    key = sha256_json([backend.contract(), dataclasses.asdict(model), precision, load])
+    return _OPENED.get(key, lambda: open_model(backend, model, precision, load))
 
 
-def open_scorer(spec: ScorerSpec, model: ModelRef) -> Scorer:
+def scorer_load(backend: str, load: str) -> str | None:
+    """How a scorer of ``backend`` loads its precision when ``load`` is asked: ``load``
+    where the backend has a choice (:attr:`Backend.trainer_loads`), else None (its one
+    way), as a run's config records it."""
+    from kvreplay.backends import backend_class
+
+    return load if load in backend_class(backend).trainer_loads else None
+
+
+def open_scorer(spec: ScorerSpec, model: ModelRef, load: str | None = None) -> Scorer:
     """The scorer a spec names over ``model`` (the run's, or the spec's own ``@MODEL``),
-    at the spec's backend and precision; the files it loads must be those the run
-    recorded (``model.digest``)."""
+    at the spec's backend and precision, loaded as ``load`` says where the backend has a
+    choice; the files it loads must be those the run recorded (``model.digest``)."""
     from kvreplay.backends import make_backend
 
     assert spec.backend is not None and spec.precision is not None, "engine: the stack's own"
     backend = make_backend(spec.backend)
-    opened = _opened(backend, model, spec.precision)
+    opened = _opened(backend, model, spec.precision, load)
     identity = getattr(opened, "identity", None)
     if identity is not None and not identity.matches(model.digest):
         raise KvreplayError(

@@ -37,6 +37,19 @@ class Request:
     salt: str | None = None  # the request's cache_salt: only requests of one salt share blocks
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """A completion sampled for a rollout, as a server reported it: its tokens, the
+    log-probability of each, the top-1/top-2 gap at each step, why it stopped (the
+    server's word) and the cached prompt tokens."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    margins: list[float]
+    finish: str | None
+    cached_tokens: int
+
+
 @dataclass
 class Reply:
     """A request's reply, the stage as served: its segment, the cached context tokens the

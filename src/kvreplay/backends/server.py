@@ -22,7 +22,8 @@ from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.core.jsonio import JsonError, parse_json
 
 if TYPE_CHECKING:
-    from kvreplay.backends.served import Completion, Request
+    from kvreplay.backends.served import Completion, Request, Sampled
+    from kvreplay.core.rollout import Sampling
 
 MAX_ANSWER = 4 * 2**20
 """Bytes read of one answer about a server (identity, settings, tokens of a prompt, a
@@ -357,6 +358,25 @@ class ServerAdapter(Protocol):
     def load(self) -> dict[str, float]:
         """What the server reports in flight now (:data:`kvreplay.backends.traffic.Sample`)."""
         ...
+
+    def logprobs_mode(self) -> str | None:
+        """Which log-probability of a sampled token the server reports (None: it does
+        not say, or reports none: no rollout stack)."""
+        ...
+
+    def sample(
+        self, model: str, prompt: Sequence[int], sampling: Sampling, eos: Sequence[int]
+    ) -> Sampled:
+        """A rollout's turn: each sampled token with its log-probability (or a refusal)."""
+        ...
+
+    def prompt_logprobs(self, model: str, ids: Sequence[int]) -> list[list[tuple[int, float]]]:
+        """Its own prefill's log-probabilities at each position after the first (or a
+        refusal: a server that reports none cannot score)."""
+        ...
+
+    def reload_weights(self, folder: str) -> None:
+        """Reload its weights in place from a folder (or refuse in a sentence)."""
 
     def traffic_slot(self, client: int) -> int:
         """The slot a traffic client's requests go to: never the arm's or a companion's."""

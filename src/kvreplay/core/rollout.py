@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -209,6 +210,24 @@ def _integer(value: Any) -> bool:
 
 def _real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def converse(
+    conversation: Conversation,
+    turn: Callable[[list[int]], Turn],
+    between: Callable[[], None] | None = None,
+) -> list[Turn]:
+    """A conversation's turns sampled one after another by ``turn`` (given each turn's
+    whole prompt: the previous prompt, its answer and the follow-up, token for token);
+    ``between`` runs before each later turn (a cache reset, where nothing is reused)."""
+    context, turns = list(conversation.prompt_ids), []
+    for index in range(conversation.turns):
+        if index:
+            context += [*turns[-1].token_ids, *conversation.followups[index - 1]]
+            if between is not None:
+                between()
+        turns.append(turn(list(context)))
+    return turns
 
 
 def check_logprobs(logprobs: list[float], tokens: int, who: str) -> None:

@@ -33,6 +33,7 @@ BUILTIN: tuple[str, ...] = (
     "kvreplay.experiments.history:DECLARATION",
     "kvreplay.experiments.battery:DECLARATION",
     "kvreplay.experiments.rollout:DECLARATION",
+    "kvreplay.experiments.weight_update:DECLARATION",
 )
 EXPERIMENTS: Registry[Declaration] = Registry(
     "experiment", located(BUILTIN, "kvreplay.experiments")

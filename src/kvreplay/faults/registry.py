@@ -28,6 +28,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "traffic": ("--traffic", "2"),
     "max-rate": ("--max-rate", "0.05"),
     "sampled": ("--temperature", "0.7"),
+    "update": ("--update", "perturb:0.05:1"),
 }
 """The check options the detection table measures, by name: the words each adds to
 ``kvreplay check`` (``history`` is a run of the history experiment on a server)."""
@@ -199,6 +200,17 @@ FAULTS: tuple[Fault, ...] = (
         "model runner, _prepare_inputs of a resumed request's step: its recomputed tokens' "
         "positions shifted by one",
         "a request preempted and resumed (a pool too small for the batch)",
+    ),
+    Fault(
+        "vllm-update-stale-cache",
+        "vllm_engine:update_stale_cache",
+        "vllm",
+        "prime-rl PR #1650, NeMo-RL PR #4018, lmdeploy #4917: the prefix cache not reset "
+        "after a weight update, so rollouts after a sync read K/V the old weights wrote",
+        "model runner, reload_weights (the weight sync's load) and scheduler, "
+        "reset_prefix_cache: the first reset after a reload is skipped (it reports success)",
+        "a prompt cached before a weight update and sent again after it",
+        caught_by="update",
     ),
     Fault(
         "llamacpp-restore-perturbed",

@@ -421,3 +421,34 @@ def resume_position() -> list[Patch]:
         return _prepare_inputs
 
     return [(GPUModelRunner, "_prepare_inputs", make)]
+
+
+def update_stale_cache() -> list[Patch]:
+    """The first prefix-cache reset after a weight reload reports success and does
+    nothing: prompts cached before the update hit K/V the old weights wrote."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    reloaded: list[bool] = []  # a weight reload since the last reset
+
+    def make_reload(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reload_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            reloaded.append(True)
+            return result
+
+        return reload_weights
+
+    def make_reset(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> bool:
+            if reloaded:  # the sync's reset, forgotten: the old weights' blocks stay
+                reloaded.clear()
+                return True
+            return bool(original(self, *args, **kwargs))
+
+        return reset_prefix_cache
+
+    return [
+        (GPUModelRunner, "reload_weights", make_reload),
+        (Scheduler, "reset_prefix_cache", make_reset),
+    ]

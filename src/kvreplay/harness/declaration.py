@@ -33,7 +33,8 @@ class Declaration:
     served class and table; its own options; its section where the experiment is one
     package; the backend setting it needs where only some backends run it (history:
     ``traffic``) or the capability (``rollout``); the role it plays in ``kvreplay check``
-    (``greedy``, ``faithful``, ``traffic``); whether a verdict judges its rows
+    (``greedy``, ``faithful``, ``traffic``, ``trainer``) and, where it judges that role
+    with a verdict of its own, its gate; whether a verdict judges its rows
     (``judged``: they hold a compared pair of arms); and where a later panel reads prior
     outcomes from its rows, its rank among such sources (``outcome_rank``, 1 first) and
     which of its rows record a prefix (``prefix_kind``); and its schema
@@ -56,6 +57,7 @@ class Declaration:
     needs: str | None = None  # a backend setting it cannot run without (None: any backend)
     capability: str | None = None  # a backend capability it cannot run without (rollout)
     check: str | None = None  # the role it plays in kvreplay check (None: none)
+    gate: str | None = None  # module:object of its own gate in that role (harness/gate.py)
     judged: bool = False  # a verdict judges its rows
     outcome_rank: int | None = None  # a source of prior outcomes for panels, by preference
     # Of such a source, the kind of row that records a prefix for a later panel (None: its

@@ -23,7 +23,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvreplay.backends.rollout import LOADS, SCHEDULES
 from kvreplay.core.comparison import RETIRED, STAT_FIELDS
+from kvreplay.core.rollout import LOGPROB_MODES
 from kvreplay.harness.rows import PREFIX_FIELDS
 
 JsonType = type | tuple[type, ...]
@@ -252,3 +254,51 @@ def panel_schema(
 
 def list_of(kinds: JsonType) -> Value:
     return Value(list, each=Value(kinds))
+
+
+# What the experiments that sample rollouts (rollout, weight-update) record alike: the
+# sampling (core/rollout.py: Sampling), a scorer as the config names it
+# (backends/rollout.py: ScorerSpec, its model's digest and how it loads its precision),
+# a sampled turn (Turn) and a scorer's pass over it (Scored).
+SAMPLING = {
+    "temperature": Value(NUMBER),
+    "top_p": Value(NUMBER),
+    "top_k": Value(int),
+    "seed": Value(int),
+    "logprobs": Value(str, values=LOGPROB_MODES),
+    "max_tokens": Value(int),
+    "ignore_eos": Value(bool),
+}
+SCORER = {
+    "label": Value(str),
+    "backend": Value((str, type(None))),
+    "precision": Value((str, type(None))),
+    "schedule": Value(str, values=SCHEDULES),
+    "model": Value((str, type(None))),
+    "model_digest": Value(str),
+    "load": optional((str, type(None)), values=(*LOADS, None)),
+}
+MARGINS = Value((list, type(None)), each=Value(NUMBER, minimum=0))
+TURN = {
+    "token_ids": Value(list, each=TOKEN),
+    "logprobs": list_of(NUMBER),
+    "margins": MARGINS,
+    "cached_tokens": Value((int, type(None)), minimum=0),
+    "finish": Value(str),
+}
+SCORED = {
+    "logprobs": list_of(NUMBER),
+    "margins": MARGINS,
+    "argmax_differs": Value((list, type(None)), each=Value(list, each=TOKEN)),
+}
+
+
+def temperature_problems(row: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """A sampled row's temperature against its config's sampling."""
+    temperature = config["sampling"]["temperature"]
+    if row["temperature"] == temperature:
+        return []
+    return [
+        f"field temperature is {row['temperature']!r}, not the config's sampling "
+        f"temperature {temperature!r}"
+    ]

@@ -13,6 +13,7 @@ still re-derives byte for byte. Plain data and numpy, no torch."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,12 +25,15 @@ import numpy as np
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.harness.columns import Column, Field, Kind, csv_value, parse_cell
-from kvreplay.ledger import Record, render_csv_lines
+from kvreplay.ledger import Record, csv_reader, render_csv_lines
 
 SCHEMA_VERSION = "schema_version"
 """The key of an experiment's config that records its CSV's schema version."""
 
 Check = Callable[["Ledger"], None]
+LineCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], "tuple[str, str] | None"]
+"""A gate on one typed line of a table that is not held, given the first line too: the
+column and the problem, or None."""
 NAME = "{name}"  # in a table's file: the part a run names (kv_transplant_{name}.csv)
 RUN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -46,7 +50,12 @@ class Table:
     at a time, reading the rows as often as it needs: they may be a run read afresh
     each time, see :class:`~kvreplay.ledger.RunRows`); a CSV only the paper's release
     has names neither. ``marker`` tells this table from another
-    of the same file: the CSV has that column (a served backend's ``backend``)."""
+    of the same file: the CSV has that column (a served backend's ``backend``).
+
+    A table that is not ``held`` has lines too large to hold (a line of the rollout CSV
+    is a whole response's log-probabilities): its ledger keeps no column, and a reader
+    reads its lines again, a typed line at a time, each checked as it is read
+    (:meth:`Ledger.lines`, gated by ``line_checks``)."""
 
     file: str
     columns: tuple[Field, ...]
@@ -55,6 +64,8 @@ class Table:
     key: tuple[str, ...] = ("row_id",)
     checks: tuple[Check, ...] = ()
     marker: str | None = None
+    held: bool = True
+    line_checks: tuple[LineCheck, ...] = ()
 
     @property
     def name(self) -> str:
@@ -107,8 +118,13 @@ class Table:
 
     def ledger(self, rows: list[Record], config: Mapping[str, Any]) -> Ledger:
         """The ledger analysis reads from the CSV of these rows."""
-        lines = csv.reader(self.csv_lines(rows, config))
-        return parse_ledger(self.csv_name(config), (line for line in lines if line), self)
+        name = self.csv_name(config)
+        if not self.held:
+            return Ledger.streamed(
+                name, self, lambda: _rows_of(csv_reader(self.csv_lines(rows, config)))
+            )
+        lines = csv_reader(self.csv_lines(rows, config))
+        return parse_ledger(name, (line for line in lines if line), self)
 
     def _written(self, version: int) -> list[Column[Any]]:
         return [c for c in self.columns if isinstance(c, Column) and c.since <= version]
@@ -129,12 +145,24 @@ class LedgerError(KvreplayError, ValueError):
 @dataclass(frozen=True)
 class Ledger:
     """One validated CSV as typed numpy columns (optional numbers hold NaN when empty),
-    with the table it was read as."""
+    with the table it was read as; of a table that is not held, no column but its
+    lines, read again whenever asked (``reread``)."""
 
     file: str
     table: Table
     row_ids: np.ndarray
     columns: Mapping[str, np.ndarray]
+    reread: Callable[[], Iterator[list[str]]] | None = None
+
+    @classmethod
+    def streamed(cls, file: str, table: Table, reread: Callable[[], Iterator[list[str]]]) -> Ledger:
+        return cls(file, table, np.empty(0, dtype=object), {}, reread)
+
+    def lines(self) -> Iterator[dict[str, Any]]:
+        """A table that is not held: its lines, typed and checked as they are read; a
+        defect raises :class:`LedgerError` naming file, row and field."""
+        assert self.reread is not None, f"{self.file} is held: read its columns"
+        return checked_lines(self.file, self.reread(), self.table)
 
     def __len__(self) -> int:
         return int(self.row_ids.shape[0])
@@ -197,17 +225,44 @@ def read_header(path: Path) -> list[str]:
     """A CSV's header, or none if it cannot be read (read_ledger names the problem)."""
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:
-            return next(csv.reader(handle), [])
+            return next(csv_reader(handle), [])
     except (OSError, UnicodeDecodeError, csv.Error):
         return []
 
 
-def read_ledger(path: Path, table: Table) -> Ledger:
-    """Parse and validate one CSV file as ``table``, a line at a time (what it holds is
-    the typed columns, never the file's text); any defect raises LedgerError."""
+def _rows_of(lines: Iterable[list[str]]) -> Iterator[list[str]]:
+    return (line for line in lines if line)
+
+
+def _file_rows(path: Path) -> Iterator[list[str]]:
+    """A CSV file's non-empty rows, a defect of the file raised as LedgerError."""
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:
-            lines = (line for line in csv.reader(handle) if line)
+            yield from _rows_of(csv_reader(handle))
+    except UnicodeDecodeError:
+        raise LedgerError(path.name, "the file is not UTF-8 text") from None
+    except (OSError, csv.Error) as error:
+        raise LedgerError(path.name, f"the file cannot be read as CSV ({error})") from None
+
+
+def read_ledger(path: Path, table: Table) -> Ledger:
+    """Parse and validate one CSV file as ``table``, a line at a time (what it holds is
+    the typed columns, never the file's text); any defect raises LedgerError. A table
+    that is not held is checked here for its header only, and its lines as a reader
+    reads them."""
+    if not table.held:
+        rows = _file_rows(path)
+        try:
+            header = next(rows, None)
+        finally:
+            rows.close()
+        if header is None:
+            raise LedgerError(path.name, "the file has no header row")
+        _header_kinds(path.name, header, table)
+        return Ledger.streamed(path.name, table, lambda: _file_rows(path))
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            lines = (line for line in csv_reader(handle) if line)
             return parse_ledger(path.name, lines, table)
     except UnicodeDecodeError:
         raise LedgerError(path.name, "the file is not UTF-8 text") from None
@@ -234,10 +289,12 @@ def _header_kinds(name: str, header: list[str], table: Table) -> dict[str, Kind]
     return kinds
 
 
-def parse_ledger(name: str, lines: Iterable[list[str]], table: Table) -> Ledger:
-    """Validate a CSV's lines as ``table``: its required columns, and its optional ones
-    where present; any defect raises LedgerError naming ``name``. The lines are read
-    one at a time into typed columns."""
+def _rows(
+    name: str, lines: Iterable[list[str]], table: Table
+) -> tuple[dict[str, Kind], Iterator[tuple[str, dict[str, str]]]]:
+    """A CSV's columns read, by kind (its header checked), and its rows, each checked
+    as it is read for its fields, its id and its key (each key once, kept as a digest):
+    a row's id and its cells by column."""
     lines = iter(lines)
     header = next(lines, None)
     if header is None:
@@ -245,31 +302,69 @@ def parse_ledger(name: str, lines: Iterable[list[str]], table: Table) -> Ledger:
     kinds = _header_kinds(name, header, table)
     index = {column: header.index(column) for column in ["row_id", *kinds]}
     keys = [index[c] for c in table.key]
+
+    def rows() -> Iterator[tuple[str, dict[str, str]]]:
+        seen: set[bytes] = set()
+        for line_number, cells in enumerate(lines, start=2):
+            row_id = cells[index["row_id"]] if len(cells) > index["row_id"] else ""
+            label = row_id or f"at line {line_number}"
+            if len(cells) != len(header):
+                problem = f"the row has {len(cells)} fields but the header has {len(header)}"
+                raise LedgerError(name, problem, label, "row_id")
+            if not row_id:
+                raise LedgerError(name, "the row id is empty", label, "row_id")
+            key = "\x00".join(cells[i] for i in keys).encode()
+            digest = hashlib.blake2b(key, digest_size=16).digest()
+            if digest in seen:
+                raise LedgerError(name, "the row id appears twice", row_id, "row_id")
+            seen.add(digest)
+            yield row_id, {column: cells[index[column]] for column in kinds}
+        if not seen:
+            raise LedgerError(name, "the ledger has a header but no rows")
+
+    return kinds, rows()
+
+
+def _read(name: str, row_id: str, column: str, read: Callable[..., Any], *cell: Any) -> Any:
+    """A cell read (``read(*cell)``), its defect raised as LedgerError naming file, row
+    and field."""
+    try:
+        return read(*cell)
+    except ValueError as error:
+        raise LedgerError(name, f"the value {error}", row_id, column) from None
+    except OverflowError:
+        raise LedgerError(name, "the value is too large", row_id, column) from None
+
+
+def checked_lines(name: str, lines: Iterable[list[str]], table: Table) -> Iterator[dict[str, Any]]:
+    """The lines of a CSV as ``table``, each typed (every column it reads, by name) and
+    checked as it is read: its fields, its key, and the table's line checks; any defect
+    raises LedgerError naming ``name``."""
+    kinds, rows = _rows(name, lines, table)
+    first: dict[str, Any] | None = None
+    for row_id, cells in rows:
+        typed: dict[str, Any] = {"row_id": row_id}
+        for column, kind in kinds.items():
+            typed[column] = _read(name, row_id, column, parse_cell, kind, cells[column])
+        first = first or typed
+        for check in table.line_checks:
+            found = check(typed, first)
+            if found is not None:
+                raise LedgerError(name, found[1], row_id, found[0])
+        yield typed
+
+
+def parse_ledger(name: str, lines: Iterable[list[str]], table: Table) -> Ledger:
+    """Validate a CSV's lines as ``table``: its required columns, and its optional ones
+    where present; any defect raises LedgerError naming ``name``. The lines are read
+    one at a time into typed columns."""
+    kinds, rows = _rows(name, lines, table)
     columns = {column: _Column(kind) for column, kind in kinds.items()}
     row_ids: list[str] = []
-    seen: set[tuple[str, ...]] = set()
-    for line_number, cells in enumerate(lines, start=2):
-        row_id = cells[index["row_id"]] if len(cells) > index["row_id"] else ""
-        label = row_id or f"at line {line_number}"
-        if len(cells) != len(header):
-            problem = f"the row has {len(cells)} fields but the header has {len(header)}"
-            raise LedgerError(name, problem, label, "row_id")
-        if not row_id:
-            raise LedgerError(name, "the row id is empty", label, "row_id")
+    for row_id, cells in rows:
         for column, values in columns.items():
-            try:
-                values.append(cells[index[column]])
-            except ValueError as error:
-                raise LedgerError(name, f"the value {error}", row_id, column) from None
-            except OverflowError:
-                raise LedgerError(name, "the value is too large", row_id, column) from None
-        key = tuple(cells[i] for i in keys)
-        if key in seen:
-            raise LedgerError(name, "the row id appears twice", row_id, "row_id")
-        seen.add(key)
+            _read(name, row_id, column, values.append, cells[column])
         row_ids.append(row_id)
-    if not row_ids:
-        raise LedgerError(name, "the ledger has a header but no rows")
     ledger = Ledger(
         name,
         table,

@@ -3,7 +3,13 @@ hash-chained rows (``run``), a row and its strict reader (``records``), rows rea
 time (``rows``), atomic writes (``files``), the derived CSVs' bytes (``csvfile``) and the
 one-writer lock (``writer``). Nothing here knows an experiment, a backend or a model."""
 
-from kvreplay.ledger.csvfile import csv_cell, render_csv, render_csv_lines
+from kvreplay.ledger.csvfile import (
+    csv_cell,
+    csv_dict_reader,
+    csv_reader,
+    render_csv,
+    render_csv_lines,
+)
 from kvreplay.ledger.files import disk_error, write_atomic, write_text_atomic
 from kvreplay.ledger.records import GENESIS, Record, TamperedLedger, parse_rows, read_rows
 from kvreplay.ledger.rows import RowAt, RowHead, RowsByKey, RunRows, heads, rows_of
@@ -53,6 +59,8 @@ __all__ = [
     "TamperedLedger",
     "contract_scheme",
     "csv_cell",
+    "csv_dict_reader",
+    "csv_reader",
     "diff_fields",
     "manifest_bytes",
     "disk_error",

@@ -3,8 +3,11 @@ to open in a spreadsheet."""
 
 from __future__ import annotations
 
+import csv
 import re
+import sys
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 # What a spreadsheet runs as a formula when a cell starts with it (OWASP, CSV injection).
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -20,6 +23,23 @@ def csv_cell(text: str) -> str:
     return text
 
 
+FIELD_LIMIT = min(sys.maxsize, 2**31 - 1)
+"""The largest field a CSV reader takes: a line of the rollout CSV holds a whole
+response's log-probabilities (Python's default, 131,072 characters, is a 4k-token one)."""
+
+
+def csv_reader(lines: Iterable[str]) -> Iterator[list[str]]:
+    """:func:`csv.reader` for kvreplay's CSVs, with no field limit short of memory."""
+    csv.field_size_limit(FIELD_LIMIT)
+    return csv.reader(lines)
+
+
+def csv_dict_reader(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """:class:`csv.DictReader` with no field limit (:func:`csv_reader`)."""
+    csv.field_size_limit(FIELD_LIMIT)
+    return csv.DictReader(lines)
+
+
 def render_csv(columns: list[str], rows: Iterable[dict[str, str]]) -> str:
     """A derived ledger CSV, byte-for-byte reproducible from rows.jsonl."""
     return "".join(render_csv_lines(columns, rows))
@@ -27,7 +47,6 @@ def render_csv(columns: list[str], rows: Iterable[dict[str, str]]) -> str:
 
 def render_csv_lines(columns: list[str], rows: Iterable[dict[str, str]]) -> Iterator[str]:
     """:func:`render_csv` a line at a time (the header first), for a CSV of any length."""
-    import csv
     import io
 
     buffer = io.StringIO()

@@ -46,14 +46,8 @@ def median(values: np.ndarray) -> float:
     return float(np.median(values))
 
 
-
-
 def fraction(hits: int, n: int) -> str:
     return f"{hits}/{n}"
-
-
-
-
 
 
 def interval(low: float, high: float) -> str:

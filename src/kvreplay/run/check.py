@@ -21,18 +21,20 @@ from typing import Any
 from kvreplay.backends import DEFAULT_BACKEND
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import COUNTS, Declared, arguments, option
+from kvreplay.core.options import declared as declared_options
 from kvreplay.core.planted import FIELD
+from kvreplay.core.registry import load
 from kvreplay.experiments.battery.table import BATTERY
 from kvreplay.experiments.registry import check_experiment, declared
+from kvreplay.harness.gate import Gate, GateRequest, Judged
 from kvreplay.ledger import RunLedger, parse_rows
 from kvreplay.run.enginelog import engine_log, run_line
 from kvreplay.run.outputs import check_outputs, recorded_environment, write_outputs
 from kvreplay.run.repro import repro_pack
 from kvreplay.run.request import RunOptions, RunRequest
 from kvreplay.verify.expectation import DEFAULT_MARGIN, EXPECTATIONS, Expectation, parse_expectation
-from kvreplay.verify.mismatch import MismatchBounds
-from kvreplay.verify.render import SCHEMA, junit, screen, to_json
-from kvreplay.verify.verdict import StopRule, Verdict, judge
+from kvreplay.verify.render import SCHEMA, junit, screen, sentence, to_json
+from kvreplay.verify.verdict import StopRule, judge
 
 DEFAULT_ITEMS = 4  # items a check runs without --n or --max-rate
 BATTERY_ITEMS = 1  # a battery's items without --n: every shape of one item, a minute cold
@@ -53,7 +55,8 @@ DTYPES_HELP = (
 class CheckRequest(RunOptions):
     """What ``kvreplay check`` was asked: the shared run options, what must hold, and
     where the verdict goes; ``own`` holds the options given of the experiment it runs
-    (``--select``, ``--screen``; a ``--trainer`` check's rollout options)."""
+    (``--select``, ``--screen``) or of the trainer gate (its bounds and the rollout
+    options it takes)."""
 
     # the shared --dtypes, with the check's own default: None until run_check chooses
     dtypes: tuple[str, ...] | None = field(  # type: ignore[assignment]
@@ -145,6 +148,17 @@ class CheckRequest(RunOptions):
             "engine:replay) teacher-forces them; see docs/experiments/rollout.md.",
         ),
     )
+    update: str | None = field(
+        default=None,
+        metadata=option(
+            "--update",
+            "Gate a weight update instead: the backend under test is updated to these "
+            "weights mid-run through its own path (perturb:SCALE[:SEED], or a model folder "
+            "of the same architecture and tokenizer), and a prompt cached before the update "
+            "must be served after it as a miss, bit for bit (the stale-cache bug); see "
+            "docs/experiments/weight-update.md.",
+        ),
+    )
     verbose: bool = field(
         default=False,
         metadata=option(
@@ -152,7 +166,6 @@ class CheckRequest(RunOptions):
             "Show the engine's own log here instead of writing it to the run folder's engine.log.",
         ),
     )
-    bounds: MismatchBounds = field(default_factory=MismatchBounds)
     own: dict[str, Any] = field(default_factory=dict)
     command: list[str] = field(default_factory=list)
 
@@ -183,18 +196,17 @@ class CheckRequest(RunOptions):
         return ["kvreplay", "check", *narrowed.words()]
 
 
-def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
+def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Judged:
     """Run (or resume) the check asked for, print its verdict, write its outputs, and
     return the verdict. Every refusal comes before the run writes. The run stops once its
     verdict is decided (:func:`~kvreplay.verify.verdict.decided`)."""
     from kvreplay.experiments import get_experiment
-    from kvreplay.run.mismatch_check import refuse_without_trainer, run_mismatch_check
     from kvreplay.run.runner import run
 
-    if request.trainer is not None:  # a gate on the training-inference mismatch
-        request = replace(request, dtypes=request.dtypes or (USER_PRECISION,))
-        return run_mismatch_check(request, echo, (DEFAULT_ITEMS, default_out(request)))  # type: ignore[return-value]
-    refuse_without_trainer(request)
+    role = _role(request)
+    if role is not None:  # a gate of an experiment's own: the mismatch, a weight update
+        return _run_gate_check(request, *role, echo)
+    _refuse_gate_options(request)
     temperature = request.sampler.temperature
     expectation = parse_expectation(
         request.expect, request.max_divergent, request.margin, temperature, request.max_rate
@@ -223,13 +235,97 @@ def run_check(request: CheckRequest, echo: Callable[[str], None]) -> Verdict:
     environment = recorded_environment(ledger.manifest)
     fault = ledger.manifest.get(FIELD)
     verdict = judge(experiment, rows, expectation, environment, planned, fault)
-    echo(screen(verdict))
-    write_outputs((to_json(verdict), junit(verdict)), request.json_path, request.junit_path)
+    judged = Judged(verdict, sentence(verdict), screen(verdict), to_json(verdict), junit(verdict))
+    echo(judged.screen)
+    write_outputs((judged.json, judged.junit), request.json_path, request.junit_path)
     pack = repro_pack(repro, verdict, out, rows, experiment, request.rerun)
     if pack is not None:
         echo(f"repro pack: {pack.folder}; reproduce the first divergence with: {pack.command}")
     echo(run_line(out, request.verbose))
-    return verdict
+    return judged
+
+
+# A live vs prefill check's own options, refused beside a gate's role.
+PREFILL_ONLY = ("max_divergent", "margin", "samples", "max_rate", "repro")
+ROLES = ("trainer", "update")
+"""The check roles an experiment's own gate judges, each named by a CheckRequest field."""
+
+
+def role_gate(role: str) -> tuple[str, Gate]:
+    """The experiment that serves a role and its gate, by its declaration."""
+    name = check_experiment(role)
+    where = declared()[name].gate
+    assert where is not None, f"experiment {name} serves the {role} role without a gate"
+    gate: Gate = load(where)
+    return name, gate
+
+
+def _gate_options(role: str) -> set[str]:
+    _, gate = role_gate(role)
+    own = declared_options(load(gate.options)) if gate.options else {}
+    return {*own, *gate.takes}
+
+
+def _role(request: CheckRequest) -> tuple[str, str] | None:
+    """The role a check's options ask for and its spec (None: live vs prefill)."""
+    given = [(role, getattr(request, role)) for role in ROLES if getattr(request, role)]
+    if len(given) > 1:
+        raise KvreplayError(f"--{given[0][0]} and --{given[1][0]} ask for two checks; give one.")
+    return given[0] if given else None
+
+
+def _run_gate_check(
+    request: CheckRequest, role: str, spec: str, echo: Callable[[str], None]
+) -> Judged:
+    """``kvreplay check --ROLE SPEC``: run (or resume) the small run the role's gate asks
+    for, in its own folder, and have the gate judge its rows; every refusal comes before
+    the run writes."""
+    from kvreplay.run.runner import run
+
+    specs = declared_options(type(request))
+    for key in PREFILL_ONLY:
+        if getattr(request, key) not in (None, False):
+            raise KvreplayError(
+                f"{specs[key].flag} applies to the live vs prefill check, not to --{role}."
+            )
+    other = sorted(set(request.own) - _gate_options(role))
+    if other or request.backend.traffic_clients:
+        flag = "--traffic" if not other else check_own_options()[other[0]].flag
+        raise KvreplayError(f"{flag} does not apply to a --{role} check.")
+    name, gate = role_gate(role)
+    asked = GateRequest(role, spec, request.expect, dict(request.own))
+    planned = gate.plan(asked)
+    base = default_out(request)
+    out = request.out or base.with_name(base.name + planned.suffix)
+    reads = (request.items, request.model, request.plan, *planned.reads)
+    check_outputs(out, reads, request.json_path, request.junit_path, verbose=request.verbose)
+    shared = {f.name: getattr(request, f.name) for f in fields(RunOptions)}
+    n = request.n if request.n is not None else DEFAULT_ITEMS
+    run_request = RunRequest(
+        **shared | {"n": n}, experiment=name, out=out, extra=planned.options,
+        command=request.command,
+    )  # fmt: skip
+    with engine_log(out, request.verbose):
+        run(run_request, quiet=True)
+    ledger = RunLedger.open_existing(out)
+    records, _ = parse_rows(ledger.rows_path, ledger.contract_hash)
+    config = ledger.manifest["experiments"][name]["config"]
+    environment = recorded_environment(ledger.manifest)
+    judged = gate.judge(asked, records, config, request.backend.name, environment)
+    echo(judged.screen)
+    write_outputs((judged.json, judged.junit), request.json_path, request.junit_path)
+    echo(run_line(out, request.verbose))
+    return judged
+
+
+def _refuse_gate_options(request: CheckRequest) -> None:
+    """A gate's own options given to a live vs prefill check are refused."""
+    greedy = set(declared()[check_experiment("greedy")].option_fields())
+    for role in ROLES:
+        taken = sorted((set(request.own) & _gate_options(role)) - greedy)
+        if taken:
+            flag = check_own_options()[taken[0]].flag
+            raise KvreplayError(f"{flag} applies to a --{role} check; give --{role} too.")
 
 
 def _experiment(request: CheckRequest, expectation: Expectation) -> tuple[str, dict[str, Any]]:
@@ -287,17 +383,17 @@ def default_out(request: RunOptions) -> Path:
 
 def check_own_options() -> dict[str, Declared]:
     """The options of the experiments a check runs that it takes: the greedy one's
-    (``--select``, ``--screen``) and the rollout options a ``--trainer`` check takes."""
-    from kvreplay.run.mismatch_check import ROLLOUT, TAKEN
-
-    greedy = declared()[check_experiment("greedy")].option_fields()
+    (``--select``, ``--screen``), the battery's (``--shapes``), and each role gate's own
+    (the trainer's bounds) with the options of its experiment that it takes."""
+    found = dict(declared()[check_experiment("greedy")].option_fields())
     battery = declared()[BATTERY].option_fields()
-    rollout = declared()[ROLLOUT].option_fields()
-    return {
-        **greedy,
-        **{key: battery[key] for key in BATTERY_TAKES},
-        **{key: rollout[key] for key in TAKEN},
-    }
+    found |= {key: battery[key] for key in BATTERY_TAKES}
+    for role in ROLES:
+        name, gate = role_gate(role)
+        own = declared()[name].option_fields()
+        found |= {k: v for k, v in own.items() if k in gate.takes}
+        found |= declared_options(load(gate.options)) if gate.options else {}
+    return found
 
 
 def _item_count(request: CheckRequest, expectation: Expectation, default: int) -> int:

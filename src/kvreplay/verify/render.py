@@ -6,13 +6,13 @@ judges nothing itself."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 from xml.etree import ElementTree
 
 from kvreplay.core.claims import encode
 from kvreplay.core.errors import KvreplayError
+from kvreplay.core.junit import xml_document
 from kvreplay.core.power import percent, rate_upper_bound
 from kvreplay.harness.experiment import Experiment
 from kvreplay.ledger import Record
@@ -261,26 +261,6 @@ def junit(verdict: Verdict) -> str:
             failure.text = json.dumps(outcome.to_json(), sort_keys=True)
     ElementTree.SubElement(suite, "system-out").text = sentence(verdict)
     return xml_document(suite)
-
-
-# What XML 1.0 cannot hold, even as a character reference: C0 controls but tab, newline
-# and return; lone surrogates; U+FFFE and U+FFFF.
-NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-
-
-def xml_document(root: ElementTree.Element) -> str:
-    """A JUnit document every XML parser reads: each attribute and text with what XML
-    cannot hold written as its escape (``\\x01``), since an item or rollout id is the
-    user's text."""
-    for element in root.iter():
-        element.attrib = {key: _xml_safe(value) for key, value in element.attrib.items()}
-        if element.text:
-            element.text = _xml_safe(element.text)
-    return ElementTree.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
-
-
-def _xml_safe(text: str) -> str:
-    return NOT_XML.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
 def screen(verdict: Verdict) -> str:

@@ -30,6 +30,7 @@ class HfBackend(Backend):
     capabilities = Capabilities(kv_access=True, seeded_sampling=True, rollout=True, scoring=True)
     extra = "hf"
     requires = ("torch", "transformers")
+    trainer_loads = ("pretrained", "cast")
     attn_implementation: str = field(
         default="sdpa",
         metadata=option("--attn", "Attention implementation passed to transformers."),
@@ -64,8 +65,12 @@ class HfBackend(Backend):
         kinds = config_layer_kinds(model_config(spec, self.trust_remote_code))
         return kinds, [tokens] * len(kinds)
 
-    def load_model(self, model: ModelRef, precision: str, device_map: str | None = None) -> Any:
-        """transformers' model for one precision, on the run's device and attention."""
+    def load_model(
+        self, model: ModelRef, precision: str, device_map: str | None = None, cast: bool = True
+    ) -> Any:
+        """transformers' model for one precision, on the run's device and attention: every
+        floating tensor cast to it (``cast``, as every run loads), or as
+        ``from_pretrained`` leaves it."""
         from kvreplay.backends.hf.loading import load_model
 
         return load_model(
@@ -75,7 +80,11 @@ class HfBackend(Backend):
             self.attn_implementation,
             self.trust_remote_code,
             device_map,
+            cast,
         )
+
+    def load_trainer(self, model: ModelRef, precision: str, load: str) -> Any:
+        return self.load_model(model, precision, cast=load == "cast")
 
     def rollout_stack(self, opened: Any) -> Any:
         from kvreplay.backends.hf.rollout import rollout_stack

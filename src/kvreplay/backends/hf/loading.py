@@ -27,6 +27,8 @@ class LoadedModel:
     device: str
     attn_implementation: str
     identity: ModelIdentity
+    loaded: str = "cast"  # cast, or pretrained: as from_pretrained left it
+    kept: tuple[str, ...] = ()  # the floating tensors left at another dtype (pretrained)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -66,6 +68,8 @@ class LoadedModel:
             "dtype": self.dtype_name,
             "device": self.device,
             "attn_implementation": self.attn_implementation,
+            "loaded": self.loaded,
+            "kept_dtype": list(self.kept),
             **self.identity.describe(),
         }
 
@@ -172,11 +176,15 @@ def load_model(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     device_map: str | None = None,
+    cast: bool = True,
 ) -> LoadedModel:
     """Load ``spec`` in eval mode at ``dtype`` on ``device`` with the given attention.
 
     ``device_map`` (e.g. ``"auto"``) spreads a model too large for one GPU over every
-    visible GPU instead of moving it whole to ``device``.
+    visible GPU instead of moving it whole to ``device``. With ``cast`` (every run's
+    way) every floating tensor is then cast to ``dtype``, the rotary ``inv_freq``
+    buffer too; without, the model stays as ``from_pretrained(dtype=...)`` left it, as
+    a trainer loads it: the tensors it keeps at another dtype are recorded (``kept``).
     """
     dtype = parse_dtype(dtype)
     device = parse_device(device)
@@ -207,8 +215,12 @@ def load_model(
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     if device_map is None:
-        model = model.to(device=device, dtype=torch_dtype(dtype))
+        model = model.to(device=device, dtype=torch_dtype(dtype)) if cast else model.to(device)
     model = model.eval()
+    floating = [*model.named_parameters(), *model.named_buffers()]
+    kept = tuple(
+        name for name, t in floating if t.is_floating_point() and t.dtype != torch_dtype(dtype)
+    )
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -217,4 +229,6 @@ def load_model(
         device=device,
         attn_implementation=str(model.config._attn_implementation),
         identity=model_identity(digests.result(), gguf_file, tokenizer),
+        loaded="cast" if cast else "pretrained",
+        kept=kept,
     )

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.backends import ModelRef, make_backend
-from kvreplay.backends.rollout import ScorerSpec, parse_scorers
-from kvreplay.core.cache import Recent
+from kvreplay.backends.rollout import LOADS, ScorerSpec, parse_scorers, scorer_digest, scorer_load
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, chat_messages, encode_prompt
 from kvreplay.core.options import option
@@ -106,6 +105,17 @@ class RolloutOptions:
     followup: str = field(
         default=FOLLOWUP, metadata=option("--followup", "The user message of every later turn.")
     )
+    trainer_load: str = field(
+        default="pretrained",
+        metadata=option(
+            "--trainer-load",
+            "How a scorer whose backend has a choice (hf) loads its precision: pretrained "
+            "(as from_pretrained(dtype=...) leaves the model, the buffers it keeps in fp32 "
+            "kept: as a trainer loads it) or cast (every floating tensor cast to the "
+            "precision, the rotary inv_freq too: as kvreplay's runs load).",
+            choices=LOADS,
+        ),
+    )
 
     def sampling(self, scope: Scope) -> Sampling:
         sampler = scope.config.sampler
@@ -134,26 +144,6 @@ def followup_ids(tokenizer: Any, text: str, chat: bool | None) -> list[int]:
         )
     tail = rendered.split(MARK, 1)[1]
     return [int(t) for t in tokenizer.encode(tail, add_special_tokens=False)]
-
-
-_DIGESTS: Recent[tuple[str, str], str] = Recent(64)
-
-
-def scorer_digest(spec: ScorerSpec, model: str) -> str:
-    """The model digest of the files a scorer runs (its own model, or the run's), as its
-    backend describes them; computed once per process while it is among the last used."""
-    assert spec.backend is not None
-    backend, files = spec.backend, spec.model or model
-    return _DIGESTS.get(
-        (backend, files),
-        lambda: make_backend(backend).describe_model(files, _scheme())["model_digest"],
-    )
-
-
-def _scheme() -> int:
-    from kvreplay.model.identity import IDENTITY_SCHEME
-
-    return IDENTITY_SCHEME
 
 
 def check_scorers(specs: list[ScorerSpec], scope: Scope) -> None:
@@ -294,6 +284,11 @@ class Rollout(Experiment):
                     "model_digest": run.model_digest
                     if spec.backend is None
                     else scorer_digest(spec, run.model),
+                    **(
+                        {"load": scorer_load(spec.backend, options.trainer_load)}
+                        if spec.backend is not None
+                        else {}
+                    ),
                 }
                 for spec in parse_scorers(options.scorers)
             ],
@@ -362,7 +357,9 @@ class Rollout(Experiment):
                 scorers.append((entry["label"], backend.scorer(opened, spec.schedule)))
             else:
                 model = ModelRef(spec.model or run.model, entry["model_digest"], run.device)
-                scorers.append((entry["label"], open_scorer(spec, model)))
+                # a run recorded before scorers chose how to load cast every tensor
+                load = entry.get("load", "cast")
+                scorers.append((entry["label"], open_scorer(spec, model, load)))
         sampling = Sampling(**inputs["sampling"])
         tokenizer = opened.tokenizer
         followups = (tuple(inputs["followup_token_ids"]),) * (inputs["turns"] - 1)

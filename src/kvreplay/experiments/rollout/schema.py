@@ -10,12 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.backends.rollout import OWN_PREFILL, SCHEDULES, ScorerSpec
+from kvreplay.backends.rollout import OWN_PREFILL, ScorerSpec
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import LOGPROB_MODES, Sampling
 from kvreplay.core.sampler import Sampler
 from kvreplay.experiments.rollout.roll import BATCHED, MISS
-from kvreplay.harness.schema import NUMBER, TOKEN, Schema, Value, list_of, optional
+from kvreplay.harness.schema import (
+    NUMBER,
+    SAMPLING,
+    SCORED,
+    SCORER,
+    TOKEN,
+    TURN,
+    Schema,
+    Value,
+    list_of,
+    optional,
+    temperature_problems,
+)
 
 # The bounds of a rollout's options (experiment.RolloutOptions declares them), which a
 # recorded config is held to as well.
@@ -25,23 +37,6 @@ MAX_TURNS = 64
 MAX_TOP_K = 2**20
 MAX_COMPANIONS = 64
 
-SAMPLING = {
-    "temperature": Value(NUMBER),
-    "top_p": Value(NUMBER),
-    "top_k": Value(int),
-    "seed": Value(int),
-    "logprobs": Value(str, values=LOGPROB_MODES),
-    "max_tokens": Value(int),
-    "ignore_eos": Value(bool),
-}
-SCORER = {
-    "label": Value(str),
-    "backend": Value((str, type(None))),
-    "precision": Value((str, type(None))),
-    "schedule": Value(str, values=SCHEDULES),
-    "model": Value((str, type(None))),
-    "model_digest": Value(str),
-}
 CONFIG = {
     "item_ids": list_of(str),
     "dtypes": list_of(str),
@@ -53,19 +48,6 @@ CONFIG = {
     "engine": Value(bool),
     "scorers": Value(list, each=Value(dict, fields=SCORER)),
     "companions": Value(int),
-}
-MARGINS = Value((list, type(None)), each=Value(NUMBER, minimum=0))
-TURN = {
-    "token_ids": Value(list, each=TOKEN),
-    "logprobs": list_of(NUMBER),
-    "margins": MARGINS,
-    "cached_tokens": Value((int, type(None)), minimum=0),
-    "finish": Value(str),
-}
-SCORED = {
-    "logprobs": list_of(NUMBER),
-    "margins": MARGINS,
-    "argmax_differs": Value((list, type(None)), each=Value(list, each=TOKEN)),
 }
 TURN_RECORD = {
     **TURN,
@@ -122,13 +104,7 @@ def config_relations(config: dict[str, Any]) -> list[str]:
 
 def relations(row: dict[str, Any], config: dict[str, Any], backend: Any) -> list[str]:
     """What a rollout row says that its config contradicts (see the module docstring)."""
-    sampling = config["sampling"]
-    problems = []
-    if row["temperature"] != sampling["temperature"]:
-        problems.append(
-            f"field temperature is {row['temperature']!r}, not the config's sampling "
-            f"temperature {sampling['temperature']!r}"
-        )
+    problems = temperature_problems(row, config)
     seeds = [r["seed"] for r in row["rollouts"]]
     if seeds != config["seeds"]:
         problems.append(f"field rollouts[].seed is {seeds[:8]}, not the config's seeds")

@@ -1,42 +1,36 @@
 """The rollout section: the training-inference mismatch of a run's rollouts, from
-``rollout_logprobs.csv`` (design: mismatch).
+``rollout_logprobs.csv`` (design: mismatch), read a line at a time
+(:mod:`kvreplay.experiments.rollout.tally` measures it in one pass).
 
 Per precision of the rollout stack: every scorer's metrics against the rollout's own
-log-probabilities (:data:`kvreplay.measure.mismatch.METRICS`), where along the sequence
-and at what top-1/top-2 gap the differences sit, and the first position where the
-scorer's argmax is not the sampled token; the decomposition of each trainer's total
-into the engine's own term (its prefill against its decode: the paper's live vs
-prefill) and the cross-stack term (the trainer's prefill against the engine's), which
-add up exactly, with paired 95% intervals that resample whole sequences; and the
-controls: a later turn decoded after a prefix-cache miss instead of a hit, the first
-turn decoded in a batch with other items. No torch.
+log-probabilities (:data:`kvreplay.experiments.rollout.metrics.METRICS`), token- and
+sequence-level, where along the sequence and at what top-1/top-2 gap the differences
+sit, and the first position where the scorer's argmax is not the sampled token; the
+decomposition of each trainer's total into the engine's own term (its prefill against
+its decode: the paper's live vs prefill) and the cross-stack term (the trainer's prefill
+against the engine's), which add up exactly, with paired 95% intervals that resample
+whole sequences; the controls: a later turn decoded after a prefix-cache miss instead
+of a hit, the first turn decoded in a batch with other items; and where rollouts carry
+steps, the mismatch by step with its trend. No torch.
 """
 
 from __future__ import annotations
 
-import math
-import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from kvreplay.backends.rollout import OWN_PREFILL
 from kvreplay.core.claims import key
-from kvreplay.experiments.rollout.roll import MISS
-from kvreplay.experiments.rollout.sides import Sequences, controls, read_sides
-from kvreplay.experiments.rollout.table import ROLLOUT_SIDE, ROLLOUT_TABLE
-from kvreplay.harness.section import Page, Reading, Section
-from kvreplay.measure.mismatch import (
+from kvreplay.experiments.rollout.metrics import (
+    COUNTS,
     DEFAULT_CAP,
-    Decomposition,
-    by_margin,
-    by_position,
-    first_argmax_divergence,
-    metrics,
-    term_interval,
+    TRL_SEQUENCE_CAP,
+    VERL_SEQUENCE_THRESHOLD,
 )
+from kvreplay.experiments.rollout.sides import rollouts
+from kvreplay.experiments.rollout.table import ROLLOUT_TABLE
+from kvreplay.experiments.rollout.tally import measure
+from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Paragraph
 from kvreplay.render.document import Table as Grid
@@ -59,143 +53,30 @@ HEADLINE = (
     "ratio_above_cap",
     "tokens_bit_equal",
 )
+SEQUENCE_HEADLINE = (
+    "seq_ratio_min",
+    "seq_ratio_median",
+    "seq_ratio_max",
+    "seq_truncated_verl",
+    "seq_masked_trl",
+    "chi2_seq",
+    "ess_seq",
+)
 
 
-def _stream(*names: str) -> int:
-    """A bootstrap stream fixed by what is resampled (the terms of one decomposition
-    share it: their intervals are paired)."""
-    return zlib.crc32("/".join(names).encode()) % 1_000_000
+@dataclass(frozen=True)
+class RolloutClaims:
+    """The section's claims by precision (still plain JSON inside, as the one-pass tally
+    writes them: typing them is open, issue 52)."""
 
-
-def _json(value: float | None) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
-
-
-def term_summary(values: np.ndarray, sequence: np.ndarray, stream: int) -> Json:
-    """One term's per-token mean (signed and absolute) with 95% intervals over resampled
-    sequences, its largest magnitude, and how many tokens it moved at all."""
-    signed = term_interval(values, sequence, stream)
-    absolute = term_interval(values, sequence, stream, absolute=True)
-    return {
-        "mean": math.fsum(values.tolist()) / values.size,
-        "ci95": None if signed is None else [signed.low, signed.high],
-        "abs_mean": math.fsum(np.abs(values).tolist()) / values.size,
-        "abs_ci95": None if absolute is None else [absolute.low, absolute.high],
-        "max_abs": float(np.max(np.abs(values))),
-        "tokens_moved": int(np.count_nonzero(values)),
-    }
-
-
-def decomposition_claims(d: Decomposition, names: Sequence[str], stream: int) -> Json:
-    """A decomposition's terms (renamed ``names``) and total, each summarised on the same
-    resamples, the term that moves log-probabilities most, and the paired interval of
-    how much more it moves them than the next one."""
-    pairs = list(zip(names, d.terms, strict=True))
-    terms = {name: term_summary(t, d.sequence, stream) for name, t in pairs}
-    ranked = sorted(pairs, key=lambda x: -terms[x[0]]["abs_mean"])
-    lead: Json = {"term": ranked[0][0]}
-    if len(ranked) > 1:
-        gap = np.abs(ranked[0][1]) - np.abs(ranked[1][1])
-        interval = term_interval(gap, d.sequence, stream)
-        lead |= {
-            "over": ranked[1][0],
-            "abs_mean_difference": math.fsum(gap.tolist()) / gap.size,
-            "ci95": None if interval is None else [interval.low, interval.high],
-            # the interval of the difference lies above 0: the term does move more
-            "decided": interval is not None and interval.low > 0,
-        }
-    return {
-        "tokens": int(d.total.size),
-        "sequences": d.sequences,
-        "terms": terms,
-        "total": term_summary(d.total, d.sequence, stream),
-        "dominant": lead,
-    }
-
-
-def _scorer_claims(sequences: Sequences, scorer: str, greedy: bool) -> Json:
-    pairs = sequences.pairs(scorer)
-    reported = [s[scorer].argmax_differs for s in sequences.with_side(scorer)]
-    firsts = [first_argmax_divergence(r) for r in reported if r is not None]
-    parted = [f for f in firsts if f is not None]
-    return {
-        "metrics": {k: _json(v) for k, v in metrics(pairs, DEFAULT_CAP).items()},
-        "by_position": [{k: _json(v) for k, v in b.items()} for b in by_position(pairs)],
-        "by_margin": [{k: _json(v) for k, v in b.items()} for b in by_margin(pairs)],
-        "argmax": {
-            "greedy": greedy,
-            "sequences": len(firsts),  # those whose scorer reported its argmax
-            "sequences_parted": len(parted),
-            "first_index_median": float(np.median(parted)) if parted else None,
-        },
-    }
-
-
-def precision_claims(sequences: Sequences, temperature: float, precision: str) -> Json:
-    """Everything the section says of one precision's sequences."""
-    scorers = sequences.scorers()
-    trainers = [s for s in scorers if s != OWN_PREFILL]
-    claims: Json = {
-        "temperature": temperature,
-        "sequences": len(sequences.keys),
-        "tokens": sum(len(s[ROLLOUT_SIDE].logprobs) for s in sequences.sides),
-        "scorers": {s: _scorer_claims(sequences, s, temperature == 0) for s in scorers},
-        "decomposition": {},
-        "controls": {},
-    }
-    if OWN_PREFILL in scorers:
-        for trainer in trainers:
-            d = sequences.chain([ROLLOUT_SIDE, OWN_PREFILL, trainer])
-            if d is not None:
-                claims["decomposition"][trainer] = decomposition_claims(
-                    d, ["engine", "cross"], _stream(precision, trainer)
-                )
-    for control in controls(sequences):
-        claims["controls"][control] = _control_claims(sequences, control, trainers, precision)
-    return claims
-
-
-def _control_claims(
-    sequences: Sequences, control: str, trainers: list[str], precision: str
-) -> Json:
-    """A control against the rollout: its term alone, and (a miss, where the engine
-    scored) the chain rollout decode -> decode after a miss -> engine -> trainer."""
-    name = "cache" if control == MISS else "batch"
-    d = sequences.chain([ROLLOUT_SIDE, control])
-    found: Json = {"term": name, "sequences": sum(1 for _ in sequences.with_side(control))}
-    if d is None or not d.total.size:
-        return found | {"tokens": 0}
-    found |= decomposition_claims(d, [name], _stream(precision, control))
-    hits = [s[ROLLOUT_SIDE].cached_tokens for s in sequences.with_side(control)]
-    found["cached_tokens"] = {
-        "rollout": [h for h in hits if h is not None],
-        control: [s[control].cached_tokens for s in sequences.with_side(control)],
-    }
-    if control == MISS and OWN_PREFILL in sequences.scorers():
-        found["chains"] = {}
-        for trainer in trainers or [OWN_PREFILL]:
-            names = [ROLLOUT_SIDE, MISS, OWN_PREFILL] + (
-                [trainer] if trainer != OWN_PREFILL else []
-            )
-            chain = sequences.chain(names)
-            if chain is not None and chain.total.size:
-                terms = ["cache", "engine", "cross"][: len(names) - 1]
-                found["chains"][trainer] = decomposition_claims(
-                    chain, terms, _stream(precision, control, trainer)
-                )
-    return found
+    precisions: dict[str, Any] = field(metadata=key(SECTION))
 
 
 def rollout_claims(reading: Reading) -> Json:
-    """The section's part of claims.json: its claims by precision."""
+    """The section's part of claims.json: its claims by precision, the CSV read once, a
+    line at a time."""
     (ledger,) = reading.ledgers.values()
-    temperature = float(ledger["temperature"][0])
-    return {
-        SECTION: {
-            precision: precision_claims(sequences, temperature, precision)
-            for precision, sequences in read_sides(ledger).items()
-        }
-    }
+    return {SECTION: measure(rollouts(ledger.file, ledger.lines())).claims()}
 
 
 def _ordered(mapping: Json) -> list[tuple[str, Any]]:
@@ -212,7 +93,8 @@ def _ordered(mapping: Json) -> list[tuple[str, Any]]:
     )
 
 
-def _g(value: Any) -> str:
+def number(value: Any) -> str:
+    """A number as the summary and the report print it (three digits; — where none)."""
     return "—" if value is None else f"{value:.3g}"
 
 
@@ -225,10 +107,19 @@ def dominance(lead: Json) -> str:
     where the paired interval of the difference lies above 0, else neither."""
     if "over" not in lead:
         return f"the {lead['term']} term alone"
-    by = f"{_g(lead['abs_mean_difference'])}{_ci(lead['ci95'])}"
+    by = f"{number(lead['abs_mean_difference'])}{_ci(lead['ci95'])}"
     if lead.get("decided"):
         return f"the {lead['term']} term dominates by {by}"
     return f"neither dominates: {lead['term']} exceeds {lead['over']} by {by}"
+
+
+def count(value: float | None) -> str:
+    """A count as a count."""
+    return "—" if value is None else str(int(value))
+
+
+def _temperature(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:g}"
 
 
 def summary_lines(claims: Json) -> list[str]:
@@ -239,18 +130,23 @@ def summary_lines(claims: Json) -> list[str]:
     for precision, c in _ordered(section):
         for scorer, s in _ordered(c["scorers"]):
             m = s["metrics"]
+            tokens, sequences = count(m["tokens"]), count(m["sequences"])
+            above = None if m["ratio_above_cap"] is None else m["ratio_above_cap"] * m["tokens"]
             lines.append(
-                f"rollout {precision} vs {scorer}: k3 KL {_g(m['kl_k3'])}, |dlogp| mean "
-                f"{_g(m['abs_logp_mean'])} max {_g(m['abs_logp_max'])}, ratio > {DEFAULT_CAP:g} on "
-                f"{_g(m['ratio_above_cap'])} of {int(m['tokens'])} tokens, bit-equal "
-                f"{_g(m['tokens_bit_equal'])}"
+                f"rollout {precision} vs {scorer}: k3 KL {number(m['kl_k3'])}, |dlogp| mean "
+                f"{number(m['abs_logp_mean'])} max {number(m['abs_logp_max'])}, "
+                f"ratio > {DEFAULT_CAP:g} on {count(above and round(above))} of {tokens} tokens, "
+                f"bit-equal {number(m['tokens_bit_equal'])}; sequence ratio "
+                f"{number(m['seq_ratio_min'])} to "
+                f"{number(m['seq_ratio_max'])}, verl truncates {count(m['seq_truncated_verl'])} "
+                f"and TRL masks {count(m['seq_masked_trl'])} of {sequences} sequences"
             )
         for trainer, d in _ordered(c["decomposition"]):
             lead = d["dominant"]
             terms = d["terms"]
             lines.append(
                 f"rollout {precision} -> {trainer}: mean |term| engine "
-                f"{_g(terms['engine']['abs_mean'])}, cross {_g(terms['cross']['abs_mean'])}"
+                f"{number(terms['engine']['abs_mean'])}, cross {number(terms['cross']['abs_mean'])}"
                 f" ({dominance(lead)})"
             )
         for control, d in _ordered(c["controls"]):
@@ -258,9 +154,28 @@ def summary_lines(claims: Json) -> list[str]:
                 term = d["terms"][d["term"]]
                 lines.append(
                     f"rollout {precision} {control}: {d['term']} term mean |dlogp| "
-                    f"{_g(term['abs_mean'])}{_ci(term['abs_ci95'])} over {d['tokens']} tokens"
+                    f"{number(term['abs_mean'])}{_ci(term['abs_ci95'])} over {d['tokens']} tokens"
                 )
+        for scorer, steps in _ordered(c.get("steps", {})):
+            lines.append(
+                f"rollout {precision} vs {scorer} by step: {trend_sentence(steps['trend'])}"
+            )
     return lines
+
+
+def trend_sentence(trend: Json) -> str:
+    """The trend of the k3 KL over steps, as a line says it."""
+    if trend["steps"] < 2:
+        return f"{trend['steps']} step, no trend"
+    head = (
+        f"k3 KL {number(trend['first'])} at the first of {trend['steps']} steps, "
+        f"{number(trend['last'])} at the last (Sen's slope "
+        f"{number(trend['slope_per_step'])} a step, "
+        f"Kendall's tau {trend['tau']:.2f}, one-sided p {number(trend['p_value'])})"
+    )
+    if trend["alarm"]:
+        return f"ALARM: the mismatch grows step over step: {head}"
+    return head + ("" if trend["steps"] >= 4 else "; 4 steps are needed for an alarm")
 
 
 METHOD = (
@@ -275,7 +190,10 @@ METHOD = (
     "resample whole sequences, the same resamples for every term of a decomposition. "
     "Controls draw the same seed again and are compared over the tokens they share with "
     "the rollout: a later turn whose prompt missed the prefix cache (the rollout's hit "
-    "it), and the first turn decoded in a batch with other items."
+    "it), and the first turn decoded in a batch with other items. A sequence's importance "
+    "ratio is the product of its tokens' ratios, exp(sum of delta): verl's default "
+    f"correction truncates it at {VERL_SEQUENCE_THRESHOLD:g}, TRL's masks a sequence above "
+    f"{TRL_SEQUENCE_CAP:g}."
 )
 
 
@@ -290,16 +208,47 @@ def _report(page: Page[RolloutClaims]) -> list[Block]:
     for precision, c in _ordered(section):
         blocks.append(
             Paragraph(
-                f"Rollout stack at {precision}, temperature {c['temperature']:g}: "
-                f"{c['sequences']} sampled turns, {c['tokens']} tokens."
+                f"Rollout stack at {precision}, temperature {_temperature(c['temperature'])}: "
+                f"{c['sequences']} sampled turns, {c['tokens']} tokens"
+                + (
+                    f", {c['kept_tokens']} of them kept by their masks."
+                    if "kept_tokens" in c
+                    else "."
+                )
             )
         )
         blocks.append(
             Grid(
                 ("scorer", *HEADLINE),
-                [(s, *(_g(v["metrics"][k]) for k in HEADLINE)) for s, v in _ordered(c["scorers"])],
+                [
+                    (s, *(number(v["metrics"][k]) for k in HEADLINE))
+                    for s, v in _ordered(c["scorers"])
+                ],
             )
         )
+        blocks.append(
+            Grid(
+                ("scorer (per sequence)", *SEQUENCE_HEADLINE),
+                [
+                    (s, *(_metric(v["metrics"], k) for k in SEQUENCE_HEADLINE))
+                    for s, v in _ordered(c["scorers"])
+                ],
+            )
+        )
+        for scorer, steps in _ordered(c.get("steps", {})):
+            blocks.append(Paragraph(f"{scorer} by step: {trend_sentence(steps['trend'])}."))
+            blocks.append(
+                Grid(
+                    (f"{scorer}: step", "sequences", "tokens", "k3 KL", "mean |delta|",
+                     "verl truncates", "TRL masks"),
+                    [
+                        (str(r["step"]), str(r["sequences"]), str(r["tokens"]), number(r["kl_k3"]),
+                         number(r["abs_logp_mean"]), str(r["seq_truncated_verl"]),
+                         str(r["seq_masked_trl"]))
+                        for r in steps["by_step"]
+                    ],
+                )
+            )  # fmt: skip
         rows = []
         for trainer, d in _ordered(c["decomposition"]):
             for name, term in [*_ordered(d["terms"]), ("total", d["total"])]:
@@ -336,7 +285,7 @@ def _report(page: Page[RolloutClaims]) -> list[Block]:
                         (
                             str(b["eighth"]),
                             str(b["tokens"]),
-                            _g(b["abs_logp_mean"]),
+                            number(b["abs_logp_mean"]),
                             str(b["large"]),
                         )
                         for b in s["by_position"]
@@ -350,7 +299,7 @@ def _report(page: Page[RolloutClaims]) -> list[Block]:
                         (
                             _gap(b["margin_from"], b["margin_to"]),
                             str(b["tokens"]),
-                            _g(b["abs_logp_mean"]),
+                            number(b["abs_logp_mean"]),
                             str(b["large"]),
                         )
                         for b in s["by_margin"]
@@ -361,6 +310,10 @@ def _report(page: Page[RolloutClaims]) -> list[Block]:
     return blocks
 
 
+def _metric(metrics: Json, name: str) -> str:
+    return count(metrics[name]) if name in COUNTS else number(metrics[name])
+
+
 def _gap(low: float, high: float | None) -> str:
     return f"[{low:g}, {high:g})" if high is not None else f">= {low:g}"
 
@@ -369,18 +322,11 @@ def _term_row(chain: str, name: str, term: Json) -> tuple[str, ...]:
     return (
         chain,
         name,
-        f"{_g(term['mean'])}{_ci(term['ci95'])}",
-        f"{_g(term['abs_mean'])}{_ci(term['abs_ci95'])}",
-        _g(term["max_abs"]),
+        f"{number(term['mean'])}{_ci(term['ci95'])}",
+        f"{number(term['abs_mean'])}{_ci(term['abs_ci95'])}",
+        number(term["max_abs"]),
         str(term["tokens_moved"]),
     )
-
-
-@dataclass(frozen=True)
-class RolloutClaims:
-    """The section's claims by precision (still plain JSON inside: see issue 52)."""
-
-    precisions: dict[str, Any] = field(metadata=key(SECTION))
 
 
 ROLLOUT_SECTION = Section(

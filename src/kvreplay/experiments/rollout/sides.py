@@ -1,18 +1,22 @@
-"""The rollout CSV read back as sequences (one per item, seed and turn) and their sides,
-and the pairs and chains the mismatch is measured on (:mod:`kvreplay.measure.mismatch`).
-The section and the gate read the same sides, so a claim and a verdict cannot disagree.
-Plain data and numpy, no torch."""
+"""Rollouts as the mismatch reads them, one at a time (design: mismatch, any size): a
+sampled turn's sides (the rollout's decode, each scorer's pass, each control), the
+tokens that count (its mask: the response's own tokens, not padding or tool output),
+and where it came from (a logged rollout's step, rank and environment). The rollout
+CSV's lines are read into them here (a turn's sides are consecutive lines), as are a
+framework's logged rollouts (:mod:`kvreplay.experiments.rollout.logged`). Plain data
+and numpy, no torch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from kvreplay.experiments.rollout.table import CONTROL, PREFILL, ROLLOUT_SIDE
-from kvreplay.harness.table import Ledger
-from kvreplay.measure.mismatch import Decomposition, Pairs, decompose
+from kvreplay.experiments.rollout.table import PREFILL, ROLLOUT_TABLE
+from kvreplay.harness.table import LedgerError
+from kvreplay.ledger import Record
 
 
 @dataclass(frozen=True)
@@ -20,93 +24,91 @@ class Side:
     """One side of a sampled turn: its kind (decode, prefill, control), its
     log-probabilities, how many leading tokens are the rollout's (a control's may be
     fewer than its own), and where reported, a scorer's top-1/top-2 gaps and argmax
-    differences and a decode's cached prompt tokens."""
+    differences and a decode's cached prompt tokens; a logged side may say which
+    log-probability it holds (raw, processed) and at what temperature."""
 
     kind: str
-    logprobs: list[float]
+    logprobs: np.ndarray
     agree: int
-    margins: list[float] | None = None
+    margins: np.ndarray | None = None
     argmax_differs: list[list[int]] | None = None
     cached_tokens: int | None = None
+    mode: str | None = None
+    temperature: float | None = None
 
 
-@dataclass
-class Sequences:
-    """One precision's sampled turns in ledger order: each turn's key, index and sides."""
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled turn: its key, its group (the stack's precision, or ``logged``), the
+    temperature it was sampled at (None: not known), its sides by name, the tokens that
+    count (None: every one), where it came from (``step``, ``rank``, ``environment``,
+    where logged) and, logged, its prompt and response ids (for a rescorer)."""
 
-    keys: list[str] = field(default_factory=list)
-    turns: list[int] = field(default_factory=list)
-    sides: list[dict[str, Side]] = field(default_factory=list)
+    key: str
+    group: str
+    temperature: float | None
+    sides: dict[str, Side]
+    mask: np.ndarray | None = None
+    where: dict[str, Any] = field(default_factory=dict)
+    ids: tuple[np.ndarray, np.ndarray] | None = None
 
-    def scorers(self) -> list[str]:
-        """The scorers' labels, the engine's own prefill first where it was scored."""
-        found = dict.fromkeys(
-            name for sides in self.sides for name, side in sides.items() if side.kind == PREFILL
-        )
-        return sorted(found, key=lambda name: (name != "engine", list(found).index(name)))
+    def kept(self, names: Sequence[str]) -> np.ndarray:
+        """The indices of the tokens compared across these sides: those every side
+        shares with the rollout (a control's agree), that the mask keeps."""
+        end = min(self.sides[n].agree for n in names)
+        if self.mask is None:
+            return np.arange(end)
+        return np.flatnonzero(self.mask[:end])
 
-    def with_side(self, name: str) -> Iterator[dict[str, Side]]:
-        return (sides for sides in self.sides if name in sides)
+    @property
+    def step(self) -> int | None:
+        step = self.where.get("step")
+        return None if step is None else int(step)
 
-    def pairs(self, scorer: str, against: str = ROLLOUT_SIDE) -> Pairs:
-        """The scorer's log-probabilities against another side's (the rollout's), over
-        every turn that has both, up to where the two sides' tokens agree."""
-        both = [s for s in self.sides if scorer in s and against in s]
-        ends = [min(s[scorer].agree, s[against].agree) for s in both]
-        return Pairs.of(
-            [s[against].logprobs[:n] for s, n in zip(both, ends, strict=True)],
-            [s[scorer].logprobs[:n] for s, n in zip(both, ends, strict=True)],
-            [_cut(s[scorer].margins, n) for s, n in zip(both, ends, strict=True)],
-        )
-
-    def chain(self, names: Sequence[str]) -> Decomposition | None:
-        """The decomposition along ``names`` (from the rollout's decode to a trainer)
-        over every turn that has each side, up to where all their tokens agree; None
-        when no turn has them all."""
-        both = [s for s in self.sides if all(n in s for n in names)]
-        if not both:
-            return None
-        ends = [min(s[n].agree for n in names) for s in both]
-        return decompose(
-            [(n, [s[n].logprobs[:end] for s, end in zip(both, ends, strict=True)]) for n in names]
-        )
+    @property
+    def environment(self) -> str | None:
+        environment = self.where.get("environment")
+        return None if environment is None else str(environment)
 
 
-def _cut(values: list[float] | None, end: int) -> list[float] | None:
-    return None if values is None else values[:end]
+def scorers_of(sides: Mapping[str, Side]) -> list[str]:
+    """The scorers among a turn's sides, in order."""
+    return [name for name, side in sides.items() if side.kind == PREFILL]
 
 
-def read_sides(ledger: Ledger) -> dict[str, Sequences]:
-    """Each precision's sequences, in ledger order."""
-    found: dict[str, Sequences] = {}
-    index: dict[tuple[str, str], int] = {}
-    for i in range(len(ledger)):
-        precision, key = str(ledger["precision"][i]), str(ledger["sequence"][i])
-        sequences = found.setdefault(precision, Sequences())
-        if (precision, key) not in index:
-            index[precision, key] = len(sequences.keys)
-            sequences.keys.append(key)
-            sequences.turns.append(int(ledger["turn"][i]))
-            sequences.sides.append({})
-        cached, margins = ledger["cached_tokens"][i], ledger["margins"][i]
-        sequences.sides[index[precision, key]][str(ledger["side"][i])] = Side(
-            str(ledger["kind"][i]),
-            list(ledger["logprobs"][i]),
-            int(ledger["agree_tokens"][i]),
-            None if margins is None else list(margins),
-            ledger["argmax_differs"][i],
+def rollouts(file: str, lines: Iterable[Mapping[str, Any]]) -> Iterator[Rollout]:
+    """The typed lines of ``rollout_logprobs.csv`` (:meth:`~kvreplay.harness.table.Ledger.lines`)
+    as rollouts, one at a time; a turn's sides must be consecutive lines."""
+    done: set[tuple[str, str]] = set()
+    current: tuple[str, str] | None = None
+    sides: dict[str, Side] = {}
+    temperature = None
+    for line in lines:
+        key = (str(line["precision"]), str(line["sequence"]))
+        if key != current:
+            if current is not None:
+                yield Rollout(current[1], current[0], temperature, sides)
+            if key in done:
+                raise LedgerError(
+                    file, "a turn's lines are not together", str(line["row_id"]), "sequence"
+                )
+            done.add(key)
+            current, sides, temperature = key, {}, float(line["temperature"])
+        cached, margins = line["cached_tokens"], line["margins"]
+        sides[str(line["side"])] = Side(
+            str(line["kind"]),
+            np.asarray(line["logprobs"], dtype=np.float64),
+            int(line["agree_tokens"]),
+            None if margins is None else np.asarray(margins, dtype=np.float64),
+            line["argmax_differs"],
             None if np.isnan(cached) else int(cached),
         )
-    return found
+    if current is not None:
+        yield Rollout(current[1], current[0], temperature, sides)
 
 
-def controls(sequences: Sequences) -> list[str]:
-    """The controls these sequences hold, in the order first seen."""
-    return list(
-        dict.fromkeys(
-            name
-            for sides in sequences.sides
-            for name, side in sides.items()
-            if side.kind == CONTROL
-        )
-    )
+def recorded(records: list[Record], config: Mapping[str, Any]) -> Iterator[Rollout]:
+    """A run's completed rollout rows as rollouts, through the lines of their CSV (the
+    rows read a line at a time, as ``analyze`` reads the CSV)."""
+    ledger = ROLLOUT_TABLE.ledger(records, config)
+    return rollouts(ledger.file, ledger.lines())

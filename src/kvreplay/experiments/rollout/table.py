@@ -7,23 +7,21 @@ it reported), every scorer's teacher-forced pass over it and the controls (see
 side): the ``rollout`` decode, each scorer (``engine``: the stack's own prefill, then
 the others by label) and each control, with the side's log-probabilities as a JSON
 list. Every metric and term of the analysis is computed from these lines
-(:mod:`kvreplay.measure.mismatch`); a control's lines say how many of its leading tokens
+(:mod:`kvreplay.experiments.rollout.metrics`); a control's lines say how many of its leading tokens
 are the rollout's (``agree_tokens``), the only ones compared. Plain data, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from kvreplay.core.canonical import sha256_tokens
 from kvreplay.core.rollout import Scored, Turn, common_length
 from kvreplay.experiments.rollout.roll import BATCHED, MISS
 from kvreplay.harness.columns import Column
-from kvreplay.harness.table import Ledger, Table, check_same
+from kvreplay.harness.table import Table
 from kvreplay.ledger import Record
 
 ROLLOUT = "rollout"
@@ -172,17 +170,20 @@ COLUMNS: tuple[Column[SideLine], ...] = (
 )
 
 
-def _check_sides(ledger: Ledger) -> None:
-    """Gate: a side is a decode, a prefill or a control; a decode or prefill line covers
-    every token of its turn, a control at most its own; each list holds a value per
-    token."""
-    kinds = ledger["kind"]
-    ledger.require(np.isin(kinds, (DECODE, PREFILL, CONTROL)), "kind", "it must be a kind")
-    counts, agree = ledger["token_count"], ledger["agree_tokens"]
-    whole = (kinds == CONTROL) | (agree == counts)
-    ledger.require(whole & (agree <= counts) & (agree >= 0), "agree_tokens", "it is out of range")
-    sizes = np.array([len(v) for v in ledger["logprobs"]])
-    ledger.require(sizes == counts, "logprobs", "it must hold one value per token")
+def check_line(line: Mapping[str, Any], first: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Gate on a line: one temperature throughout; a side is a decode, a prefill or a
+    control; a decode or prefill line covers every token of its turn, a control at most
+    its own; the list holds a value per token."""
+    if line["temperature"] != first["temperature"]:
+        return "temperature", "it must be the same on every row"
+    if line["kind"] not in (DECODE, PREFILL, CONTROL):
+        return "kind", "it must be a kind"
+    count, agree = line["token_count"], line["agree_tokens"]
+    if not (0 <= agree <= count and (line["kind"] == CONTROL or agree == count)):
+        return "agree_tokens", "it is out of range"
+    if len(line["logprobs"]) != count:
+        return "logprobs", "it must hold one value per token"
+    return None
 
 
 ROLLOUT_TABLE = Table(
@@ -191,5 +192,6 @@ ROLLOUT_TABLE = Table(
     ROLLOUT,
     side_lines,
     ("precision", "row_id", "seed", "turn", "side"),
-    (check_same("temperature"), _check_sides),
+    held=False,  # a line holds a whole response: read a line at a time, never held
+    line_checks=(check_line,),
 )

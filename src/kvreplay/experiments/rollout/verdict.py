@@ -6,7 +6,7 @@ The *bits* level asks whether every token's two log-probabilities are the same f
 (what a bitwise-aligned pair of stacks promises: its KL is exactly 0); the *numbers*
 level asks whether the mismatch stays within what the expectation allows: the k3 KL
 estimator at most ``max_k3_kl`` and no token's |delta log p| above ``max_abs_logp``
-(:mod:`kvreplay.measure.mismatch` defines both). A verdict names the level it holds at,
+(:mod:`kvreplay.experiments.rollout.metrics` defines both). A verdict names the level it holds at,
 reports the other, and states its power: at the bits level the exact 95% upper bound on
 the rate of sequences whose log-probabilities part (0 of n rules out no more than
 that), at the numbers level the 95% upper bound of the k3 KL over resampled sequences
@@ -21,15 +21,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import option
 from kvreplay.core.power import rate_upper_bound
-from kvreplay.experiments.rollout.section import precision_claims
-from kvreplay.experiments.rollout.sides import Sequences
-from kvreplay.experiments.rollout.table import ROLLOUT_SIDE
-from kvreplay.measure.mismatch import DEFAULT_CAP, Pairs, metrics, term_interval
+from kvreplay.experiments.rollout.metrics import SequenceOutcome
+from kvreplay.experiments.rollout.tally import Measured
 
 SCHEMA = "kvreplay-mismatch-v1"
 DEFAULT_MAX_K3_KL = 1e-3
@@ -63,20 +59,30 @@ class MismatchBounds:
             maximum=MAX_GATE,
         ),
     )
+    fail_on_growth: bool = field(
+        default=False,
+        metadata=option(
+            "--fail-on-growth",
+            "A mismatch gate on rollouts logged with steps: fail when the trainer's k3 KL "
+            "grows step over step (the trend's alarm).",
+        ),
+    )
 
     @property
     def given(self) -> bool:
-        return self.max_k3_kl is not None or self.max_abs_logp is not None
+        return self.max_k3_kl is not None or self.max_abs_logp is not None or self.fail_on_growth
 
 
 @dataclass(frozen=True)
 class MismatchExpectation:
     """What the pair should do: ``bitwise`` (the bits level), or stay within
-    ``max_k3_kl`` and ``max_abs_logp`` (the numbers level; None: not asked)."""
+    ``max_k3_kl`` and ``max_abs_logp`` (the numbers level; None: not asked); and with
+    ``growth``, not grow step over step (the trend's alarm)."""
 
     bitwise: bool = False
     max_k3_kl: float | None = DEFAULT_MAX_K3_KL
     max_abs_logp: float | None = None
+    growth: bool = False
 
     def __post_init__(self) -> None:
         """A bound is a finite number of at least 0 (a NaN bound would pass nothing and
@@ -94,21 +100,23 @@ class MismatchExpectation:
         return "bits" if self.bitwise else "numbers"
 
     def describe(self) -> str:
-        if self.bitwise:
-            return "every token's log-probability the same float"
         bounds = []
+        if self.bitwise:
+            bounds.append("every token's log-probability the same float")
         if self.max_k3_kl is not None:
             bounds.append(f"k3 KL at most {self.max_k3_kl:g}")
         if self.max_abs_logp is not None:
             bounds.append(f"every |delta log p| at most {self.max_abs_logp:g}")
+        if self.growth:
+            bounds.append("no growth of the k3 KL step over step")
         return " and ".join(bounds)
 
 
 def parse_expectation(expect: str | None, bounds: MismatchBounds) -> MismatchExpectation:
     """The expectation of a mismatch check: ``--expect bitwise``, or bounds (the k3 KL at
-    most :data:`DEFAULT_MAX_K3_KL` when none is given); bad values and combinations
-    refused in one sentence."""
-    max_k3_kl, max_abs_logp = bounds.max_k3_kl, bounds.max_abs_logp
+    most :data:`DEFAULT_MAX_K3_KL` when none is given), either with ``--fail-on-growth``;
+    bad values and combinations refused in one sentence."""
+    max_k3_kl, max_abs_logp, growth = bounds.max_k3_kl, bounds.max_abs_logp, bounds.fail_on_growth
     if expect not in (None, "bitwise"):
         raise KvreplayError(
             f"--expect {expect} judges live vs prefill continuations; a --trainer check takes "
@@ -123,27 +131,10 @@ def parse_expectation(expect: str | None, bounds: MismatchBounds) -> MismatchExp
                 "--expect bitwise asks for equal floats; --max-k3-kl and --max-abs-logp bound "
                 "a mismatch instead: give one or the other."
             )
-        return MismatchExpectation(bitwise=True, max_k3_kl=None)
+        return MismatchExpectation(bitwise=True, max_k3_kl=None, growth=growth)
     if max_k3_kl is None and max_abs_logp is None:
-        return MismatchExpectation()
-    return MismatchExpectation(False, max_k3_kl, max_abs_logp)
-
-
-@dataclass(frozen=True)
-class SequenceOutcome:
-    """One sampled turn, judged: its tokens, the first whose two log-probabilities
-    differ (None: every one is the same float), its k3 KL and largest |delta log p|."""
-
-    key: str
-    precision: str
-    tokens: int
-    first_differs: int | None
-    kl_k3: float
-    abs_logp_max: float
-
-    @property
-    def bits_equal(self) -> bool:
-        return self.first_differs is None
+        return MismatchExpectation(growth=growth)
+    return MismatchExpectation(False, max_k3_kl, max_abs_logp, growth)
 
 
 @dataclass
@@ -160,6 +151,20 @@ class MismatchVerdict:
     abs_logp_max: float
     claims: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def alarms(self) -> list[str]:
+        """The groups whose trainer's k3 KL grows step over step (the trend's alarm)."""
+        return [
+            group
+            for group, c in self.claims.items()
+            if c.get("steps", {}).get(self.trainer, {}).get("trend", {}).get("alarm")
+        ]
+
+    @property
+    def grows(self) -> bool:
+        """Whether a growth that the expectation forbids was found."""
+        return self.expectation.growth and bool(self.alarms)
 
     @property
     def tokens(self) -> int:
@@ -187,7 +192,8 @@ class MismatchVerdict:
 
     @property
     def holds(self) -> bool:
-        return self.bits_hold if self.expectation.bitwise else self.numbers_hold
+        level = self.bits_hold if self.expectation.bitwise else self.numbers_hold
+        return level and not self.grows
 
     @property
     def exit_code(self) -> int:
@@ -221,6 +227,7 @@ class MismatchVerdict:
                 if e.max_abs_logp is not None
                 else None,
             },
+            "trend": {"asked": e.growth, "holds": not self.grows, "alarms": self.alarms},
         }  # fmt: skip
 
     def passes(self, outcome: SequenceOutcome) -> bool:
@@ -233,56 +240,21 @@ class MismatchVerdict:
 
 
 def judge(
-    by_precision: dict[str, Sequences],
+    measured: Measured,
     trainer: str,
     expectation: MismatchExpectation,
     rollout: str,
-    temperature: float,
     environment: dict[str, Any] | None = None,
 ) -> MismatchVerdict:
-    """The verdict of every precision's sequences: the rollout's log-probabilities
-    against the trainer's (a scorer's label), pooled over precisions. A mismatch past
-    float range (a ratio exp(delta) of a delta in the hundreds) is an infinite metric,
-    said as such, not a warning on the terminal."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _judge(by_precision, trainer, expectation, rollout, temperature, environment)
-
-
-def _judge(
-    by_precision: dict[str, Sequences],
-    trainer: str,
-    expectation: MismatchExpectation,
-    rollout: str,
-    temperature: float,
-    environment: dict[str, Any] | None,
-) -> MismatchVerdict:
-    outcomes: list[SequenceOutcome] = []
-    rollout_sides: list[list[float]] = []
-    trainer_sides: list[list[float]] = []
-    for precision, sequences in by_precision.items():
-        for key, sides in zip(sequences.keys, sequences.sides, strict=True):
-            if trainer not in sides:
-                continue
-            r, t = sides[ROLLOUT_SIDE].logprobs, sides[trainer].logprobs
-            delta = np.asarray(t) - np.asarray(r)
-            parted = np.flatnonzero(delta != 0)
-            outcomes.append(
-                SequenceOutcome(
-                    key, precision, len(r), int(parted[0]) if parted.size else None,
-                    float(np.mean(np.expm1(delta) - delta)), float(np.max(np.abs(delta))),
-                )
-            )  # fmt: skip
-            rollout_sides.append(r)
-            trainer_sides.append(t)
-    if not outcomes:
-        return MismatchVerdict(expectation, rollout, trainer, [], math.nan, None, math.nan)
-    pairs = Pairs.of(rollout_sides, trainer_sides)
-    pooled = metrics(pairs, DEFAULT_CAP)
-    k3 = np.expm1(pairs.delta) - pairs.delta
-    interval = term_interval(k3, pairs.sequence, 0)
-    claims = {p: precision_claims(s, temperature, p) for p, s in by_precision.items()}
+    """The verdict of measured rollouts (:func:`~kvreplay.experiments.rollout.tally.measure`
+    with this ``trainer``): the rollout's log-probabilities against the trainer's (a
+    scorer's label), pooled over the groups; the section's claims beside it."""
+    pooled = measured.pooled
+    assert pooled is not None, "measure the rollouts with the trainer to judge them"
+    claims = measured.claims()
+    interval = pooled.k3_interval()
     return MismatchVerdict(
-        expectation, rollout, trainer, outcomes, float(pooled["kl_k3"] or 0.0),
-        None if interval is None else interval.high, float(pooled["abs_logp_max"] or 0.0),
-        claims, environment or {},
+        expectation, rollout, trainer, pooled.outcomes, pooled.kl_k3,
+        None if interval is None else interval.high,
+        pooled.largest if pooled.outcomes else math.nan, claims, environment or {},
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """A mismatch verdict's renderings (design: judgment apart from rendering): the sentence,
 the JSON of ``--json``, the JUnit XML of ``--junit`` and the screen, each read from the
-:class:`~kvreplay.verify.mismatch.MismatchVerdict` value and judging nothing again."""
+:class:`~kvreplay.experiments.rollout.verdict.MismatchVerdict` value and judging nothing again."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from dataclasses import asdict
 from typing import Any
 from xml.etree import ElementTree
 
+from kvreplay.core.junit import xml_document
 from kvreplay.core.power import percent, rate_upper_bound
-from kvreplay.experiments.rollout.section import dominance
-from kvreplay.verify.mismatch import SCHEMA, MismatchVerdict, SequenceOutcome
-from kvreplay.verify.render import xml_document
+from kvreplay.experiments.rollout.metrics import SequenceOutcome
+from kvreplay.experiments.rollout.section import count, dominance, number, trend_sentence
+from kvreplay.experiments.rollout.verdict import SCHEMA, MismatchVerdict
 
 
 def mismatch_sentence(v: MismatchVerdict) -> str:
@@ -43,10 +44,15 @@ def mismatch_sentence(v: MismatchVerdict) -> str:
         bits = f"every token's log-probability is the same float on {n} of {n} sequence(s)"
     bound = percent(rate_upper_bound(len(v.parted), n))
     power = f", so the rate of sequences that part may still be up to {bound} (95% upper bound)"
+    growth = ""
+    if v.alarms:
+        growth = f"; the k3 KL grows step over step ({', '.join(v.alarms)})"
+    elif v.expectation.growth:
+        growth = "; no growth step over step"
     if v.expectation.bitwise:
-        return head + f"{pair}: {bits}" + (power if not v.parted else "") + f"; {numbers}."
+        return head + f"{pair}: {bits}" + (power if not v.parted else "") + f"; {numbers}{growth}."
     not_bitwise = "NOT bitwise: " if v.parted else "bitwise too: "
-    return head + f"{pair} over {v.tokens} tokens: {numbers}; {not_bitwise}{bits}."
+    return head + f"{pair} over {v.tokens} tokens: {numbers}; {not_bitwise}{bits}{growth}."
 
 
 def mismatch_json(v: MismatchVerdict) -> dict[str, Any]:
@@ -127,6 +133,15 @@ def mismatch_screen(v: MismatchVerdict) -> str:
         f"{numbers['kl_k3']:.3g}, largest |delta log p| {numbers['abs_logp_max']:.3g})"
     )
     for precision, c in v.claims.items():
+        scored = c["scorers"].get(v.trainer)
+        if scored is not None:
+            m = scored["metrics"]
+            lines.append(
+                f"  {precision}: sequence ratio {number(m['seq_ratio_min'])} to "
+                f"{number(m['seq_ratio_max'])}; verl's default truncates "
+                f"{count(m['seq_truncated_verl'])} and TRL's masks {count(m['seq_masked_trl'])} "
+                f"of {count(m['sequences'])} sequences"
+            )
         d = c["decomposition"].get(v.trainer)
         if d is not None:
             terms = d["terms"]
@@ -134,6 +149,9 @@ def mismatch_screen(v: MismatchVerdict) -> str:
                 f"  {precision}: mean |delta| engine {terms['engine']['abs_mean']:.3g}, "
                 f"cross {terms['cross']['abs_mean']:.3g} ({dominance(d['dominant'])})"
             )
+        steps = c.get("steps", {}).get(v.trainer)
+        if steps is not None:
+            lines.append(f"  {precision} by step: {trend_sentence(steps['trend'])}")
     for outcome in [s for s in v.sequences if not v.passes(s)][:10]:
         lines.append(f"  {outcome.key} ({outcome.precision}): {_why(outcome)}")
     return "\n".join(lines)

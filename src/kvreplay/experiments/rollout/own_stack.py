@@ -9,8 +9,9 @@ teacher-forced pass. Optionally ``engine_score`` is the sampler's own prefill, w
 splits the total into the engine's term and the cross-stack term. The rollouts run
 through the experiment's own per-rollout routine
 (:func:`kvreplay.experiments.rollout.roll.roll`) into the same rows, the same CSV
-lines, the same section claims and the same :class:`~kvreplay.verify.mismatch.MismatchVerdict`
-as ``kvreplay run rollout`` and ``kvreplay check --trainer``. Nothing is written to disk.
+lines, the same section claims and the same
+:class:`~kvreplay.experiments.rollout.verdict.MismatchVerdict` as ``kvreplay run
+rollout`` and ``kvreplay check --trainer``. Nothing is written to disk.
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ from kvreplay.core.rollout import (
     Sampling,
     Scored,
     Turn,
+    converse,
     ids_problem,
     listed,
     logprobs_problem,
 )
 from kvreplay.experiments.rollout.roll import BATCHED, MISS, Bench, roll
 from kvreplay.experiments.rollout.schema import MAX_SAMPLES
-from kvreplay.experiments.rollout.sides import Sequences, read_sides
-from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_SIDE, ROLLOUT_TABLE
+from kvreplay.experiments.rollout.sides import recorded
+from kvreplay.experiments.rollout.table import ROLLOUT, ROLLOUT_SIDE
+from kvreplay.experiments.rollout.tally import measure
+from kvreplay.experiments.rollout.verdict import MismatchExpectation, MismatchVerdict, judge
 from kvreplay.ledger import Record
-from kvreplay.verify.mismatch import MismatchExpectation, MismatchVerdict, judge
 
 SampleFn = Callable[[list[int], Sampling], tuple[Sequence[int], Sequence[float]]]
 ScoreFn = Callable[[list[int], list[int]], Sequence[float]]
@@ -57,16 +60,14 @@ class CallableStack:
         """A callable's cache is its own."""
 
     def sample(self, conversations: Sequence[Conversation], reuse: bool) -> list[list[Turn]]:
-        found = []
-        for conversation in conversations:
-            context, turns = list(conversation.prompt_ids), []
-            for index in range(conversation.turns):
-                if index:
-                    context += [*turns[-1].token_ids, *conversation.followups[index - 1]]
-                returned = self.sample_fn(list(context), conversation.sampling)
-                turns.append(sampled(returned, conversation.sampling.max_tokens))
-            found.append(turns)
-        return found
+        def one(conversation: Conversation) -> list[Turn]:
+            def turn(context: list[int]) -> Turn:
+                returned = self.sample_fn(context, conversation.sampling)
+                return sampled(returned, conversation.sampling.max_tokens)
+
+            return converse(conversation, turn)
+
+        return [one(conversation) for conversation in conversations]
 
 
 @dataclass
@@ -108,11 +109,10 @@ def sampled(returned: Any, max_tokens: int) -> Turn:
 
 @dataclass
 class OwnStackResult:
-    """What the audit of your own stack found: the rows (as a run records them), each
-    precision's sequences, the section's claims, and the verdict."""
+    """What the audit of your own stack found: the rows (as a run records them), the
+    verdict, and the section's claims."""
 
     rows: list[dict[str, Any]]
-    sequences: dict[str, Sequences]
     verdict: MismatchVerdict
     claims: dict[str, Any] = field(default_factory=dict)
 
@@ -140,9 +140,10 @@ def audit_own_stack(
         scorers.insert(0, (OWN_PREFILL, CallableScorer(engine_score, "engine_score()")))
     bench = Bench(CallableStack(sample), scorers)
     rows = []
-    for index, prompt in enumerate(prompts):
+    for index, prompt in enumerate(listed(prompts)):
+        ids = [int(t) for t in listed(prompt)]
         rollouts = [
-            roll(bench, Conversation(tuple(prompt), (), sampling.seeded(seed)))
+            roll(bench, Conversation(tuple(ids), (), sampling.seeded(seed)))
             for seed in range(sampling.seed, sampling.seed + samples)
         ]
         rows.append(
@@ -151,15 +152,17 @@ def audit_own_stack(
                 "precision": OWN,
                 "status": "ok",
                 "temperature": sampling.temperature,
-                "prompt_token_ids": list(prompt),
+                "prompt_token_ids": ids,
                 "rollouts": rollouts,
             }
         )
-    sequences = sides_of(rows)
-    verdict = judge(
-        sequences, trainer, expectation or MismatchExpectation(), "sample()", sampling.temperature
-    )
-    return OwnStackResult(rows, sequences, verdict, verdict.claims)
+    records = [
+        Record(i, f"{ROLLOUT}/{row['item_id']}/{OWN}", ROLLOUT, row, OWN, {}, "", "", "")
+        for i, row in enumerate(rows)
+    ]  # kept in memory, so unchained
+    measured = measure(recorded(records, {}), trainer)
+    verdict = judge(measured, trainer, expectation or MismatchExpectation(), "sample()")
+    return OwnStackResult(rows, verdict, verdict.claims)
 
 
 def check_request(
@@ -197,15 +200,3 @@ def check_request(
         )
     if isinstance(samples, bool) or not isinstance(samples, int) or not 0 < samples <= MAX_SAMPLES:
         raise KvreplayError(f"samples must be an integer from 1 to {MAX_SAMPLES}; got {samples!r}.")
-
-
-def sides_of(rows: Sequence[dict[str, Any]]) -> dict[str, Sequences]:
-    """Rollout rows read as a run's CSV reads them: through the table's lines (rows kept
-    in memory, so unchained)."""
-    records = [
-        Record(
-            i, f"{ROLLOUT}/{row['item_id']}/{row['precision']}", ROLLOUT, row, OWN, {}, "", "", ""
-        )
-        for i, row in enumerate(rows)
-    ]
-    return read_sides(ROLLOUT_TABLE.ledger(records, {}))
