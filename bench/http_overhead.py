@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     args = parser.parse_args()
 
-    from kvreplay.backends import server
+    from kvreplay.backends.http import server
     from kvreplay.cli import main as cli
 
     calls: list[tuple[str, float]] = []

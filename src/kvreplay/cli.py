@@ -119,7 +119,12 @@ class WithBackends(click.Command):
     """A command that also takes options made from the registered backends' classes,
     last. They are made when the command is first parsed or shown: making them imports
     every backend's class and reads every installed distribution's entry points, which
-    every other command, ``kvreplay analyze`` among them, must not pay."""
+    every other command, ``kvreplay analyze`` among them, must not pay.
+
+    Where the command takes ``--backend``, its help is scoped (design: options declared
+    once): the shared options, then the chosen backend's own settings (``--backend NAME
+    --help``), or, with none chosen, which settings each backend takes. A setting of
+    another backend is still parsed, to be refused in one sentence."""
 
     def __init__(
         self, *args: Any, backends: Callable[[], tuple[click.Option, ...]], **kwargs: Any
@@ -132,6 +137,52 @@ class WithBackends(click.Command):
             self.params += self.backends()
             self.backends = None
         return super().get_params(ctx)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[CHOSEN] = chosen_backend(args)
+        return super().parse_args(ctx, args)
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        params = self.get_params(ctx)
+        if not any(p.name == "backend" for p in params):
+            return super().format_options(ctx, formatter)
+        from kvreplay.backends import setting_options
+
+        takers = {key: s.backends for key, s in setting_options().items()}
+        chosen = ctx.meta.get(CHOSEN)
+        shared = [r for p in params if p.name not in takers and (r := p.get_help_record(ctx))]
+        own = [
+            r
+            for p in params
+            if chosen in takers.get(p.name or "", ()) and (r := p.get_help_record(ctx))
+        ]
+        with formatter.section("Options"):
+            formatter.write_dl(shared)
+        if own:
+            with formatter.section(f"Settings of the {chosen} backend"):
+                formatter.write_dl(own)
+            return
+        flags = {p.name: p.opts[0] for p in params if p.name in takers}
+        by_backend: dict[str, list[str]] = {}
+        for key, names in takers.items():
+            for name in names:
+                by_backend.setdefault(name, []).append(flags[key])
+        with formatter.section(f"Backend settings ({ctx.command_path} --backend NAME --help)"):
+            formatter.write_dl([(name, ", ".join(f)) for name, f in by_backend.items()])
+
+
+CHOSEN = "kvreplay.backend"  # the context's note of the backend a command line names
+
+
+def chosen_backend(args: list[str]) -> str | None:
+    """The backend a command line names (``--backend NAME`` or ``--backend=NAME``), read
+    before parsing so that ``--help`` can show its settings."""
+    for index, word in enumerate(args):
+        if word == "--backend" and index + 1 < len(args):
+            return args[index + 1]
+        if word.startswith("--backend="):
+            return word.partition("=")[2]
+    return None
 
 
 @functools.cache  # every run command and check takes the same options

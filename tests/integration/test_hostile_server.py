@@ -21,7 +21,7 @@ from click.testing import Result
 from helpers import assert_one_sentence, check, invoke, run_args
 from loopback import Loopback, Reply, Sent, TinyVllm
 
-from kvreplay.backends.server import MAX_ANSWER
+from kvreplay.backends.http.server import MAX_ANSWER
 
 SECRET = "sk-kvreplay-test-0123456789"
 KEY_ENV = "KVREPLAY_TEST_KEY"

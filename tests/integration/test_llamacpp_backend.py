@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvreplay.backends.llamacpp import LlamaCppBackend
-from kvreplay.backends.llamacpp_runtime import LlamaState, Runtime
+from kvreplay.backends.llamacpp.runtime import LlamaState, Runtime
 from kvreplay.model.identity import file_digests
 from kvreplay.model.sources import gguf_file
 from kvreplay.model.state import bit_equal

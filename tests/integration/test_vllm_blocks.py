@@ -19,7 +19,7 @@ from tiny import save_tiny
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from kvreplay.backends.vllm_blocks import LAYOUTS  # noqa: E402
+from kvreplay.backends.vllm.blocks import LAYOUTS  # noqa: E402
 from kvreplay.contract.config import RunConfig  # noqa: E402
 from kvreplay.core.errors import KvreplayError  # noqa: E402
 from kvreplay.engines.worker import Worker  # noqa: E402

@@ -53,7 +53,7 @@ def test_the_llamacpp_build_script_turns_amx_off_whatever_the_cpu() -> None:
 
 def test_the_built_llamacpp_enables_no_amx_kernel() -> None:
     """llama.cpp's own system info for the build this environment loads."""
-    from kvreplay.backends.llamacpp_binding import check_kernels, system_info
+    from kvreplay.backends.llamacpp.binding import check_kernels, system_info
 
     try:
         info = system_info()

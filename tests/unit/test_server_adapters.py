@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvreplay.backends import backend_class
 from kvreplay.backends.http import ADAPTERS, adapter_class
-from kvreplay.backends.server import Probe
+from kvreplay.backends.http.server import Probe
 
 PROTOCOL = ("recognises", "probe", "reset", "round_trip", "tokenize", "complete")
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvreplay.backends.server import metric_sums, prometheus
+from kvreplay.backends.http.server import metric_sums, prometheus
 from kvreplay.backends.traffic import MAX_EVICTION_REQUESTS, Traffic, evict
 from kvreplay.harness.rows import ServedReport
 from kvreplay.harness.served import ServedArm

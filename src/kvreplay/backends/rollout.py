@@ -9,7 +9,8 @@ of the given token (:meth:`~kvreplay.backends.base.Backend.scorer`), in one pref
 trainer's schedule) or, where it can, in the live schedule (``replay``: the prompt in
 one chunk, then one token at a time; bit-exact with the stack's own decode, the pair
 that must pass at the bit level). Each backend keeps its side in its own module
-(``hf_rollout``, ``vllm_rollout``, ``llamacpp_rollout``, ``http_rollout``); this module
+(``hf/rollout.py``, ``vllm/rollout.py``, ``llamacpp/rollout.py``,
+``http/rollout.py``); this module
 is the protocol and the spec grammar of ``--scorers``. No torch.
 """
 

@@ -1,12 +1,12 @@
 """The llama.cpp faults (design: fault), each a hook on llama.cpp's C API as the
 llamacpp backend reaches it: llama-cpp-python's ctypes module, whose functions the
-backend looks up at every call (:mod:`kvreplay.backends.llamacpp_binding`). A hook wraps
+backend looks up at every call (:mod:`kvreplay.backends.llamacpp.binding`). A hook wraps
 one C function: restoring a saved state, decoding a batch, reading a batch's logits.
 
 A saved state is the bytes llama.cpp writes (``llama_kv_cache::state_write``): a whole
 context's state starts with the model's architecture name, a sequence's with a magic word
 and its id; both then hold each layer's K and V rows, which
-:func:`kvreplay.backends.llamacpp_runtime.parse_state` finds.
+:func:`kvreplay.backends.llamacpp.runtime.parse_state` finds.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy
 
-from kvreplay.backends.llamacpp_binding import binding
-from kvreplay.backends.llamacpp_runtime import Q8_0, STATE_MAGIC, parse_state
+from kvreplay.backends.llamacpp.binding import binding
+from kvreplay.backends.llamacpp.runtime import Q8_0, STATE_MAGIC, parse_state
 from kvreplay.faults.patches import Patch
 
 

@@ -10,7 +10,7 @@ test's own process for an in-process engine (:func:`kvreplay.faults.planted`).
 The K/V blocks are the engine's own tensors (``static_forward_context[layer].kv_cache``,
 as vLLM's ``_zero_block_ids`` reaches them): ``[blocks, kv_heads, block_size, 2 *
 head_dim]`` on CPU, each block holding K channel-major then V token-major per head (the
-'vec' kernel's layout, :mod:`kvreplay.backends.vllm_blocks`); only the slot fault needs
+'vec' kernel's layout, :mod:`kvreplay.backends.vllm.blocks`); only the slot fault needs
 that layout, the others move whole blocks or single elements.
 """
 

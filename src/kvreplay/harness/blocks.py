@@ -31,7 +31,7 @@ from kvreplay.harness.requests import computed_tokens, generate_prefix, serve_st
 from kvreplay.harness.rows import ServedReport
 
 if TYPE_CHECKING:
-    from kvreplay.backends.vllm_blocks import BlockEngine, BlockState
+    from kvreplay.backends.vllm.blocks import BlockEngine, BlockState
     from kvreplay.model.state import BoundaryState
 
 # The in-process constructions and decode loop are imported where they run (torch): the

@@ -221,7 +221,7 @@ LABELS = {
     "answer_equal": Value(bool),
     "first_suffix_divergence_index": Value((int, type(None))),
 }
-# What states in an engine's blocks cover (backends/vllm_blocks.py: coverage).
+# What states in an engine's blocks cover (backends/vllm/blocks.py: coverage).
 BLOCK_KV = ("block_size", "cached_tokens", "tail_tokens")
 # A completed panel row's own records (harness/rows.py: PanelRow.to_dict): its arms,
 # samples and gates are typed there, and the typed row's round trip names what it does

@@ -10,9 +10,9 @@ import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from kvreplay.backends.answers import MAX_COUNT, Answer, shown
+from kvreplay.backends.http.answers import MAX_COUNT, Answer, shown
+from kvreplay.backends.http.server import Client, Probe, answer_limit, metric_sums, prometheus
 from kvreplay.backends.served import TOP_LOGPROBS, Completion, Request, Sampled
-from kvreplay.backends.server import Client, Probe, answer_limit, metric_sums, prometheus
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.rollout import Sampling
 

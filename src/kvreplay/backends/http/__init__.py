@@ -11,7 +11,7 @@ server's identity and every setting it reports that can change numerics go into 
 run's contract; its address does not, so a run can be resumed or audited against the
 same server at another address (``--url``).
 
-A server adapter knows one server's endpoints (:class:`~kvreplay.backends.server.ServerAdapter`,
+A server adapter knows one server's endpoints (:class:`~.server.ServerAdapter`,
 one module each, registered in :data:`ADAPTERS`): ``vllm serve`` and llama.cpp's
 ``llama-server`` (whose miss is a request with ``cache_prompt`` off); ``--server auto``
 asks the server who it is.
@@ -27,8 +27,8 @@ from functools import cached_property
 from typing import Any
 
 from kvreplay.backends.base import SERVED, Backend, ModelRef, companions_setting, option
+from kvreplay.backends.http.server import Client, Probe, ServerAdapter, parse_address
 from kvreplay.backends.served import Reply, Request, served_stage
-from kvreplay.backends.server import Client, Probe, ServerAdapter, parse_address
 from kvreplay.backends.traffic import MAX_CLIENTS, NEW_TOKENS, REQUEST_SECONDS, Traffic, evict
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.registry import Registry, located
@@ -38,8 +38,8 @@ ADAPTERS: Registry[type[ServerAdapter]] = Registry(
     "server adapter",
     located(
         (
-            "kvreplay.backends.vllm_server:VllmServer",
-            "kvreplay.backends.llama_server:LlamaServer",
+            "kvreplay.backends.http.vllm_server:VllmServer",
+            "kvreplay.backends.http.llama_server:LlamaServer",
         )
     ),
 )
@@ -250,24 +250,24 @@ class HttpBackend(Backend):
         )
 
     def rollout_stack(self, opened: Any) -> Any:
-        from kvreplay.backends.http_rollout import HttpRollout
+        from kvreplay.backends.http.rollout import HttpRollout
 
         return HttpRollout(opened, self.rollout_logprobs(), f"http:{self.probe.server}")
 
     def rollout_logprobs(self) -> tuple[str, ...]:
-        from kvreplay.backends.http_rollout import reported
+        from kvreplay.backends.http.rollout import reported
 
         return reported(self.adapter.logprobs_mode(), self.url)
 
     def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
-        from kvreplay.backends.http_rollout import HttpPrefill
+        from kvreplay.backends.http.rollout import HttpPrefill
 
         if schedule != "prefill":
             raise KvreplayError("A server scores in one prefill only (no replay schedule).")
         return HttpPrefill(opened, f"http:{self.probe.server} prefill")
 
     def weight_updater(self, opened: Any, model_folder: str) -> Any:
-        from kvreplay.backends.http_rollout import HttpUpdater
+        from kvreplay.backends.http.rollout import HttpUpdater
 
         return HttpUpdater(opened, model_folder)
 

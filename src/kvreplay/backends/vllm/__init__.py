@@ -9,7 +9,7 @@ stop string or EOS, and :class:`~kvreplay.core.stages.StopDetector` names the re
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one ``uni``
 worker), so a kvreplay worker process or Ray actor holds its own engine and scripts need
 no ``__main__`` guard. It also makes the engine's cached blocks reachable: the K/V
-experiments read and write them as boundary states (:mod:`kvreplay.backends.vllm_blocks`),
+experiments read and write them as boundary states (:mod:`kvreplay.backends.vllm.blocks`),
 while ``matched`` and ``resample`` stay served panels of a hit and a miss.
 """
 
@@ -38,7 +38,7 @@ from kvreplay.core.extras import INSTALL
 from kvreplay.core.stages import StopDetector
 
 if TYPE_CHECKING:
-    from kvreplay.backends.vllm_blocks import VllmModel
+    from kvreplay.backends.vllm.blocks import VllmModel
 
 # The longest context an engine is started with: the KV pool is sized for it.
 MAX_MODEL_LEN = 8192
@@ -185,7 +185,7 @@ class VllmBackend(Backend):
         return load_served(model, precision, self)
 
     def rollout_stack(self, opened: Any) -> Any:
-        from kvreplay.backends.vllm_rollout import rollout_stack
+        from kvreplay.backends.vllm.rollout import rollout_stack
 
         return rollout_stack(opened)
 
@@ -193,12 +193,12 @@ class VllmBackend(Backend):
         return ("raw",)  # the engine keeps vLLM's default logprobs_mode, raw_logprobs
 
     def weight_updater(self, opened: Any, model_folder: str) -> Any:
-        from kvreplay.backends.vllm_update import VllmUpdater
+        from kvreplay.backends.vllm.update import VllmUpdater
 
         return VllmUpdater(opened, model_folder)
 
     def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
-        from kvreplay.backends.vllm_rollout import scorer
+        from kvreplay.backends.vllm.rollout import scorer
 
         return scorer(opened, schedule)
 
@@ -206,7 +206,7 @@ class VllmBackend(Backend):
         self, model: ModelRef, precision: str, device_map: str | None = None
     ) -> VllmModel:
         """An engine whose cached blocks are the K/V experiments' boundary states."""
-        from kvreplay.backends.vllm_blocks import BlockEngine, VllmModel
+        from kvreplay.backends.vllm.blocks import BlockEngine, VllmModel
 
         served = load_served(model, precision, self)
         return VllmModel(
@@ -393,7 +393,7 @@ def start_engine(
 
     settings = engine_settings(folder, precision, backend, trust_remote_code, context_length)
     if backend.block_kv:
-        from kvreplay.backends.vllm_blocks import ForcedTokens
+        from kvreplay.backends.vllm.blocks import ForcedTokens
 
         settings.update(max_logprobs=-1, logits_processors=[ForcedTokens])
     try:

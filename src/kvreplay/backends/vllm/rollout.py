@@ -12,7 +12,7 @@ The engine's own prefill is a request for the whole sequence with ``prompt_logpr
 vLLM never reads the prefix cache for such a request (its sampling parameters set
 ``skip_reading_prefix_cache``), so it is one-shot prefill of every token (the engine
 prefills up to ``max_num_batched_tokens`` in one chunk). Its ``replay`` schedule
-forces the tokens through the decode path (:class:`~kvreplay.backends.vllm_blocks.ForcedTokens`,
+forces the tokens through the decode path (:class:`~kvreplay.backends.vllm.blocks.ForcedTokens`,
 which acts after the raw log-probabilities are computed), one step per token. Imports
 vLLM.
 """
@@ -24,8 +24,8 @@ from typing import Any
 
 from vllm import SamplingParams
 
-from kvreplay.backends.vllm_blocks import FORCED
-from kvreplay.backends.vllm_server import DTYPE_NAMES
+from kvreplay.backends.http.vllm_server import DTYPE_NAMES
+from kvreplay.backends.vllm.blocks import FORCED
 from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.core.rollout import Conversation, Scored, Turn
 

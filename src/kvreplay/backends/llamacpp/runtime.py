@@ -24,7 +24,7 @@ from typing import Any
 import numpy
 import torch
 
-from kvreplay.backends.llamacpp_binding import KV_TYPES, binding
+from kvreplay.backends.llamacpp.binding import KV_TYPES, binding
 from kvreplay.core.errors import KvreplayError
 from kvreplay.model.state import BoundaryState, Component
 

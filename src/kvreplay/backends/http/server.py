@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from urllib.parse import urlsplit
 
-from kvreplay.backends.answers import Answer
-from kvreplay.backends.secrets import Secrets
+from kvreplay.backends.http.answers import Answer
+from kvreplay.backends.http.secrets import Secrets
 from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.core.jsonio import JsonError, parse_json
 

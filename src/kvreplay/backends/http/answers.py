@@ -5,7 +5,7 @@ A server's answer is input like any other: an adapter reads each field it needs 
 malformed or hostile answer ends in one sentence naming the server, the request and the
 field, never in a traceback or in a row. Strings a server says about itself are bounded
 (:data:`MAX_TEXT`) because they go into the run's contract and the probe's table, and
-none may hold the API key or another secret (:mod:`kvreplay.backends.secrets`): a server
+none may hold the API key or another secret (:mod:`kvreplay.backends.http.secrets`): a server
 that echoes one is refused in a sentence that does not repeat it.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, NoReturn
 
-from kvreplay.backends.secrets import Secrets
+from kvreplay.backends.http.secrets import Secrets
 from kvreplay.core.errors import KvreplayError
 
 MAX_TEXT = 256  # characters of a name, version or setting a server reports (recorded)

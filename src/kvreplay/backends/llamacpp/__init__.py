@@ -6,7 +6,7 @@ builds the library once from the pinned sdist). A run's precision is the KV-cach
 (``fp16`` is llama.cpp's default; ``q8_0`` needs flash attention and is compared
 dequantized); the weights stay as quantized in the file. This module is the backend's
 settings and checks; the model, its contexts and the boundary states in them are
-:mod:`kvreplay.backends.llamacpp_runtime`, imported when a run needs them, so that naming
+:mod:`kvreplay.backends.llamacpp.runtime`, imported when a run needs them, so that naming
 the backend (the registry, ``--help``) loads no torch.
 """
 
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvreplay.backends.base import Backend, Capabilities, ModelRef, option
-from kvreplay.backends.llamacpp_binding import KV_TYPES, binding, check_kernels, system_info
+from kvreplay.backends.llamacpp.binding import KV_TYPES, binding, check_kernels, system_info
 from kvreplay.core.errors import KvreplayError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from kvreplay.backends.llamacpp_runtime import LlamaModel, Runtime
+    from kvreplay.backends.llamacpp.runtime import LlamaModel, Runtime
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class LlamaCppBackend(Backend):
 
     def _runtime(self, path: Path, threads: int, kv: str, vocab_only: bool = False) -> Runtime:
         """llama.cpp's model in ``path``, making its contexts at this backend's settings."""
-        from kvreplay.backends.llamacpp_runtime import Runtime
+        from kvreplay.backends.llamacpp.runtime import Runtime
 
         return Runtime(path, self.n_ctx, self.flash_attn, threads, kv, vocab_only)
 
@@ -141,7 +141,7 @@ class LlamaCppBackend(Backend):
     ) -> LlamaModel:
         import torch
 
-        from kvreplay.backends.llamacpp_runtime import LlamaModel
+        from kvreplay.backends.llamacpp.runtime import LlamaModel
         from kvreplay.model.reading import describe_source, load_tokenizer
         from kvreplay.model.sources import gguf_file
 
@@ -153,7 +153,7 @@ class LlamaCppBackend(Backend):
         return LlamaModel(runtime, tokenizer, model.spec, precision, identity, info, window)
 
     def rollout_stack(self, opened: Any) -> Any:
-        from kvreplay.backends.llamacpp_rollout import rollout_stack
+        from kvreplay.backends.llamacpp.rollout import rollout_stack
 
         return rollout_stack(opened)
 
@@ -161,7 +161,7 @@ class LlamaCppBackend(Backend):
         return ("raw", "processed")  # kvreplay samples from the logits and computes both
 
     def scorer(self, opened: Any, schedule: str = "prefill") -> Any:
-        from kvreplay.backends.llamacpp_rollout import scorer
+        from kvreplay.backends.llamacpp.rollout import scorer
 
         return scorer(opened, schedule)
 

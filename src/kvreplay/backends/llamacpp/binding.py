@@ -1,6 +1,6 @@
 """llama.cpp as both halves of the llamacpp backend reach it (its settings and checks in
 :mod:`kvreplay.backends.llamacpp`, its model and states in
-:mod:`kvreplay.backends.llamacpp_runtime`): llama-cpp-python's ctypes module, loaded on
+:mod:`kvreplay.backends.llamacpp.runtime`): llama-cpp-python's ctypes module, loaded on
 first use, and the KV-cache types a run's precision names. No torch."""
 
 from __future__ import annotations

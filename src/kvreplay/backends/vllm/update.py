@@ -12,7 +12,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from kvreplay.backends.vllm_rollout import sampling_params, turn_of
+from kvreplay.backends.vllm.rollout import sampling_params, turn_of
 from kvreplay.core.errors import KvreplayError, first_line
 from kvreplay.core.rollout import Conversation, Turn
 from kvreplay.model.update import WeightUpdate
