@@ -112,15 +112,18 @@ lock:
 demo: setup
 	.venv/bin/kvreplay demo --out $(DEMO_OUT)
 
+# The hf suite and the vLLM suite side by side, one thread each (tests/side_by_side.sh:
+# each log printed when both are done, either failing fails the target).
 test: setup setup-llamacpp setup-vllm
-	$(PY) -m pytest -q -m "not vllm"
-	$(MAKE) test-vllm
+	bash tests/side_by_side.sh \
+	  'OMP_NUM_THREADS=1 $(PY) -m pytest -q -rfE -p no:cacheprovider -m "not vllm"' \
+	  '$(MAKE) --no-print-directory test-vllm'
 
 test-vllm: setup-vllm
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m vllm -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -rfE -m vllm -p no:cacheprovider
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not ray and not browser and not vllm"
+	$(PY) -m pytest -q -rfE -p no:cacheprovider -m "not slow and not ray and not browser and not vllm"
 
 # The core install's tests, beside the servers of the suites they share (make test runs
 # them too when KVREPLAY_CORE_VENV names the core environment, as .ci/run does).

