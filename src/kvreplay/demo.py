@@ -16,7 +16,6 @@ from kvreplay.engines.placement import MAX_WORKERS, THREADS
 from kvreplay.engines.threads import DEFAULT_THREADS
 from kvreplay.model.embedded import DEFAULT_MODEL
 from kvreplay.run.request import RunRequest
-from kvreplay.run.runner import run
 
 EXPERIMENTS = (
     ("matched", ("bf16", "fp32")),
@@ -70,6 +69,7 @@ def run_demo(
     experiments; the ledger is the same as a serial run's.
     """
     from kvreplay.report.build import build_report
+    from kvreplay.run.runner import run  # the progress bar's library: only once a run starts
 
     workers = workers or default_workers(n, threads)
     session = EngineSession()

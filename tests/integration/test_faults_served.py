@@ -56,6 +56,7 @@ def vllm_serve(model: Path, fault: str | None, folder: Path) -> Iterator[tuple[s
 
 
 def check(url: str, model: Path, folder: Path, *extra: object):
+    folder.mkdir(parents=True, exist_ok=True)  # --json's folder exists before the check
     return invoke("check", "--backend", "http", "--url", url, "--model", model, "--plan",
                   "short", "--out", folder / "run", "--json", folder / "verdict.json",
                   *extra)  # fmt: skip
