@@ -406,7 +406,8 @@ def _api_cases() -> Iterator[tuple[str, dict[str, Any]]]:
                   "a text id": ["3"], "None": None, "a nested id": [[1]], "five ids": [1] * 5,
                   "a number": 5, "a text": "abc"}  # fmt: skip
     bad_logprobs = {"text": ["-0.1"], "NaN": [math.nan], "inf": [-math.inf], "positive": [0.5],
-                    "empty": [], "None": None, "a number": -0.1, "nested": [[-0.1]]}  # fmt: skip
+                    "past float32": [-1e300], "empty": [], "None": None, "a number": -0.1,
+                    "nested": [[-0.1]]}  # fmt: skip
     for (t, tokens), (name, logprobs) in itertools.product(
         bad_tokens.items(), {"one": [-0.1], **bad_logprobs}.items()
     ):
@@ -469,7 +470,7 @@ def mismatch_family(scratch: Path) -> Family:
     family = Family("mismatch outputs")
     characters = [chr(c) for c in (*range(0x20), 0x7F, 0x85, 0x2028, 0x2029, 0xFEFF, 0xFFFE)]
     for index, (character, rollout) in enumerate(
-        itertools.product(characters, (-0.5, -1000.0, -1e300))
+        itertools.product(characters, (-0.5, -1000.0, -1e300, -1.7e308))
     ):
         folder = made(scratch / f"x{index}")
         lines = [_logged_line(f"a{character}b", rollout), _logged_line("plain", -0.5)]

@@ -42,9 +42,9 @@ def test_a_gate_writes_strict_json_and_junit_a_parser_reads(logged: Path, tmp_pa
     assert result.exit_code == 1, result.output
     assert "RuntimeWarning" not in result.stderr
     verdict = strict(out_json)
-    # past float range: exp capped at exp(700) (a finite number) or null, never Infinity
+    # exp(1000) is past float range: capped at exp(300) (a finite number), never Infinity
     kl_k3 = verdict["levels"]["numbers"]["kl_k3"]
-    assert kl_k3 is None or kl_k3 > 1e300
+    assert kl_k3 > 1e100
     names = [c.get("name") for c in ElementTree.parse(out_xml).getroot().iter("testcase")]
     assert names == ["nonchar\\ufffeid", "separator\u2028id", "kl_k3"]  # each rollout by its id
 
@@ -54,6 +54,17 @@ def test_the_claims_without_a_gate_are_strict_json(logged: Path, tmp_path: Path)
     assert result.exit_code == 0, result.output
     claims = strict(tmp_path / "claims.json")
     assert claims["logged"]["sequences"] == 2  # both lines read, U+2028 and all
+
+
+@pytest.mark.parametrize("logprob", [-1e300, -1.7e308])
+def test_a_log_probability_past_any_float32_is_refused(tmp_path: Path, logprob: float) -> None:
+    # it would overflow the sums (a warning on the terminal) or turn k3 negative (a gate held)
+    path = tmp_path / "logged.jsonl"
+    line = {**LINES[1], "rollout_logprobs": [logprob, -0.5]}
+    path.write_text(json.dumps(line) + "\n", "utf-8")
+    result = invoke("mismatch", path, "--max-k3-kl", 1, "--json", tmp_path / "v.json")
+    check(result, "at least -3.403e+38", tmp_path / "none")
+    assert not (tmp_path / "v.json").exists()
 
 
 @pytest.mark.parametrize("character", ["\x00", "\x01", "\r", "\x1b", "\x85"])

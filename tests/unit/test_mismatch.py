@@ -7,13 +7,14 @@ log-probabilities are ambiguous."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 
 from kvreplay.backends.rollout import ScorerSpec, parse_scorers
 from kvreplay.core.errors import KvreplayError
-from kvreplay.core.rollout import Sampling, Scored, Turn
+from kvreplay.core.rollout import LOGPROB_FLOOR, Sampling, Scored, Turn
 from kvreplay.experiments.rollout import metrics as module
 from kvreplay.experiments.rollout.metrics import (
     METRIC_NAMES,
@@ -195,6 +196,19 @@ def test_order_statistics_are_exact(in_memory: int) -> None:
         assert quantiles(spill, qs, lambda v: math.exp(min(v, 700))) == capped
 
 
+def test_a_mismatch_at_the_least_log_probability_is_finite_and_positive() -> None:
+    # issue 49's probe: a log p of -1e300 overflowed exp in the sequence metrics (a
+    # warning on the terminal); one of -1.7e308 made k3 negative, so a k3 gate held
+    rollout, scorer = [[LOGPROB_FLOOR] * 3, [-0.5]], [[-0.5] * 3, [LOGPROB_FLOOR]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = metrics(tally(rollout, scorer).totals())
+    numbers = [v for v in found.values() if isinstance(v, float)]
+    assert numbers and all(math.isfinite(v) for v in numbers)
+    assert found["kl_k3"] > 1e100 and found["seq_ratio_max"] > 1e100
+    assert found["ppl_rollout"] > 1e100 and found["seq_geo_ratio_max"] > 1e100
+
+
 def test_a_growing_mismatch_raises_the_alarm() -> None:
     rising = trend([1, 2, 3, 4, 5], [1e-4, 2e-4, 2.5e-4, 4e-4, 9e-4])
     assert rising["alarm"] and rising["p_value"] == pytest.approx(1 / 120)
@@ -232,6 +246,8 @@ def test_turns_and_scores_refuse_values_that_are_no_log_probability() -> None:
         Turn([1, 2], [-0.1, math.nan])
     with pytest.raises(KvreplayError, match="not a finite number at most 0"):
         Turn([1], [math.inf])
+    with pytest.raises(KvreplayError, match="at least -3.403e[+]38"):
+        Turn([1], [-1e300])  # past any float32: a forgery, and it would overflow the sums
     with pytest.raises(KvreplayError, match="2 values for 1 tokens"):
         Turn([1], [-0.1, -0.2])
     with pytest.raises(KvreplayError, match="gaps"):

@@ -27,6 +27,10 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 
 LOGPROB_MODES = ("raw", "processed")
+LOGPROB_FLOOR = -3.4028234663852886e38
+"""The least log-probability taken: the least float32, below what any sampler or scorer
+in float32, bfloat16 or float16 writes; a value past it (-1e308) is a forgery, and would
+overflow the mismatch's sums into numbers no gate can judge."""
 
 
 @dataclass(frozen=True)
@@ -192,15 +196,18 @@ def ids_problem(ids: Any) -> str | None:
 
 def logprobs_problem(values: Any, tokens: int) -> str | None:
     """Why ``values`` are not one log-probability per token (numbers, not flags or
-    text, each finite and at most 0), or None."""
+    text, each at most 0 and at least :data:`LOGPROB_FLOOR`), or None."""
     values = listed(values)
     if not isinstance(values, list):
         return "is not a list of log-probabilities"
     if len(values) != tokens:
         return f"holds {len(values)} values for {tokens} tokens"
-    bad = [v for v in values if not _real(v) or not (math.isfinite(v) and v <= 0)][:1]
+    bad = [v for v in values if not _real(v) or not LOGPROB_FLOOR <= v <= 0][:1]
     if bad:
-        return f"holds {repr(bad[0])[:20]}, not a finite number at most 0 (a log-probability)"
+        return (
+            f"holds {repr(bad[0])[:20]}, not a finite number at most 0 and at least "
+            f"{LOGPROB_FLOOR:.4g} (a log-probability a float32 holds)"
+        )
     return None
 
 

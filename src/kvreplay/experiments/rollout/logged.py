@@ -51,7 +51,7 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import MAX_ID_LENGTH
 from kvreplay.core.jsonio import JsonError, parse_json_fast
 from kvreplay.core.paths import open_regular
-from kvreplay.core.rollout import LOGPROB_MODES, ids_problem, logprobs_problem
+from kvreplay.core.rollout import LOGPROB_FLOOR, LOGPROB_MODES, ids_problem, logprobs_problem
 from kvreplay.experiments.rollout.sides import Rollout, Side
 from kvreplay.experiments.rollout.table import DECODE, PREFILL, ROLLOUT_SIDE
 
@@ -183,15 +183,15 @@ def _numbers(data: dict[str, Any], key: str, length: int, nulls: bool = False) -
 
 
 def _logprobs(values: np.ndarray, kept: np.ndarray, key: str) -> np.ndarray:
-    """Log-probabilities, each a finite number at most 0 where a token is kept."""
-    bad = kept & ~(np.isfinite(values) & (values <= 0))
+    """Log-probabilities, each at most 0 and at least the floor where a token is kept."""
+    bad = kept & ~((values >= LOGPROB_FLOOR) & (values <= 0))
     if bad.any():
         index = int(np.flatnonzero(bad)[0])
         value = values[index]
         shown = "null" if np.isnan(value) else repr(float(value))
         raise _Bad(
             f"its {key!r} holds {shown} at token {index}, not a log-probability (a finite "
-            "number at most 0)"
+            f"number at most 0 and at least {LOGPROB_FLOOR:.4g})"
         )
     return np.where(kept, values, 0.0)
 

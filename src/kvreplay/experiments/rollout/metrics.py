@@ -45,7 +45,11 @@ TRL_SEQUENCE_CAP = 3.0
 ``vllm_importance_sampling_clip_max=3.0``, no lower bound): a sequence whose product
 ratio exceeds 3 is masked out."""
 SAFETY_BOUND = 20.0  # verl clamps a log ratio to [-20, 20] before exp (rollout_corr_helper)
-EXP_LIMIT = 700.0  # exp's argument is capped here, so that no sum overflows
+EXP_LIMIT = 300.0
+"""exp's argument is capped here (exp(300) is about 2e130), so that no sum of a metric,
+and no square of a sequence's sum an interval takes, overflows; a delta past it is past
+any mismatch a gate tells apart, and past the least log-probability
+(:data:`~kvreplay.core.rollout.LOGPROB_FLOOR`, -3.4e38), so k3 stays positive."""
 
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
 POSITION_BINS = 8  # where along the sequence: eighths of its length
@@ -261,14 +265,14 @@ METRICS: tuple[Metric, ...] = (
         "ppl_rollout",
         "mean over sequences of exp(-mean log p_rollout): each sequence's perplexity, averaged",
         "verl rollout_corr/rollout_ppl",
-        lambda t: _seq_mean(np.exp(-t.seq_mean_rollout)),
+        lambda t: _seq_mean(_exp(-t.seq_mean_rollout)),
         "sequence",
     ),
     Metric(
         "ppl_scorer",
         "mean over sequences of exp(-mean log p_scorer)",
         "verl rollout_corr/training_ppl",
-        lambda t: _seq_mean(np.exp(-t.seq_mean_scorer)),
+        lambda t: _seq_mean(_exp(-t.seq_mean_scorer)),
         "sequence",
     ),
     Metric(
@@ -287,35 +291,35 @@ METRICS: tuple[Metric, ...] = (
         "seq_ratio_min",
         "smallest sequence importance ratio: the product of its tokens' ratios, exp(sum of delta)",
         "verl rollout_corr/rollout_is_min (rollout_is=sequence)",
-        lambda t: float(np.exp(np.min(t.seq_log_ratio))),
+        lambda t: float(_exp(np.min(t.seq_log_ratio))),
         "sequence",
     ),
     Metric(
         "seq_ratio_median",
         "median sequence importance ratio exp(sum of delta)",
         "",
-        lambda t: float(np.exp(np.median(t.seq_log_ratio))),
+        lambda t: float(_exp(np.median(t.seq_log_ratio))),
         "sequence",
     ),
     Metric(
         "seq_ratio_max",
         "largest sequence importance ratio exp(sum of delta)",
         "verl rollout_corr/rollout_is_max (rollout_is=sequence; verl clamps at exp(20))",
-        lambda t: float(np.exp(min(float(np.max(t.seq_log_ratio)), EXP_LIMIT))),
+        lambda t: float(_exp(np.max(t.seq_log_ratio))),
         "sequence",
     ),
     Metric(
         "seq_geo_ratio_min",
         "smallest geometric-mean ratio of a sequence, exp(mean of delta)",
         "verl rollout_rs=seq_mean_k1 reads its log",
-        lambda t: float(np.exp(np.min(t.seq_log_ratio / t.seq_tokens))),
+        lambda t: float(_exp(np.min(t.seq_log_ratio / t.seq_tokens))),
         "sequence",
     ),
     Metric(
         "seq_geo_ratio_max",
         "largest geometric-mean ratio of a sequence, exp(mean of delta)",
         "",
-        lambda t: float(np.exp(np.max(t.seq_log_ratio / t.seq_tokens))),
+        lambda t: float(_exp(np.max(t.seq_log_ratio / t.seq_tokens))),
         "sequence",
     ),
     Metric(
