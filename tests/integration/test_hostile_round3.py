@@ -799,7 +799,7 @@ def test_vllm_refuses_a_vacuous_block_and_weights_that_are_not_finite(
     from tiny import save_tiny
 
     model = save_tiny(tmp_path / "model", "served_qwen2")
-    extra: list[object] = ["--block-size", 2**20]
+    extra: list[object] = ["--block-size", 65536]  # the largest block: past every prefix
     expected = "every hit would read no cached token"
     if case == "nan_weights":
         _set_weights(model, WEIGHTS["all_nan"][0])
