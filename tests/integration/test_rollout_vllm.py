@@ -146,7 +146,8 @@ def test_a_trainer_check_keeps_vllms_log_off_the_terminal(tmp_path: Path, model:
     )  # fmt: skip
     assert done.returncode in (0, 1), done.stderr[-3000:]
     logged = (out / "engine.log").read_text(errors="replace").splitlines()
-    engine = [line for line in logged if "INFO" in line][:8]  # vLLM starting its engine
+    # vLLM starting its engine (at the level the rollout stack leaves it: INFO or WARNING)
+    engine = [line for line in logged if "INFO" in line or "WARNING" in line][:8]
     assert engine, logged[:20]
     shown = done.stdout + done.stderr
     assert not [line for line in engine if line in shown], shown[-3000:]
