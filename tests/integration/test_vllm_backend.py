@@ -167,7 +167,7 @@ def test_what_the_engine_config_rules_out_is_refused_before_the_manifest(
                              f"256, 512, and the model '{tiny_dirs['qwen2']}' has head size 16."),
         (pooling, f"vLLM would run the model '{pooling}' as a pooling model"),
     ):  # fmt: skip
-        args, out = run_args("matched", tmp_path, model, ("--out", tmp_path / model.name))
+        args, out = run_args("matched", tmp_path, model, ("--out", tmp_path / f"{model.name}-run"))
         check(invoke(*args, *QUICK, "--backend", "vllm"), expected, out)
         assert not (out / "manifest.json").exists()
 
