@@ -8,8 +8,9 @@ padded tail), then time ``kvreplay mismatch`` on it and record its peak memory.
     flock /tmp/kvreplay-heavy.lock python bench/logged_scale.py time big.jsonl \\
         bench/results/logged_scale.json
 
-``time`` runs ``kvreplay mismatch`` under ``/usr/bin/time -v`` and appends its seconds,
-tokens a second, peak resident memory and the load average to a JSON file. The numbers
+``time`` runs ``kvreplay mismatch`` under ``/usr/bin/time -v`` and appends its seconds
+(wall and CPU), tokens a second, peak resident memory and the load average to a JSON
+file. The numbers
 go to docs/findings/rollout.md and docs/benchmarks/runs.md.
 """
 
@@ -75,6 +76,8 @@ def measure(path: Path, out: Path, kvreplay: str) -> None:
                           capture_output=True, text=True, check=True)  # fmt: skip
     seconds = _clock(re.search(r"Elapsed \(wall clock\) time.*: (\S+)", done.stderr)[1])
     peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)[1])
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): (\S+)", done.stderr)[1])
+              for kind in ("User", "System"))  # fmt: skip
     record = {
         "file": path.name,
         "file_mb": round(path.stat().st_size / 1e6, 1),
@@ -83,6 +86,8 @@ def measure(path: Path, out: Path, kvreplay: str) -> None:
         "masked_in_tokens": kept,
         "seconds": seconds,
         "tokens_per_second": round(tokens / seconds),
+        "cpu_seconds": round(cpu, 2),
+        "tokens_per_cpu_second": round(tokens / cpu),
         "peak_mb": round(peak / 1024, 1),
         "load_average_before": [round(x, 2) for x in load],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
