@@ -2,10 +2,13 @@
 a fresh run folder) on a clean engine ``--clean`` times, and with the fault that skips
 the prefix-cache reset after a weight reload (``vllm-update-stale-cache``) ``--faulty``
 times: each run's exit code, verdict and seconds, appended to a JSON file as it comes (a
-run already there is not run again, so an interrupted measurement resumes).
+run already there is not run again, so an interrupted measurement resumes). The faulty
+runs come first, so that a measurement cut short by ``--budget`` (seconds after which no
+further run starts) still has both kinds.
 
     flock /tmp/kvreplay-heavy.lock python bench/update_gate.py OUT.json --clean 20 \\
-        --faulty 2 [--model smollm2-135m] [--engine vllm|served] [--update perturb:0.001]
+        --faulty 2 [--model smollm2-135m] [--engine vllm|served] [--update perturb:0.001] \\
+        [--budget SECONDS]
 
 ``vllm``: vLLM in the check's own process (the fault planted with ``python -m
 kvreplay.faults``), so every run is cold; ``served``: ``kvreplay check --backend http``
@@ -115,20 +118,24 @@ def main() -> None:
     parser.add_argument("--update", default="perturb:0.001")
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--engine", choices=("vllm", "served"), default="vllm")
+    parser.add_argument("--budget", type=float, default=float("inf"))
     args = parser.parse_args()
     results = json.loads(args.out.read_text()) if args.out.is_file() else []
-    plan = [False] * args.clean + [True] * args.faulty
+    stop = time.monotonic() + args.budget
+    plan = [True] * args.faulty + [False] * args.clean
     model = model_folder(args.model) if args.engine == "served" else args.model
     with tempfile.TemporaryDirectory() as logs:
-        for fault in (False, True):
+        for fault in (True, False):
             todo = [i for i, f in enumerate(plan) if f == fault and i >= len(results)]
-            if not todo:
+            if not todo or time.monotonic() > stop:
                 continue
             log = Path(logs) / ("faulty" if fault else "clean") / "vllm.log"
             log.parent.mkdir()
             started = serve(model, fault, log) if args.engine == "served" else nullcontext()
             with started as url:
                 for index in todo:
+                    if time.monotonic() > stop:
+                        break
                     with tempfile.TemporaryDirectory() as folder:
                         result = run(model, args.update, args.n, fault, Path(folder), url)
                     load = [round(x, 2) for x in os.getloadavg()]
