@@ -40,6 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 VPY = os.environ.get("VPY", str(REPO / ".venv-vllm" / "bin" / "python"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
 FAULT = "vllm-update-stale-cache"
+# Unset, ``vllm serve`` runs its model runner in a worker process of its own, apart from
+# the scheduler; the fault's record of a reload stays in the worker, so its reset is never
+# skipped. Set to 0 (as the test suite's servers inherit it), the runner lives beside the
+# scheduler. Recorded with each run.
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def model_folder(model: str) -> str:
@@ -139,7 +144,8 @@ def main() -> None:
                     with tempfile.TemporaryDirectory() as folder:
                         result = run(model, args.update, args.n, fault, Path(folder), url)
                     load = [round(x, 2) for x in os.getloadavg()]
-                    head = {"run": index, "engine": args.engine, "model": args.model}
+                    head = {"run": index, "engine": args.engine, "model": args.model,
+                            MULTIPROCESSING: os.environ.get(MULTIPROCESSING)}  # fmt: skip
                     results.append({**head, "update": args.update, **result, "load_average": load})
                     args.out.write_text(json.dumps(results, indent=2) + "\n")
                     print(json.dumps(results[-1]), flush=True)
