@@ -39,7 +39,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @contextmanager
 def serve(model: Path, folder: Path, fault: str | None = None) -> Iterator[str]:
     path = [str(write_plugin_folder(folder / "plugin")), os.environ.get("PYTHONPATH", "")]
-    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p), ENV: fault}
+    # A default vllm serve: its workers in processes of their own (this process may have
+    # set the in-process engine's VLLM_ENABLE_V1_MULTIPROCESSING=0, which is not passed on).
+    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p), ENV: fault,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": None}  # fmt: skip
     flags = ("--dtype", "bfloat16", "--enable-prefix-caching", "--enable-prompt-tokens-details",
              "--block-size", "32", "--max-model-len", "1024")  # fmt: skip
     with vllm_server(model, folder / "vllm.log", *flags, env=env) as url:

@@ -207,8 +207,9 @@ FAULTS: tuple[Fault, ...] = (
         "vllm",
         "prime-rl PR #1650, NeMo-RL PR #4018, lmdeploy #4917: the prefix cache not reset "
         "after a weight update, so rollouts after a sync read K/V the old weights wrote",
-        "model runner, reload_weights (the weight sync's load) and scheduler, "
-        "reset_prefix_cache: the first reset after a reload is skipped (it reports success)",
+        "engine core, collective_rpc('reload_weights') (the weight sync's load) and "
+        "scheduler, reset_prefix_cache: the first reset after a reload is skipped (it "
+        "reports success)",
         "a prompt cached before a weight update and sent again after it",
         caught_by="update",
     ),

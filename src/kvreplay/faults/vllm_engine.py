@@ -16,6 +16,7 @@ that layout, the others move whole blocks or single elements.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -425,19 +426,23 @@ def resume_position() -> list[Patch]:
 
 def update_stale_cache() -> list[Patch]:
     """The first prefix-cache reset after a weight reload reports success and does
-    nothing: prompts cached before the update hit K/V the old weights wrote."""
+    nothing: prompts cached before the update hit K/V the old weights wrote. The reload
+    is seen where the engine core hands it to its workers, the scheduler's own process
+    (in process and in a ``vllm serve`` whose workers run apart alike)."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.engine.core import EngineCore
 
     reloaded: list[bool] = []  # a weight reload since the last reset
 
-    def make_reload(original: Callable[..., Any]) -> Callable[..., Any]:
-        def reload_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            reloaded.append(True)
+    def make_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)  # its signature: vLLM reads it to convert the RPC's args
+        def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, method, *args, **kwargs)
+            if method == "reload_weights":
+                reloaded.append(True)
             return result
 
-        return reload_weights
+        return collective_rpc
 
     def make_reset(original: Callable[..., Any]) -> Callable[..., Any]:
         def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> bool:
@@ -449,6 +454,6 @@ def update_stale_cache() -> list[Patch]:
         return reset_prefix_cache
 
     return [
-        (GPUModelRunner, "reload_weights", make_reload),
+        (EngineCore, "collective_rpc", make_rpc),
         (Scheduler, "reset_prefix_cache", make_reset),
     ]
