@@ -56,7 +56,7 @@ CASES: dict[str, Callable[[Path], tuple[list[str], str]]] = {
         "line 4: unknown chat role 'wizard'",
     ),
     "device_banana": lambda t: (["--device", "banana"], "Unknown device 'banana'"),
-    "temperature_nan": lambda t: (["--temperature", "nan"], "finite temperature"),
+    "temperature_nan": lambda t: (["--temperature", "nan"], "--temperature must lie between"),
     "workers_zero": lambda t: (["--workers", "0"], "--workers"),
     "dtypes_twice": lambda t: (["--dtypes", "bf16,bf16"], "--dtypes names bf16 twice"),
     "boundary_half": lambda t: (plan_with(t, boundary=0.5), "'boundary' must be a stage index"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kvreplay.backends import rollout
 from kvreplay.core.cache import Recent
-from kvreplay.experiments.rollout import experiment
 
 
 def test_a_recent_cache_makes_each_value_once_and_forgets_the_one_used_longest_ago() -> None:
@@ -24,4 +23,4 @@ def test_a_recent_cache_makes_each_value_once_and_forgets_the_one_used_longest_a
 
 def test_the_scorer_caches_are_bounded() -> None:
     assert isinstance(rollout._OPENED, Recent) and rollout._OPENED.size == rollout.OPENED_MODELS
-    assert isinstance(experiment._DIGESTS, Recent) and experiment._DIGESTS.size <= 64
+    assert isinstance(rollout._DIGESTS, Recent) and rollout._DIGESTS.size <= 64
