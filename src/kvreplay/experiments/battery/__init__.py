@@ -6,15 +6,12 @@ engine's experiment: its arms are served requests, so its class and its served c
 the same. A check on a backend with a prefix cache runs it by default (its check role,
 ``gate``)."""
 
-from typing import get_args
-
-from kvreplay.experiments.battery.outcome import FIELD, Level
+from kvreplay.experiments.battery.outcome import CHOSEN_LEVELS, FIELD, LEVELS
 from kvreplay.experiments.battery.section import SECTION
 from kvreplay.experiments.battery.table import BATTERY, BATTERY_TABLE
 from kvreplay.harness.declaration import Declaration
 from kvreplay.harness.schema import Value, list_of, panel_schema
 
-LEVELS = get_args(Level)
 # A shape as its row records it (experiment.py: Battery.run_unit), in the order it ran.
 SHAPE = {
     "shape": Value(str),
@@ -43,7 +40,7 @@ DECLARATION = Declaration(
             "dtypes": list_of(str),
             "item_ids": list_of(str),
             "shapes": list_of(str),
-            "level": Value(str, values=("measured", *LEVELS)),
+            "level": Value(str, values=CHOSEN_LEVELS),
             "stop_at_first": Value(bool),
         },
         {

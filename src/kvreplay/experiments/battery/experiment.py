@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 from kvreplay.core.canonical import sha256_json, sha256_tokens
 from kvreplay.core.errors import KvreplayError
@@ -31,6 +31,7 @@ from kvreplay.core.scoring import score
 from kvreplay.core.trajectory import Trajectory
 from kvreplay.experiments.battery.outcome import (
     CALIBRATION,
+    CHOSEN_LEVELS,
     FIELD,
     Level,
     ShapeOutcome,
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
     from kvreplay.backends.base import Backend
     from kvreplay.backends.served import Reply, ServedModel
 
-LEVELS = ("measured", *get_args(Level))
 
 MEASURED: dict[tuple[str, str], str] = {
     ("vllm", "fp32"): "vLLM's CPU engine, whose clean hit and miss agree bit for bit there "
@@ -81,7 +81,7 @@ class BatteryOptions:
             "Where each shape's hit is compared with its miss: measured (bit for bit at the "
             "reported log-probabilities where the clean engine is measured exact on this "
             "stack, else tokens; the batched shape at tokens), bits, or tokens.",
-            choices=LEVELS,
+            choices=CHOSEN_LEVELS,
         ),
     )
     stop_at_first: bool = field(
@@ -100,8 +100,8 @@ class BatteryOptions:
                 f"--shapes names {unknown[0] if unknown else 'no shape'}; "
                 f"choose from {', '.join(SHAPES)}."
             )
-        if options.level not in LEVELS:
-            raise KvreplayError(f"--level must be one of {', '.join(LEVELS)}.")
+        if options.level not in CHOSEN_LEVELS:
+            raise KvreplayError(f"--level must be one of {', '.join(CHOSEN_LEVELS)}.")
         return options
 
     def names(self) -> list[str]:

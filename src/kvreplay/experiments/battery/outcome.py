@@ -7,7 +7,7 @@ cached tokens it should, and does the shape part them at the level it is compare
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from kvreplay.core.trajectory import numeric_divergence
 from kvreplay.harness.rows import ArmResult, PanelRow, replica_name
@@ -15,6 +15,9 @@ from kvreplay.harness.rows import ArmResult, PanelRow, replica_name
 Level = Literal["bits", "tokens"]
 """Where a shape is compared: ``bits`` (tokens and every step's reported top-k
 log-probabilities, bit for bit) or ``tokens`` (the continuation's token ids)."""
+LEVELS: tuple[str, ...] = get_args(Level)
+CHOSEN_LEVELS = ("measured", *LEVELS)
+"""What ``--level`` takes: the level the clean stack is measured exact at, or either."""
 
 FIELD = "battery"
 """The row field that records the battery: its compared pair (the first shape that ran)
