@@ -49,7 +49,8 @@ class Sums:
         return math.fsum(self.partials[group])
 
 
-IN_MEMORY = 1 << 22  # values whose order statistics are selected in memory (32 MiB)
+IN_MEMORY = 1 << 20  # values whose order statistics are selected in memory (8 MiB)
+CHUNK = 1 << 18  # values read back at a time: a radix pass holds a few arrays this long
 _BITS = 16  # key bits a radix pass decides
 
 
@@ -73,7 +74,7 @@ class Spill:
         self.file.flush()
         self.file.seek(0)
         while True:
-            chunk = np.fromfile(self.file, dtype="<f8", count=1 << 20)
+            chunk = np.fromfile(self.file, dtype="<f8", count=CHUNK)
             if not chunk.size:
                 return
             yield chunk

@@ -23,6 +23,7 @@ sequence's tokens are not independent.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -360,7 +361,7 @@ COUNTS = ("tokens", "sequences", "seq_truncated_verl", "seq_masked_trl")
 """The metrics that are counts (a summary says them as counts)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceOutcome:
     """One sequence of a pair, judged alone: its key and group (the stack's precision,
     or ``logged``), its tokens, the first whose two log-probabilities differ (its index
@@ -386,9 +387,10 @@ class OutcomeTally:
 
     def __init__(self) -> None:
         self.outcomes: list[SequenceOutcome] = []
-        self.k3: list[float] = []
-        self.tokens: list[float] = []
+        self.k3 = array("d")  # each sequence's, 8 bytes a value: the peak stays flat
+        self.tokens = array("d")
         self.largest = 0.0
+        self._places: dict[tuple, dict[str, Any]] = {}  # one dict per step, rank, environment
 
     def add(
         self,
@@ -408,6 +410,7 @@ class OutcomeTally:
         parted = np.flatnonzero(d)
         first = int(positions[parted[0]]) if parted.size else None
         top = float(magnitude.max())
+        where = self._places.setdefault(tuple(where.items()), where)
         self.outcomes.append(SequenceOutcome(key, group, d.size, first, total / d.size, top, where))
         self.k3.append(total)
         self.tokens.append(float(d.size))
@@ -454,7 +457,7 @@ class PairTally:
         self.bins = np.zeros((3, self._BINS))  # tokens, large, largest |delta|
         self.spill = Spill()
         self.tokens = 0
-        self.seq: dict[str, list[float]] = {k: [] for k in ("log_ratio", "tokens", "r", "s", "k3")}
+        self.seq = {k: array("d") for k in ("log_ratio", "tokens", "r", "s", "k3")}
 
     def add(
         self,
@@ -517,8 +520,10 @@ class PairTally:
         self.tokens += n
         sequences = counts.size
         for name, values in (("log_ratio", d), ("r", r), ("s", s), ("k3", k3)):
-            self.seq[name] += np.bincount(seq, weights=values, minlength=sequences).tolist()
-        self.seq["tokens"] += counts.astype(np.float64).tolist()
+            self.seq[name].frombytes(
+                np.bincount(seq, weights=values, minlength=sequences).tobytes()
+            )
+        self.seq["tokens"].frombytes(counts.astype(np.float64).tobytes())
 
     def _bin(
         self,
@@ -628,7 +633,7 @@ class ChainTally:
     def __init__(self, terms: int):
         self.width = terms + 1  # the terms, then the total
         self.sums = Sums(2 * self.width)
-        self.seq: list[list[float]] = [[] for _ in range(2 * self.width + 1)]
+        self.seq = [array("d") for _ in range(2 * self.width + 1)]
         self.maxima = [0.0] * self.width
         self.moved = [0] * self.width
         self.tokens = 0
@@ -672,13 +677,13 @@ class ChainTally:
         self.sums.add(np.stack([*values, *map(np.abs, values)]))
         seq = np.repeat(np.arange(counts.size), counts)
         for i, v in enumerate(values):
-            self.seq[i] += np.bincount(seq, weights=v, minlength=counts.size).tolist()
-            self.seq[self.width + i] += np.bincount(
-                seq, weights=np.abs(v), minlength=counts.size
-            ).tolist()
+            self.seq[i].frombytes(np.bincount(seq, weights=v, minlength=counts.size).tobytes())
+            self.seq[self.width + i].frombytes(
+                np.bincount(seq, weights=np.abs(v), minlength=counts.size).tobytes()
+            )
             self.maxima[i] = max(self.maxima[i], float(np.max(np.abs(v))))
             self.moved[i] += int(np.count_nonzero(v))
-        self.seq[-1] += counts.astype(np.float64).tolist()
+        self.seq[-1].frombytes(counts.astype(np.float64).tobytes())
         self.tokens += n
 
     def finish(self) -> ChainTally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -83,8 +84,8 @@ class StepTally:
     exactly), and the sequences verl's and TRL's default corrections act on."""
 
     def __init__(self) -> None:
-        self.k3: list[float] = []
-        self.magnitude: list[float] = []
+        self.k3 = array("d")  # each sequence's sum
+        self.magnitude = array("d")
         self.tokens = 0
         self.truncated = 0
         self.masked = 0
