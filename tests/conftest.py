@@ -35,6 +35,23 @@ from kvreplay import LoadedModel, load_model  # noqa: E402
 
 SMOLLM2_CACHE = REPO / ".cache" / "kvreplay-test"
 
+# What computes with torch's CPU kernels, whose bf16 rounding differs by family: a test
+# using a model fixture (directly or through another), or a module that builds or loads a
+# model itself. These are marked ``kernels``; CI runs them again under the portable
+# kernels (make test-kernels), the rest (parsing, refusals, servers, llama.cpp) once.
+MODEL_FIXTURES = frozenset({"tiny_dirs", "tiny_lm", "smollm2"})
+MODEL_CALLS = ("save_tiny", "drift_qwen2", "load_model", "import torch")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    texts: dict[Path, str] = {}
+    for item in items:
+        if item.path not in texts:
+            texts[item.path] = item.path.read_text()
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & MODEL_FIXTURES or any(call in texts[item.path] for call in MODEL_CALLS):
+            item.add_marker("kernels")
+
 
 def _point_user_paths(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     for name, sub in (
