@@ -280,3 +280,36 @@ def test_a_followup_is_what_the_chat_template_puts_between_two_answers() -> None
     ids = followup_ids(tokenizer, "Again?", None)
     assert tokenizer.decode(ids) == "\n<|user|>Again?\n<|assistant|>"
     assert tokenizer.decode(followup_ids(tokenizer, "Again?", False)) == "\nAgain?"
+
+
+def test_the_claims_types_hold_every_key_the_tally_writes(tmp_path) -> None:
+    """Logged rollouts with steps, environments, masks and logging modes: the tally's
+    claims, typed and encoded again, are what it wrote (claims.json and --json are the
+    encoding of the types)."""
+    import json
+
+    from kvreplay.experiments.rollout.claims import plain, typed
+    from kvreplay.experiments.rollout.logged import read_logged
+    from kvreplay.experiments.rollout.tally import measure
+
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(12):
+        rollout = -rng.exponential(0.5, 6)
+        lines.append({
+            "id": f"r{i}", "prompt_ids": [1, 2], "response_ids": [3, 4, 5, 6, 7, 8],
+            "rollout_logprobs": rollout.tolist(),
+            "trainer_logprobs": np.minimum(rollout + rng.normal(0, 0.01 * (i + 1), 6), 0).tolist(),
+            "mask": [1, 1, 1, 1, 1, 0], "step": i // 3, "environment": "math" if i % 2 else "code",
+            "rollout_logprobs_mode": "raw", "trainer_logprobs_mode": "raw",
+        })  # fmt: skip
+    path = tmp_path / "logged.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    measured = measure(read_logged(path), "trainer")
+    written = {group: tally.claims() for group, tally in measured.groups.items()}
+    (group,) = written.values()
+    assert {"kept_tokens", "logprobs", "steps", "environments"} <= group.keys()
+    typed_claims = typed(written)
+    assert json.dumps(plain(typed_claims), sort_keys=True) == json.dumps(written, sort_keys=True)
+    steps = typed_claims["logged"].steps["trainer"]
+    assert [row.step for row in steps.by_step] == [0, 1, 2, 3] and steps.trend.steps == 4

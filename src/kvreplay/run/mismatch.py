@@ -24,6 +24,7 @@ from kvreplay.experiments.rollout import (
     mismatch_junit,
     mismatch_screen,
     parse_expectation,
+    plain,
     read_logged,
     summary_lines,
 )
@@ -88,10 +89,10 @@ def analyze_logged(path: Path, request: LoggedRequest, echo: Callable[[str], Non
     if request.rescore_with is not None:
         rollouts = map(Rescorer(request.rescore_with, request.model), rollouts)
     verdict = judge(measure(rollouts, LOGGED_TRAINER), LOGGED_TRAINER, expectation, "rollout")
-    for line in summary_lines({"rollout_mismatch": verdict.claims}):
+    for line in summary_lines(verdict.claims):
         echo(line)
     if gate:
         echo(mismatch_screen(verdict))
-    data = mismatch_json(verdict) if gate else verdict.claims
+    data = mismatch_json(verdict) if gate else plain(verdict.claims)
     write_outputs((data, mismatch_junit(verdict)), request.json_path, request.junit_path)
     return verdict.exit_code if gate else 0

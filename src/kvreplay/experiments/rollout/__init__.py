@@ -8,6 +8,7 @@ stack of your own (``own_stack``); declared here and registered by one line in
 :mod:`kvreplay.experiments.registry`. Nothing outside the package imports its modules:
 the rest of kvreplay reaches it through this declaration."""
 
+from kvreplay.experiments.rollout.claims import GroupClaims, plain
 from kvreplay.experiments.rollout.logged import TRAINER as LOGGED_TRAINER
 from kvreplay.experiments.rollout.logged import Rescorer, read_logged
 from kvreplay.experiments.rollout.metrics import ChainTally
@@ -52,6 +53,7 @@ DECLARATION = Declaration(
 __all__ = [
     "ChainTally",
     "DECLARATION",
+    "GroupClaims",
     "LOGGED_TRAINER",
     "MismatchBounds",
     "MismatchExpectation",
@@ -73,6 +75,7 @@ __all__ = [
     "mismatch_sentence",
     "number",
     "parse_expectation",
+    "plain",
     "read_logged",
     "stream_of",
     "summary_lines",

@@ -27,6 +27,7 @@ from kvreplay.core.errors import KvreplayError
 from kvreplay.core.items import Item, chat_messages, encode_prompt
 from kvreplay.core.options import option
 from kvreplay.core.rollout import LOGPROB_MODES, Conversation, Sampling
+from kvreplay.experiments.rollout.claims import SECTION, plain
 from kvreplay.experiments.rollout.roll import Bench, roll
 from kvreplay.experiments.rollout.schema import MAX_SAMPLES, MAX_TOKENS, MAX_TOP_K, MAX_TURNS
 from kvreplay.experiments.rollout.section import rollout_claims, summary_lines
@@ -390,8 +391,9 @@ class Rollout(Experiment):
         if not done:
             return {"experiment": self.name, "rows": 0}, "rollout: no row completed"
         ledger = self.table.ledger(done, config)
-        claims = rollout_claims(Reading({ledger.file: ledger}, done))
-        return {"experiment": self.name, **claims}, "\n".join(summary_lines(claims))
+        groups = rollout_claims(Reading({ledger.file: ledger}, done)).precisions
+        summary = "\n".join(summary_lines(groups))
+        return {"experiment": self.name, SECTION: plain(groups)}, summary
 
 
 class ServedRollout(Rollout):

@@ -33,6 +33,7 @@ from kvreplay.core.rollout import (
     listed,
     logprobs_problem,
 )
+from kvreplay.experiments.rollout.claims import GroupClaims
 from kvreplay.experiments.rollout.roll import BATCHED, MISS, Bench, roll
 from kvreplay.experiments.rollout.schema import MAX_SAMPLES
 from kvreplay.experiments.rollout.sides import recorded
@@ -114,7 +115,7 @@ class OwnStackResult:
 
     rows: list[dict[str, Any]]
     verdict: MismatchVerdict
-    claims: dict[str, Any] = field(default_factory=dict)
+    claims: dict[str, GroupClaims] = field(default_factory=dict)
 
 
 def audit_own_stack(

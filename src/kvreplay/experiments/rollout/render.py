@@ -11,6 +11,7 @@ from xml.etree import ElementTree
 
 from kvreplay.core.junit import xml_document
 from kvreplay.core.power import percent, rate_upper_bound
+from kvreplay.experiments.rollout.claims import plain
 from kvreplay.experiments.rollout.metrics import SequenceOutcome
 from kvreplay.experiments.rollout.section import count, dominance, number, trend_sentence
 from kvreplay.experiments.rollout.verdict import SCHEMA, MismatchVerdict
@@ -76,7 +77,7 @@ def mismatch_json(v: MismatchVerdict) -> dict[str, Any]:
         "rollout": v.rollout,
         "trainer": v.trainer,
         "sequences": [{**asdict(s), "bits_equal": s.bits_equal} for s in v.sequences],
-        "claims": v.claims,
+        "claims": plain(v.claims),
         "environment": v.environment,
     }
 
@@ -133,25 +134,25 @@ def mismatch_screen(v: MismatchVerdict) -> str:
         f"{numbers['kl_k3']:.3g}, largest |delta log p| {numbers['abs_logp_max']:.3g})"
     )
     for precision, c in v.claims.items():
-        scored = c["scorers"].get(v.trainer)
+        scored = c.scorers.get(v.trainer)
         if scored is not None:
-            m = scored["metrics"]
+            m = scored.metrics
             lines.append(
                 f"  {precision}: sequence ratio {number(m['seq_ratio_min'])} to "
                 f"{number(m['seq_ratio_max'])}; verl's default truncates "
                 f"{count(m['seq_truncated_verl'])} and TRL's masks {count(m['seq_masked_trl'])} "
                 f"of {count(m['sequences'])} sequences"
             )
-        d = c["decomposition"].get(v.trainer)
+        d = c.decomposition.get(v.trainer)
         if d is not None:
-            terms = d["terms"]
+            terms = d.split.terms
             lines.append(
-                f"  {precision}: mean |delta| engine {terms['engine']['abs_mean']:.3g}, "
-                f"cross {terms['cross']['abs_mean']:.3g} ({dominance(d['dominant'])})"
+                f"  {precision}: mean |delta| engine {terms['engine'].abs_mean:.3g}, "
+                f"cross {terms['cross'].abs_mean:.3g} ({dominance(d.split.dominant)})"
             )
-        steps = c.get("steps", {}).get(v.trainer)
+        steps = (c.steps or {}).get(v.trainer)
         if steps is not None:
-            lines.append(f"  {precision} by step: {trend_sentence(steps['trend'])}")
+            lines.append(f"  {precision} by step: {trend_sentence(steps.trend)}")
     for outcome in [s for s in v.sequences if not v.passes(s)][:10]:
         lines.append(f"  {outcome.key} ({outcome.precision}): {_why(outcome)}")
     return "\n".join(lines)

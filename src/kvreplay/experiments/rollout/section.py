@@ -16,11 +16,17 @@ steps, the mismatch by step with its trend. No torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.backends.rollout import OWN_PREFILL
-from kvreplay.core.claims import key
+from kvreplay.experiments.rollout.claims import (
+    GroupClaims,
+    Interval,
+    Lead,
+    RolloutClaims,
+    Term,
+    Trend,
+)
 from kvreplay.experiments.rollout.metrics import (
     COUNTS,
     DEFAULT_CAP,
@@ -31,11 +37,9 @@ from kvreplay.experiments.rollout.sides import rollouts
 from kvreplay.experiments.rollout.table import ROLLOUT_TABLE
 from kvreplay.experiments.rollout.tally import measure
 from kvreplay.harness.section import Page, Reading, Section
-from kvreplay.measure.rates import Json
 from kvreplay.render.document import Block, Heading, Paragraph
 from kvreplay.render.document import Table as Grid
 
-SECTION = "rollout_mismatch"
 TERMS = {
     "engine": "engine prefill - rollout decode (the stack's own live vs prefill)",
     "cross": "trainer prefill - engine prefill (kernels, precision, stack)",
@@ -64,22 +68,13 @@ SEQUENCE_HEADLINE = (
 )
 
 
-@dataclass(frozen=True)
-class RolloutClaims:
-    """The section's claims by precision (still plain JSON inside, as the one-pass tally
-    writes them: typing them is open, issue 52)."""
-
-    precisions: dict[str, Any] = field(metadata=key(SECTION))
-
-
-def rollout_claims(reading: Reading) -> Json:
-    """The section's part of claims.json: its claims by precision, the CSV read once, a
-    line at a time."""
+def rollout_claims(reading: Reading) -> RolloutClaims:
+    """The section's claims by group, the CSV read once, a line at a time."""
     (ledger,) = reading.ledgers.values()
-    return {SECTION: measure(rollouts(ledger.file, ledger.lines())).claims()}
+    return RolloutClaims(measure(rollouts(ledger.file, ledger.lines())).claims())
 
 
-def _ordered(mapping: Json) -> list[tuple[str, Any]]:
+def _ordered(mapping: dict[str, Any]) -> list[tuple[str, Any]]:
     """A claims mapping in the report's order, whatever order claims.json keeps its keys
     in: terms as :data:`TERMS` lists them, the engine first, the rest by name."""
     order = list(TERMS)
@@ -98,19 +93,20 @@ def number(value: Any) -> str:
     return "—" if value is None else f"{value:.3g}"
 
 
-def _ci(interval: list[float] | None) -> str:
+def _ci(interval: Interval | None) -> str:
     return "" if interval is None else f" [{interval[0]:.3g}, {interval[1]:.3g}]"
 
 
-def dominance(lead: Json) -> str:
+def dominance(lead: Lead) -> str:
     """Which term dominates, as a sentence says it: the one whose mean |delta| is larger,
     where the paired interval of the difference lies above 0, else neither."""
-    if "over" not in lead:
-        return f"the {lead['term']} term alone"
-    by = f"{number(lead['abs_mean_difference'])}{_ci(lead['ci95'])}"
-    if lead.get("decided"):
-        return f"the {lead['term']} term dominates by {by}"
-    return f"neither dominates: {lead['term']} exceeds {lead['over']} by {by}"
+    c = lead.comparison
+    if c is None:
+        return f"the {lead.term} term alone"
+    by = f"{number(c.abs_mean_difference)}{_ci(c.ci95)}"
+    if c.decided:
+        return f"the {lead.term} term dominates by {by}"
+    return f"neither dominates: {lead.term} exceeds {c.over} by {by}"
 
 
 def count(value: float | None) -> str:
@@ -122,14 +118,11 @@ def _temperature(value: float | None) -> str:
     return "unknown" if value is None else f"{value:g}"
 
 
-def summary_lines(claims: Json) -> list[str]:
-    section = claims.get(SECTION)
-    if not section:
-        return []
+def summary_lines(groups: dict[str, GroupClaims]) -> list[str]:
     lines = []
-    for precision, c in _ordered(section):
-        for scorer, s in _ordered(c["scorers"]):
-            m = s["metrics"]
+    for precision, c in _ordered(groups):
+        for scorer, s in _ordered(c.scorers):
+            m = s.metrics
             tokens, sequences = count(m["tokens"]), count(m["sequences"])
             above = None if m["ratio_above_cap"] is None else m["ratio_above_cap"] * m["tokens"]
             lines.append(
@@ -141,41 +134,38 @@ def summary_lines(claims: Json) -> list[str]:
                 f"{number(m['seq_ratio_max'])}, verl truncates {count(m['seq_truncated_verl'])} "
                 f"and TRL masks {count(m['seq_masked_trl'])} of {sequences} sequences"
             )
-        for trainer, d in _ordered(c["decomposition"]):
-            lead = d["dominant"]
-            terms = d["terms"]
+        for trainer, d in _ordered(c.decomposition):
+            terms = d.split.terms
             lines.append(
                 f"rollout {precision} -> {trainer}: mean |term| engine "
-                f"{number(terms['engine']['abs_mean'])}, cross {number(terms['cross']['abs_mean'])}"
-                f" ({dominance(lead)})"
+                f"{number(terms['engine'].abs_mean)}, cross {number(terms['cross'].abs_mean)}"
+                f" ({dominance(d.split.dominant)})"
             )
-        for control, d in _ordered(c["controls"]):
-            if d.get("tokens"):
-                term = d["terms"][d["term"]]
+        for control, d in _ordered(c.controls):
+            if d.split is not None:
+                term = d.split.terms[d.term]
                 lines.append(
-                    f"rollout {precision} {control}: {d['term']} term mean |dlogp| "
-                    f"{number(term['abs_mean'])}{_ci(term['abs_ci95'])} over {d['tokens']} tokens"
+                    f"rollout {precision} {control}: {d.term} term mean |dlogp| "
+                    f"{number(term.abs_mean)}{_ci(term.abs_ci95)} over {d.tokens} tokens"
                 )
-        for scorer, steps in _ordered(c.get("steps", {})):
-            lines.append(
-                f"rollout {precision} vs {scorer} by step: {trend_sentence(steps['trend'])}"
-            )
+        for scorer, steps in _ordered(c.steps or {}):
+            lines.append(f"rollout {precision} vs {scorer} by step: {trend_sentence(steps.trend)}")
     return lines
 
 
-def trend_sentence(trend: Json) -> str:
+def trend_sentence(trend: Trend) -> str:
     """The trend of the k3 KL over steps, as a line says it."""
-    if trend["steps"] < 2:
-        return f"{trend['steps']} step, no trend"
+    if trend.steps < 2:
+        return f"{trend.steps} step, no trend"
     head = (
-        f"k3 KL {number(trend['first'])} at the first of {trend['steps']} steps, "
-        f"{number(trend['last'])} at the last (Sen's slope "
-        f"{number(trend['slope_per_step'])} a step, "
-        f"Kendall's tau {trend['tau']:.2f}, one-sided p {number(trend['p_value'])})"
+        f"k3 KL {number(trend.first)} at the first of {trend.steps} steps, "
+        f"{number(trend.last)} at the last (Sen's slope "
+        f"{number(trend.slope_per_step)} a step, "
+        f"Kendall's tau {trend.tau:.2f}, one-sided p {number(trend.p_value)})"
     )
-    if trend["alarm"]:
+    if trend.alarm:
         return f"ALARM: the mismatch grows step over step: {head}"
-    return head + ("" if trend["steps"] >= 4 else "; 4 steps are needed for an alarm")
+    return head + ("" if trend.steps >= 4 else "; 4 steps are needed for an alarm")
 
 
 METHOD = (
@@ -198,119 +188,97 @@ METHOD = (
 
 
 def _report(page: Page[RolloutClaims]) -> list[Block]:
-    section = page.claims.precisions
-    if not section:
+    groups = page.claims.precisions
+    if not groups:
         return []
     blocks: list[Block] = [
         Heading("Rollout mismatch: does the trainer score the sampled tokens as the sampler did?"),
         Paragraph(METHOD),
     ]
-    for precision, c in _ordered(section):
-        blocks.append(
-            Paragraph(
-                f"Rollout stack at {precision}, temperature {_temperature(c['temperature'])}: "
-                f"{c['sequences']} sampled turns, {c['tokens']} tokens"
-                + (
-                    f", {c['kept_tokens']} of them kept by their masks."
-                    if "kept_tokens" in c
-                    else "."
-                )
-            )
-        )
-        blocks.append(
-            Grid(
-                ("scorer", *HEADLINE),
-                [
-                    (s, *(number(v["metrics"][k]) for k in HEADLINE))
-                    for s, v in _ordered(c["scorers"])
-                ],
-            )
-        )
-        blocks.append(
-            Grid(
-                ("scorer (per sequence)", *SEQUENCE_HEADLINE),
-                [
-                    (s, *(_metric(v["metrics"], k) for k in SEQUENCE_HEADLINE))
-                    for s, v in _ordered(c["scorers"])
-                ],
-            )
-        )
-        for scorer, steps in _ordered(c.get("steps", {})):
-            blocks.append(Paragraph(f"{scorer} by step: {trend_sentence(steps['trend'])}."))
-            blocks.append(
-                Grid(
-                    (f"{scorer}: step", "sequences", "tokens", "k3 KL", "mean |delta|",
-                     "verl truncates", "TRL masks"),
-                    [
-                        (str(r["step"]), str(r["sequences"]), str(r["tokens"]), number(r["kl_k3"]),
-                         number(r["abs_logp_mean"]), str(r["seq_truncated_verl"]),
-                         str(r["seq_masked_trl"]))
-                        for r in steps["by_step"]
-                    ],
-                )
-            )  # fmt: skip
-        rows = []
-        for trainer, d in _ordered(c["decomposition"]):
-            for name, term in [*_ordered(d["terms"]), ("total", d["total"])]:
-                rows.append(_term_row(trainer, name, term))
-        for control, d in _ordered(c["controls"]):
-            if d.get("tokens"):
-                rows.append(_term_row(control, d["term"], d["terms"][d["term"]]))
-            for trainer, chain in _ordered(d.get("chains", {})):
-                for name, term in _ordered(chain["terms"]):
-                    rows.append(_term_row(f"{control} -> {trainer}", name, term))
-        for trainer, d in _ordered(c["decomposition"]):
-            blocks.append(Paragraph(f"Decomposition of {trainer}: {dominance(d['dominant'])}."))
-        if rows:
-            blocks.append(
-                Grid(
-                    (
-                        "chain",
-                        "term",
-                        "mean delta [95% CI]",
-                        "mean |delta| [95% CI]",
-                        "max |delta|",
-                        "tokens moved",
-                    ),
-                    rows,
-                )
-            )
-        for scorer, s in _ordered(c["scorers"]):
-            if scorer == OWN_PREFILL and len(c["scorers"]) > 1:
-                continue
-            blocks.append(
-                Grid(
-                    (f"{scorer}: position (eighth)", "tokens", "mean |delta|", "large"),
-                    [
-                        (
-                            str(b["eighth"]),
-                            str(b["tokens"]),
-                            number(b["abs_logp_mean"]),
-                            str(b["large"]),
-                        )
-                        for b in s["by_position"]
-                    ],
-                )
-            )
-            blocks.append(
-                Grid(
-                    (f"{scorer}: top-1/top-2 gap", "tokens", "mean |delta|", "large"),
-                    [
-                        (
-                            _gap(b["margin_from"], b["margin_to"]),
-                            str(b["tokens"]),
-                            number(b["abs_logp_mean"]),
-                            str(b["large"]),
-                        )
-                        for b in s["by_margin"]
-                    ],
-                )
-            )
-            break
+    for precision, c in _ordered(groups):
+        blocks += _group_blocks(precision, c)
     return blocks
 
 
-def _metric(metrics: Json, name: str) -> str:
+def _group_blocks(precision: str, c: GroupClaims) -> list[Block]:
+    """One group's part of the report: its scorers' metrics, its steps, its
+    decompositions and controls, and where the first trainer's differences sit."""
+    kept = "." if c.kept_tokens is None else f", {c.kept_tokens} of them kept by their masks."
+    blocks: list[Block] = [
+        Paragraph(
+            f"Rollout stack at {precision}, temperature {_temperature(c.temperature)}: "
+            f"{c.sequences} sampled turns, {c.tokens} tokens" + kept
+        ),
+        Grid(
+            ("scorer", *HEADLINE),
+            [(s, *(number(v.metrics[k]) for k in HEADLINE)) for s, v in _ordered(c.scorers)],
+        ),
+        Grid(
+            ("scorer (per sequence)", *SEQUENCE_HEADLINE),
+            [
+                (s, *(_metric(v.metrics, k) for k in SEQUENCE_HEADLINE))
+                for s, v in _ordered(c.scorers)
+            ],
+        ),  # fmt: skip
+    ]
+    for scorer, steps in _ordered(c.steps or {}):
+        blocks.append(Paragraph(f"{scorer} by step: {trend_sentence(steps.trend)}."))
+        blocks.append(
+            Grid(
+                (f"{scorer}: step", "sequences", "tokens", "k3 KL", "mean |delta|",
+                 "verl truncates", "TRL masks"),
+                [(str(r.step), str(r.sequences), str(r.tokens), number(r.kl_k3),
+                  number(r.abs_logp_mean), str(r.seq_truncated_verl), str(r.seq_masked_trl))
+                 for r in steps.by_step],
+            )
+        )  # fmt: skip
+    for trainer, d in _ordered(c.decomposition):
+        blocks.append(Paragraph(f"Decomposition of {trainer}: {dominance(d.split.dominant)}."))
+    rows = _term_rows(c)
+    if rows:
+        header = ("chain", "term", "mean delta [95% CI]", "mean |delta| [95% CI]",
+                  "max |delta|", "tokens moved")  # fmt: skip
+        blocks.append(Grid(header, rows))
+    return blocks + _bin_grids(c)
+
+
+def _term_rows(c: GroupClaims) -> list[tuple[str, ...]]:
+    """Every term of the decompositions, the controls and the chains through them."""
+    rows = []
+    for trainer, d in _ordered(c.decomposition):
+        for name, term in [*_ordered(d.split.terms), ("total", d.split.total)]:
+            rows.append(_term_row(trainer, name, term))
+    for control, k in _ordered(c.controls):
+        if k.split is not None:
+            rows.append(_term_row(control, k.term, k.split.terms[k.term]))
+        for trainer, chain in _ordered(k.chains or {}):
+            for name, term in _ordered(chain.split.terms):
+                rows.append(_term_row(f"{control} -> {trainer}", name, term))
+    return rows
+
+
+def _bin_grids(c: GroupClaims) -> list[Block]:
+    """Where the first scorer other than the engine's own prefill differs: along the
+    sequence and by the scorer's top-1/top-2 gap."""
+    for scorer, s in _ordered(c.scorers):
+        if scorer == OWN_PREFILL and len(c.scorers) > 1:
+            continue
+        return [
+            Grid(
+                (f"{scorer}: position (eighth)", "tokens", "mean |delta|", "large"),
+                [(str(b.eighth), str(b.tokens), number(b.abs_logp_mean), str(b.large))
+                 for b in s.by_position],
+            ),
+            Grid(
+                (f"{scorer}: top-1/top-2 gap", "tokens", "mean |delta|", "large"),
+                [(_gap(b.margin_from, b.margin_to), str(b.tokens), number(b.abs_logp_mean),
+                  str(b.large)) for b in s.by_margin],
+            ),
+        ]  # fmt: skip
+    return []
+
+
+def _metric(metrics: dict[str, float | None], name: str) -> str:
     return count(metrics[name]) if name in COUNTS else number(metrics[name])
 
 
@@ -318,14 +286,14 @@ def _gap(low: float, high: float | None) -> str:
     return f"[{low:g}, {high:g})" if high is not None else f">= {low:g}"
 
 
-def _term_row(chain: str, name: str, term: Json) -> tuple[str, ...]:
+def _term_row(chain: str, name: str, term: Term) -> tuple[str, ...]:
     return (
         chain,
         name,
-        f"{number(term['mean'])}{_ci(term['ci95'])}",
-        f"{number(term['abs_mean'])}{_ci(term['abs_ci95'])}",
-        number(term["max_abs"]),
-        str(term["tokens_moved"]),
+        f"{number(term.mean)}{_ci(term.ci95)}",
+        f"{number(term.abs_mean)}{_ci(term.abs_ci95)}",
+        number(term.max_abs),
+        str(term.tokens_moved),
     )
 
 
@@ -333,7 +301,7 @@ ROLLOUT_SECTION = Section(
     "rollout",
     (ROLLOUT_TABLE,),
     RolloutClaims,
-    lambda reading: RolloutClaims(rollout_claims(reading)[SECTION]),
-    lambda claims: summary_lines({SECTION: claims.precisions}),
+    rollout_claims,
+    lambda claims: summary_lines(claims.precisions),
     report=_report,
 )

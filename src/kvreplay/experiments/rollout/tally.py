@@ -19,6 +19,7 @@ from typing import TypeVar
 import numpy as np
 
 from kvreplay.backends.rollout import OWN_PREFILL
+from kvreplay.experiments.rollout.claims import GroupClaims, typed
 from kvreplay.experiments.rollout.metrics import (
     EXP_LIMIT,
     SAFETY_BOUND,
@@ -307,8 +308,9 @@ class Measured:
     groups: dict[str, GroupTally]
     pooled: OutcomeTally | None = None
 
-    def claims(self) -> Json:
-        return {group: tally.claims() for group, tally in self.groups.items()}
+    def claims(self) -> dict[str, GroupClaims]:
+        """Each group's claims, as their types."""
+        return typed({group: tally.claims() for group, tally in self.groups.items()})
 
 
 def measure(rollouts: Iterable[Rollout], trainer: str | None = None) -> Measured:

@@ -24,6 +24,7 @@ from typing import Any
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.options import option
 from kvreplay.core.power import rate_upper_bound
+from kvreplay.experiments.rollout.claims import GroupClaims
 from kvreplay.experiments.rollout.metrics import SequenceOutcome
 from kvreplay.experiments.rollout.tally import Measured
 
@@ -149,7 +150,7 @@ class MismatchVerdict:
     kl_k3: float
     kl_k3_upper: float | None
     abs_logp_max: float
-    claims: dict[str, Any] = field(default_factory=dict)
+    claims: dict[str, GroupClaims] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -158,7 +159,7 @@ class MismatchVerdict:
         return [
             group
             for group, c in self.claims.items()
-            if c.get("steps", {}).get(self.trainer, {}).get("trend", {}).get("alarm")
+            if (steps := (c.steps or {}).get(self.trainer)) is not None and steps.trend.alarm
         ]
 
     @property

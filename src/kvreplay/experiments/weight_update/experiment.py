@@ -36,7 +36,12 @@ from kvreplay.core.items import Item, encode_prompt
 from kvreplay.core.options import option
 from kvreplay.core.rollout import Conversation, Sampling
 from kvreplay.experiments.weight_update.schema import MAX_TOKENS
-from kvreplay.experiments.weight_update.section import summary_lines, update_claims
+from kvreplay.experiments.weight_update.section import (
+    SECTION,
+    plain,
+    summary_lines,
+    update_claims,
+)
 from kvreplay.harness.experiment import Experiment, planned_keys
 from kvreplay.harness.panel import Panel
 from kvreplay.harness.rows import PanelRow
@@ -266,4 +271,4 @@ class WeightUpdateExperiment(Experiment):
             return {"experiment": self.name, "rows": 0}, "weight-update: no row completed"
         ledger = self.table.ledger(done, config)
         claims = update_claims(Reading({ledger.file: ledger}, done))
-        return {"experiment": self.name, **claims}, "\n".join(summary_lines(claims))
+        return {"experiment": self.name, SECTION: plain(claims)}, "\n".join(summary_lines(claims))

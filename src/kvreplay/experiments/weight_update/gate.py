@@ -8,13 +8,18 @@ it is. The check reaches it through the experiment's declaration."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from xml.etree import ElementTree
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.core.junit import xml_document
 from kvreplay.core.power import percent, rate_upper_bound
-from kvreplay.experiments.weight_update.section import stale_sentence, update_claims
+from kvreplay.experiments.weight_update.section import (
+    UpdateClaims,
+    plain,
+    stale_sentence,
+    update_claims,
+)
 from kvreplay.experiments.weight_update.table import UPDATE_TABLE, WEIGHT_UPDATE
 from kvreplay.harness.gate import GateRequest, GateRun, Judged
 from kvreplay.harness.section import Reading
@@ -37,7 +42,7 @@ class UpdateVerdict:
     stack: str
     items: int
     stale: int
-    claims: Json
+    claims: UpdateClaims
     environment: Json
 
     @property
@@ -54,7 +59,7 @@ def sentence(v: UpdateVerdict) -> str:
     what = f"{v.stack} updated to {v.weights}"
     if not v.items:
         return f"{head}: {what}: no item ran, so nothing was compared."
-    found = "; ".join(f"{p}: {stale_sentence(c)}" for p, c in sorted(v.claims.items()))
+    found = "; ".join(f"{p}: {stale_sentence(c)}" for p, c in sorted(v.claims.precisions.items()))
     bound = percent(rate_upper_bound(v.stale, v.items))
     power = (
         "" if v.stale else f"; the rate of stale syncs may still be up to {bound} (95% upper bound)"
@@ -73,7 +78,7 @@ def to_json(v: UpdateVerdict) -> Json:
         "items": v.items,
         "stale": v.stale,
         "rate_upper_95": rate_upper_bound(v.stale, v.items),
-        "claims": v.claims,
+        "claims": plain(v.claims),
         "environment": v.environment,
     }
 
@@ -81,17 +86,17 @@ def to_json(v: UpdateVerdict) -> Json:
 def junit(v: UpdateVerdict) -> str:
     """One test case per precision: its syncs left no stale cache."""
     suite = ElementTree.Element(
-        "testsuite", name="kvreplay check --update", tests=str(len(v.claims)),
+        "testsuite", name="kvreplay check --update", tests=str(len(v.claims.precisions)),
         failures=str(int(not v.holds)),
     )  # fmt: skip
-    for precision, c in sorted(v.claims.items()):
+    for precision, c in sorted(v.claims.precisions.items()):
         case = ElementTree.SubElement(
             suite, "testcase", classname="kvreplay.update", name=f"stale_cache.{precision}"
         )
-        stale = c["stale_cache"]
-        if stale["after_is_miss"] < stale["items"]:
+        if not c.stale_cache.holds:
             failure = ElementTree.SubElement(case, "failure", message=stale_sentence(c))
-            failure.text = json.dumps(stale["parted"], sort_keys=True)
+            parted = [asdict(p) for p in c.stale_cache.parted]
+            failure.text = json.dumps(parted, sort_keys=True)
     ElementTree.SubElement(suite, "system-out").text = sentence(v)
     return xml_document(suite)
 
@@ -122,12 +127,12 @@ class UpdateGate:
         environment: Json,
     ) -> Judged:
         done = [r for r in rows if r.experiment == WEIGHT_UPDATE and r.data["status"] == "ok"]
-        claims: Json = {}
+        claims = UpdateClaims({})
         if done:
             ledger = UPDATE_TABLE.ledger(done, config)
-            claims = update_claims(Reading({ledger.file: ledger}, done))["weight_update"]
-        items = sum(c["stale_cache"]["items"] for c in claims.values())
-        fine = sum(c["stale_cache"]["after_is_miss"] for c in claims.values())
+            claims = update_claims(Reading({ledger.file: ledger}, done))
+        items = sum(c.stale_cache.items for c in claims.precisions.values())
+        fine = sum(c.stale_cache.after_is_miss for c in claims.precisions.values())
         verdict = UpdateVerdict(request.spec, f"{stack}:{','.join(config['dtypes'])}", items,
                                 items - fine, claims, environment)  # fmt: skip
         text = sentence(verdict)

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.core.claims import key
+from kvreplay.core.claims import decode, encode, key
 from kvreplay.experiments.rollout import ChainTally, count, decomposition_claims, number, stream_of
+from kvreplay.experiments.rollout.claims import Decomposition
 from kvreplay.experiments.weight_update.table import TRAINED, UPDATE_TABLE
 from kvreplay.harness.section import Page, Reading, Section
 from kvreplay.harness.table import LedgerError
@@ -120,66 +121,113 @@ class PrecisionTally:
 
 
 @dataclass(frozen=True)
+class Parted:
+    """An item whose request after the sync was not the miss it must be."""
+
+    item: str
+    cached_tokens: int
+    tokens_equal: bool
+    first_differs: int | None
+
+
+@dataclass(frozen=True)
+class StaleCache:
+    """After each sync, was the request sent again the miss it must be, bit for bit?"""
+
+    items: int
+    after_is_miss: int
+    after_cached_tokens_max: int
+    parted: list[Parted]  # the first SHOWN of them
+
+    @property
+    def holds(self) -> bool:
+        return self.after_is_miss == self.items
+
+
+def _omitted() -> dict:
+    return key(omit=True)
+
+
+@dataclass(frozen=True)
+class PrecisionClaims:
+    """One precision's claims: the stale cache and the terms the update adds (each
+    absent where no arm measured it), and the in-flight term against each trainer."""
+
+    temperature: float
+    items: int
+    stale_cache: StaleCache
+    cross: dict[str, Decomposition]
+    inflight: Decomposition | None = field(default=None, metadata=_omitted())
+    engine: Decomposition | None = field(default=None, metadata=_omitted())
+    policy: Decomposition | None = field(default=None, metadata=_omitted())
+
+    def terms(self) -> list[tuple[str, Decomposition | None]]:
+        """The terms in :data:`TERMS` order."""
+        return [("inflight", self.inflight), ("engine", self.engine), ("policy", self.policy)]
+
+
+@dataclass(frozen=True)
 class UpdateClaims:
-    """The section's claims by precision (plain JSON inside, as the tallies write them:
-    typing them is open, issue 52)."""
+    """The section's claims by precision."""
 
-    precisions: dict[str, Any] = field(metadata=key(SECTION))
+    precisions: dict[str, PrecisionClaims] = field(metadata=key(SECTION))
 
 
-def update_claims(reading: Reading) -> Json:
-    """The section's part of claims.json, by precision."""
+def update_claims(reading: Reading) -> UpdateClaims:
+    """The section's claims by precision, the CSV read once, a line at a time."""
     (ledger,) = reading.ledgers.values()
     tallies: dict[str, PrecisionTally] = {}
     for arms in rows(ledger.file, ledger.lines()):
         precision = str(arms["after"]["precision"])
         tallies.setdefault(precision, PrecisionTally(precision)).add(arms)
-    return {SECTION: {p: t.claims() for p, t in tallies.items()}}
+    found = decode(UpdateClaims, {SECTION: {p: t.claims() for p, t in tallies.items()}})
+    return found or UpdateClaims({})
 
 
-def _term(claims: Json, term: str) -> str:
-    found = claims.get(term)
+def plain(claims: UpdateClaims) -> Json:
+    """The claims by precision as claims.json writes them (a check's --json too)."""
+    return encode(claims)[SECTION]
+
+
+def _term(term: str, found: Decomposition | None) -> str:
     if found is None:
         return f"{term} —"
-    t = found["terms"][term]
-    ci = t["abs_ci95"]
+    t = found.split.terms[term]
+    ci = t.abs_ci95
     interval = "" if ci is None else f" [{number(ci[0])}, {number(ci[1])}]"
-    return f"{term} {number(t['abs_mean'])}{interval} over {found['tokens']} tokens"
+    return f"{term} {number(t.abs_mean)}{interval} over {found.tokens} tokens"
 
 
-def stale_sentence(claims: Json) -> str:
+def stale_sentence(claims: PrecisionClaims) -> str:
     """What the stale-cache comparison found, as a line says it."""
-    s = claims["stale_cache"]
-    if s["after_is_miss"] == s["items"]:
+    s = claims.stale_cache
+    if s.holds:
         return (
-            f"after each sync the request was a miss, bit for bit, on {s['items']} of "
-            f"{s['items']} items (no cached token read)"
+            f"after each sync the request was a miss, bit for bit, on {s.items} of "
+            f"{s.items} items (no cached token read)"
         )
-    first = s["parted"][0]
+    first = s.parted[0]
     return (
-        f"STALE CACHE: after the sync {s['items'] - s['after_is_miss']} of {s['items']} items "
-        f"were not the miss they must be; first {first['item']}, which read "
-        f"{first['cached_tokens']} cached tokens and parted from the miss at token "
-        f"{first['first_differs']}"
+        f"STALE CACHE: after the sync {s.items - s.after_is_miss} of {s.items} items "
+        f"were not the miss they must be; first {first.item}, which read "
+        f"{first.cached_tokens} cached tokens and parted from the miss at token "
+        f"{first.first_differs}"
     )
 
 
-def summary_lines(claims: Json) -> list[str]:
-    section = claims.get(SECTION)
-    if not section:
-        return []
+def summary_lines(claims: UpdateClaims) -> list[str]:
     lines = []
-    for precision, c in sorted(section.items()):
+    for precision, c in sorted(claims.precisions.items()):
         lines.append(f"weight-update {precision}: {stale_sentence(c)}")
         lines.append(
             f"weight-update {precision}: mean |delta log p| "
-            + ", ".join(_term(c, term) for term in TERMS)
+            + ", ".join(_term(term, found) for term, found in c.terms())
         )
-        for label, d in sorted(c.get("cross", {}).items()):
-            inflight, cross = d["terms"]["inflight"], d["terms"]["cross"]
+        for label, d in sorted(c.cross.items()):
+            inflight, cross = d.split.terms["inflight"], d.split.terms["cross"]
             lines.append(
                 f"weight-update {precision} -> {label}: after the update, mean |term| in-flight "
-                f"{number(inflight['abs_mean'])}, cross {number(cross['abs_mean'])}"
+                f"{number(inflight.abs_mean)}, cross {number(cross.abs_mean)}"
             )
     return lines
 
@@ -209,12 +257,11 @@ def _report(page: Page[UpdateClaims]) -> list[Block]:
     for precision, c in sorted(section.items()):
         blocks.append(Paragraph(f"{precision}: {stale_sentence(c)}."))
         rows_ = []
-        for term in TERMS:
-            found = c.get(term)
+        for term, found in c.terms():
             if found is not None:
-                t = found["terms"][term]
-                rows_.append((term, number(t["mean"]), number(t["abs_mean"]),
-                              number(t["max_abs"]), count(found["tokens"])))  # fmt: skip
+                t = found.split.terms[term]
+                rows_.append((term, number(t.mean), number(t.abs_mean),
+                              number(t.max_abs), count(found.tokens)))  # fmt: skip
         if rows_:
             blocks.append(
                 Grid(("term", "mean delta", "mean |delta|", "max |delta|", "tokens"), rows_)
@@ -226,7 +273,7 @@ UPDATE_SECTION = Section(
     SECTION,
     (UPDATE_TABLE,),
     UpdateClaims,
-    lambda reading: UpdateClaims(update_claims(reading)[SECTION]),
-    lambda claims: summary_lines({SECTION: claims.precisions}),
+    update_claims,
+    summary_lines,
     report=_report,
 )
