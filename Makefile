@@ -113,14 +113,20 @@ demo: setup
 	.venv/bin/kvreplay demo --out $(DEMO_OUT)
 
 # The hf suite and the vLLM suite side by side, one thread each (tests/side_by_side.sh:
-# each log printed when both are done, either failing fails the target).
+# each log printed when all are done, any failing fails the target).
 test: setup setup-llamacpp setup-vllm
 	bash tests/side_by_side.sh \
 	  'OMP_NUM_THREADS=1 $(PY) -m pytest -q -rfE -p no:cacheprovider -m "not vllm"' \
 	  '$(MAKE) --no-print-directory test-vllm'
 
+# The vLLM suite in two halves side by side: the served tests (each starts a vllm serve)
+# and the in-process ones. vLLM pins an engine's threads to the first core on a small box
+# (VLLM_CPU_OMP_THREADS_BIND=auto reserves the rest), and a pinned in-process engine pins
+# its whole test process and the servers it starts: nobind lets the two halves use both.
 test-vllm: setup-vllm
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -rfE -m vllm -p no:cacheprovider
+	VLLM_CPU_OMP_THREADS_BIND=nobind bash tests/side_by_side.sh \
+	  'OMP_NUM_THREADS=1 $(VPY) -m pytest -q -rfE -m "vllm and slow" -p no:cacheprovider' \
+	  'OMP_NUM_THREADS=1 $(VPY) -m pytest -q -rfE -m "vllm and not slow" -p no:cacheprovider'
 
 test-fast: setup
 	$(PY) -m pytest -q -rfE -p no:cacheprovider -m "not slow and not ray and not browser and not vllm"
