@@ -114,9 +114,13 @@ demo: setup
 
 # The hf suite and the vLLM suite side by side, one thread each (tests/side_by_side.sh:
 # each log printed when all are done, any failing fails the target).
+# The hf suite runs in two halves too (the real models, llama.cpp servers, Ray and the
+# browser; the rest), so that no one suite is left running alone on one core.
+HEAVY := slow or ray or browser
 test: setup setup-llamacpp setup-vllm
 	bash tests/side_by_side.sh \
-	  'OMP_NUM_THREADS=1 $(PY) -m pytest -q -rfE -p no:cacheprovider -m "not vllm"' \
+	  'OMP_NUM_THREADS=1 $(PY) -m pytest -q -rfE -p no:cacheprovider -m "not vllm and ($(HEAVY))"' \
+	  'OMP_NUM_THREADS=1 $(PY) -m pytest -q -rfE -p no:cacheprovider -m "not vllm and not ($(HEAVY))"' \
 	  '$(MAKE) --no-print-directory test-vllm'
 
 # The vLLM suite in two halves side by side: the served tests (each starts a vllm serve)
@@ -129,14 +133,13 @@ test-vllm: setup-vllm
 	  'OMP_NUM_THREADS=1 $(VPY) -m pytest -q -rfE -m "vllm and not slow" -p no:cacheprovider'
 
 test-fast: setup
-	$(PY) -m pytest -q -rfE -p no:cacheprovider -m "not slow and not ray and not browser and not vllm"
+	$(PY) -m pytest -q -rfE -p no:cacheprovider -m "not vllm and not ($(HEAVY))"
 
 # The fast tests that compute with torch's CPU kernels (marked ``kernels`` by
 # tests/conftest.py): CI runs them again under the portable kernels
 # (ATEN_CPU_CAPABILITY=default), so that none holds on one family's bf16 rounding only.
 test-kernels: setup
-	$(PY) -m pytest -q -rfE -p no:cacheprovider \
-	  -m "kernels and not slow and not ray and not browser and not vllm"
+	$(PY) -m pytest -q -rfE -p no:cacheprovider -m "kernels and not vllm and not ($(HEAVY))"
 
 # The core install's tests, beside the servers of the suites they share (make test runs
 # them too when KVREPLAY_CORE_VENV names the core environment, as .ci/run does).

@@ -35,12 +35,14 @@ from kvreplay import LoadedModel, load_model  # noqa: E402
 
 SMOLLM2_CACHE = REPO / ".cache" / "kvreplay-test"
 
-# What computes with torch's CPU kernels, whose bf16 rounding differs by family: a test
-# using a model fixture (directly or through another), or a module that builds or loads a
-# model itself. These are marked ``kernels``; CI runs them again under the portable
-# kernels (make test-kernels), the rest (parsing, refusals, servers, llama.cpp) once.
+# What computes in half precision with torch's CPU kernels, whose bf16 rounding differs by
+# family: a test using a model fixture (directly or through another), or a module that
+# builds or loads a model itself, where the module computes in bf16 or fp16. These are
+# marked ``kernels``; CI runs them again under the portable kernels (make test-kernels),
+# the rest (fp32 alone, parsing, refusals, servers, llama.cpp) once.
 MODEL_FIXTURES = frozenset({"tiny_dirs", "tiny_lm", "smollm2"})
 MODEL_CALLS = ("save_tiny", "drift_qwen2", "load_model", "import torch")
+HALF = ("bf16", "bfloat16", "fp16", "float16", "drift_qwen2")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -49,7 +51,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.path not in texts:
             texts[item.path] = item.path.read_text()
         fixtures = set(getattr(item, "fixturenames", ()))
-        if fixtures & MODEL_FIXTURES or any(call in texts[item.path] for call in MODEL_CALLS):
+        text = texts[item.path]
+        model = fixtures & MODEL_FIXTURES or any(call in text for call in MODEL_CALLS)
+        if model and any(half in text for half in HALF):
             item.add_marker("kernels")
 
 
