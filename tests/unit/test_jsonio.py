@@ -76,6 +76,11 @@ FAST_CASES = [
     (b'{"a": NaN}', "NaN is not a JSON number"),
     (b'{"a": "\\ud800"}', "lone surrogate"),
     (b"[" * 70 + b"]" * 70, "nested deeper than 64 levels"),
+    # one object of lists and scalars, settled by counting its keys
+    (b'{"a": [1, 2], "b": "x:y", "a": [3]}', "names the key 'a' twice"),
+    (b'{"u": "http://x", "v": [1], "w": ""}', None),
+    (b'{"e1": [1], "e2": [2], "step": 3, "stp": 4}', None),  # alike once digits are gone
+    (b'{"a": ' + b"[" * 70 + b"]" * 70 + b"}", "nested deeper than 64 levels"),
 ]
 
 
