@@ -144,10 +144,6 @@ class StaleCache:
         return self.after_is_miss == self.items
 
 
-def _omitted() -> dict:
-    return key(omit=True)
-
-
 @dataclass(frozen=True)
 class PrecisionClaims:
     """One precision's claims: the stale cache and the terms the update adds (each
@@ -157,9 +153,9 @@ class PrecisionClaims:
     items: int
     stale_cache: StaleCache
     cross: dict[str, Decomposition]
-    inflight: Decomposition | None = field(default=None, metadata=_omitted())
-    engine: Decomposition | None = field(default=None, metadata=_omitted())
-    policy: Decomposition | None = field(default=None, metadata=_omitted())
+    inflight: Decomposition | None = field(default=None, metadata=key(omit=True))
+    engine: Decomposition | None = field(default=None, metadata=key(omit=True))
+    policy: Decomposition | None = field(default=None, metadata=key(omit=True))
 
     def terms(self) -> list[tuple[str, Decomposition | None]]:
         """The terms in :data:`TERMS` order."""
