@@ -19,10 +19,6 @@ Interval = list[float]
 """A 95% interval, [low, high]."""
 
 
-def _omitted() -> dict:
-    return key(omit=True)
-
-
 @dataclass(frozen=True)
 class Term:
     """One term of a decomposition (or its total): the per-token mean of delta, signed
@@ -84,8 +80,8 @@ class Control:
     sequences: int
     tokens: int
     split: Split | None = field(default=None, metadata=key(flatten=True, omit=True))
-    cached_tokens: dict[str, list[int | None]] | None = field(default=None, metadata=_omitted())
-    chains: dict[str, Decomposition] | None = field(default=None, metadata=_omitted())
+    cached_tokens: dict[str, list[int | None]] | None = field(default=None, metadata=key(omit=True))
+    chains: dict[str, Decomposition] | None = field(default=None, metadata=key(omit=True))
 
 
 @dataclass(frozen=True)
@@ -157,8 +153,8 @@ class Trend:
     p_value: float | None
     slope_per_step: float | None
     alarm: bool
-    first: float | None = field(default=None, metadata=_omitted())
-    last: float | None = field(default=None, metadata=_omitted())
+    first: float | None = field(default=None, metadata=key(omit=True))
+    last: float | None = field(default=None, metadata=key(omit=True))
 
 
 @dataclass(frozen=True)
@@ -185,10 +181,12 @@ class GroupClaims:
     scorers: dict[str, Scorer]
     decomposition: dict[str, Decomposition]
     controls: dict[str, Control]
-    kept_tokens: int | None = field(default=None, metadata=_omitted())
-    logprobs: dict[str, list[Mode]] | None = field(default=None, metadata=_omitted())
-    steps: dict[str, Steps] | None = field(default=None, metadata=_omitted())
-    environments: dict[str, dict[str, StepCounts]] | None = field(default=None, metadata=_omitted())
+    kept_tokens: int | None = field(default=None, metadata=key(omit=True))
+    logprobs: dict[str, list[Mode]] | None = field(default=None, metadata=key(omit=True))
+    steps: dict[str, Steps] | None = field(default=None, metadata=key(omit=True))
+    environments: dict[str, dict[str, StepCounts]] | None = field(
+        default=None, metadata=key(omit=True)
+    )
 
 
 @dataclass(frozen=True)
