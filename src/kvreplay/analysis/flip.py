@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,7 +102,7 @@ def risk_table(
 def audit_order(risks: np.ndarray, row_ids: Sequence[str]) -> np.ndarray:
     """Row positions, riskiest first; equal risks in ascending row id, so the audit
     set does not depend on the order in which workers appended rows."""
-    return np.lexsort((np.asarray(row_ids), -np.asarray(risks, dtype=np.float64)))
+    return np.lexsort((np.asarray(row_ids, dtype=str), -np.asarray(risks, dtype=np.float64)))
 
 
 def audited_rows(n: int, share: float = AUDIT_SHARE) -> int:
@@ -184,6 +184,31 @@ def audit_catch(
     )
 
 
+def auc_resampler(risks: np.ndarray, labels: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """:func:`resampled_auc` of these rows for any index matrix, the rows grouped by
+    their distinct risks once (not once a block)."""
+    values, which = np.unique(risks, return_inverse=True)
+    order = np.argsort(which, kind="stable")
+    starts = np.searchsorted(which[order], np.arange(values.size))
+    positive, negative = labels[order].astype(np.float64), (~labels[order]).astype(np.float64)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+
+    def resampled(indices: np.ndarray) -> np.ndarray:
+        block, n = indices.shape
+        cells = (rank[indices] + n * np.arange(block)[:, None]).ravel()
+        counts = np.bincount(cells, minlength=block * n).reshape(block, n)
+        at_pos = np.add.reduceat(counts * positive, starts, axis=1)
+        at_neg = np.add.reduceat(counts * negative, starts, axis=1)
+        below_neg = np.cumsum(at_neg, axis=1) - at_neg
+        wins = (at_pos * (below_neg + 0.5 * at_neg)).sum(axis=1)
+        pairs = at_pos.sum(axis=1) * at_neg.sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(pairs > 0, wins / pairs, np.nan)
+
+    return resampled
+
+
 def resampled_auc(risks: np.ndarray, labels: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """Mann-Whitney AUC of each resample in a (block, n) index matrix, NaN where a class is empty.
 
@@ -194,19 +219,7 @@ def resampled_auc(risks: np.ndarray, labels: np.ndarray, indices: np.ndarray) ->
     negatives. Every term is a whole or half count, so the sums are exact, whatever
     their order.
     """
-    block, n = indices.shape
-    counts = np.bincount((indices + n * np.arange(block)[:, None]).ravel(), minlength=block * n)
-    counts = counts.reshape(block, n).astype(np.float64)
-    values, which = np.unique(risks, return_inverse=True)
-    order = np.argsort(which, kind="stable")
-    starts = np.searchsorted(which[order], np.arange(values.size))
-    at_pos = np.add.reduceat((counts * labels)[:, order], starts, axis=1)
-    at_neg = np.add.reduceat((counts * ~labels)[:, order], starts, axis=1)
-    below_neg = np.cumsum(at_neg, axis=1) - at_neg
-    wins = (at_pos * (below_neg + 0.5 * at_neg)).sum(axis=1)
-    pairs = at_pos.sum(axis=1) * at_neg.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(pairs > 0, wins / pairs, np.nan)
+    return auc_resampler(risks, labels)(indices)
 
 
 def resampled_catch_share(
@@ -296,14 +309,10 @@ class FlipPanel:
 
     section: str
     precision: str
-    row_ids: tuple[str, ...]
+    rows: int
     labels: np.ndarray
     stream: int
     results: tuple[ScoreResult, ...]
-
-    @property
-    def rows(self) -> int:
-        return len(self.row_ids)
 
     @property
     def divergent(self) -> int:
@@ -416,9 +425,7 @@ def score_panel(
         auc = mann_whitney_auc(risks, labels)
         catch = audit_catch(risks, order, labels, audited)
         auc_ci = (
-            row_bootstrap_ci(lambda idx, r=risks: resampled_auc(r, labels, idx), n, stream)
-            if auc is not None
-            else None
+            row_bootstrap_ci(auc_resampler(risks, labels), n, stream) if auc is not None else None
         )
         catch_ci = (
             row_bootstrap_ci(
@@ -428,4 +435,4 @@ def score_panel(
             else None
         )
         results.append(ScoreResult(score, auc, auc_ci, catch, catch_ci))
-    return FlipPanel(section, precision, tuple(row_ids), labels, stream, tuple(results))
+    return FlipPanel(section, precision, n, labels, stream, tuple(results))

@@ -54,12 +54,17 @@ def optional(kind: Kind) -> Kind:
 @dataclass(frozen=True)
 class Field:
     """A column as analysis reads it. ``since`` is the CSV schema version that added it:
-    a run renders the columns of the version its config records (design: schema version)."""
+    a run renders the columns of the version its config records (design: schema version).
+    A column that is not ``held`` is read and checked on every line (its kind, the
+    table's line checks) but not kept once its line is checked: what no claim reads
+    (a digest whose agreement a flag states, a per-layer list only the report draws)
+    does not grow analysis with the rows (read it again with :meth:`Ledger.lines`)."""
 
     name: str
     kind: Kind
     use: Use = "required"
     since: int = 1
+    held: bool = True
 
     def __post_init__(self) -> None:
         # a CSV of an earlier version lacks the column, so analysis cannot require it

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import re
+import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ class Table:
         """The schema version of a new run: the latest that added a column."""
         return max(column.since for column in self.columns)
 
+    def kind(self, column: str) -> Kind:
+        """A column's kind, by name."""
+        return next(c.kind for c in self.columns if c.name == column)
+
     def matches(self, file_name: str) -> bool:
         return self._pattern.fullmatch(file_name) is not None
 
@@ -119,12 +124,13 @@ class Table:
     def ledger(self, rows: list[Record], config: Mapping[str, Any]) -> Ledger:
         """The ledger analysis reads from the CSV of these rows."""
         name = self.csv_name(config)
+
+        def reread() -> Iterator[list[str]]:
+            return _rows_of(csv_reader(self.csv_lines(rows, config)))
+
         if not self.held:
-            return Ledger.streamed(
-                name, self, lambda: _rows_of(csv_reader(self.csv_lines(rows, config)))
-            )
-        lines = csv_reader(self.csv_lines(rows, config))
-        return parse_ledger(name, (line for line in lines if line), self)
+            return Ledger.streamed(name, self, reread)
+        return parse_ledger(name, reread(), self, reread)
 
     def _written(self, version: int) -> list[Column[Any]]:
         return [c for c in self.columns if isinstance(c, Column) and c.since <= version]
@@ -142,26 +148,31 @@ class LedgerError(KvreplayError, ValueError):
         self.file, self.row_id, self.field, self.problem = file, row_id, field, problem
 
 
+Reread = Callable[[], Iterator[list[str]]]
+"""A ledger's CSV lines, read again from where they came (its file, or a run's rows)."""
+
+
 @dataclass(frozen=True)
 class Ledger:
     """One validated CSV as typed numpy columns (optional numbers hold NaN when empty),
-    with the table it was read as; of a table that is not held, no column but its
-    lines, read again whenever asked (``reread``)."""
+    of its held columns only (a digest column holds each digest's 32 bytes), with the
+    table it was read as and how to read its lines again (``reread``): of a table that
+    is not held that is all it has."""
 
     file: str
     table: Table
     row_ids: np.ndarray
     columns: Mapping[str, np.ndarray]
-    reread: Callable[[], Iterator[list[str]]] | None = None
+    reread: Reread | None = None
 
     @classmethod
-    def streamed(cls, file: str, table: Table, reread: Callable[[], Iterator[list[str]]]) -> Ledger:
+    def streamed(cls, file: str, table: Table, reread: Reread) -> Ledger:
         return cls(file, table, np.empty(0, dtype=object), {}, reread)
 
     def lines(self) -> Iterator[dict[str, Any]]:
-        """A table that is not held: its lines, typed and checked as they are read; a
-        defect raises :class:`LedgerError` naming file, row and field."""
-        assert self.reread is not None, f"{self.file} is held: read its columns"
+        """Its lines again, every column typed (held or not) and checked as they are
+        read; a defect raises :class:`LedgerError` naming file, row and field."""
+        assert self.reread is not None, f"{self.file} was not read from lines"
         return checked_lines(self.file, self.reread(), self.table)
 
     def __len__(self) -> int:
@@ -176,7 +187,7 @@ class Ledger:
     def select(self, mask: np.ndarray) -> Ledger:
         """Rows where mask is true, in file order."""
         columns = {k: v[mask] for k, v in self.columns.items()}
-        return Ledger(self.file, self.table, self.row_ids[mask], columns)
+        return Ledger(self.file, self.table, self.row_ids[mask], columns)  # no lines: a part
 
     def require(self, ok: np.ndarray, column: str, problem: str) -> None:
         """Fail closed on the first row where ok is false."""
@@ -186,9 +197,11 @@ class Ledger:
 
 
 # How each kind of column is held while a CSV streams in (array typecodes hold a value
-# in 8 bytes, a list a Python object), and the numpy dtype it ends as. Text stays Python
-# strings in an object array: a fixed-width string array would hold every value at the
-# longest one's width, four bytes a character (256 bytes a digest).
+# in 8 bytes or less, a list a Python object), and the numpy dtype it ends as. A digest
+# is held as its 32 bytes (a Python string of its hex would take 113). Other text stays
+# Python strings in an object array, each distinct value once (a precision or backend is
+# one string for every row): a fixed-width string array would hold every value at the
+# longest one's width, four bytes a character.
 _BUFFERS: dict[str, tuple[str | None, Any]] = {
     "bool": ("b", bool),
     "int": ("q", np.int64),
@@ -196,6 +209,7 @@ _BUFFERS: dict[str, tuple[str | None, Any]] = {
     "float": ("d", np.float64),
     "optional_float": ("d", np.float64),
 }
+DIGEST = np.dtype("S32")
 
 
 class _Column:
@@ -204,12 +218,20 @@ class _Column:
     def __init__(self, kind: Kind) -> None:
         self.kind = kind
         code, self.dtype = _BUFFERS.get(kind, (None, object))
-        self.values: Any = array(code) if code else []
+        if kind == "sha256":
+            self.dtype, self.values = DIGEST, bytearray()
+        else:
+            self.values = array(code) if code else []
 
-    def append(self, text: str) -> None:
-        self.values.append(parse_cell(self.kind, text))
+    def append(self, value: Any) -> None:
+        if self.dtype is DIGEST:
+            self.values += bytes.fromhex(value)
+        else:
+            self.values.append(sys.intern(value) if type(value) is str else value)
 
     def finish(self) -> np.ndarray:
+        if self.dtype is DIGEST:
+            return np.frombuffer(bytes(self.values), dtype=DIGEST)
         if self.dtype is object:
             return self.strings(self.values)
         return np.array(self.values, dtype=self.dtype)
@@ -263,7 +285,7 @@ def read_ledger(path: Path, table: Table) -> Ledger:
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:
             lines = (line for line in csv_reader(handle) if line)
-            return parse_ledger(path.name, lines, table)
+            return parse_ledger(path.name, lines, table, lambda: _file_rows(path))
     except UnicodeDecodeError:
         raise LedgerError(path.name, "the file is not UTF-8 text") from None
     except (OSError, csv.Error) as error:
@@ -354,39 +376,42 @@ def checked_lines(name: str, lines: Iterable[list[str]], table: Table) -> Iterat
         yield typed
 
 
-def parse_ledger(name: str, lines: Iterable[list[str]], table: Table) -> Ledger:
+def parse_ledger(
+    name: str, lines: Iterable[list[str]], table: Table, reread: Reread | None = None
+) -> Ledger:
     """Validate a CSV's lines as ``table``: its required columns, and its optional ones
     where present; any defect raises LedgerError naming ``name``. The lines are read
-    one at a time into typed columns."""
-    kinds, rows = _rows(name, lines, table)
-    columns = {column: _Column(kind) for column, kind in kinds.items()}
+    and checked one at a time, and only the held columns kept (``reread``: how to read
+    the lines again)."""
+    held = {c.name for c in table.columns if c.held and c.name != "row_id"}
+    columns: dict[str, _Column] | None = None
     row_ids: list[str] = []
-    for row_id, cells in rows:
+    for typed in checked_lines(name, lines, table):
+        if columns is None:  # the columns this CSV has, from its first line
+            columns = {c: _Column(table.kind(c)) for c in typed if c in held}
         for column, values in columns.items():
-            _read(name, row_id, column, values.append, cells[column])
-        row_ids.append(row_id)
+            values.append(typed[column])
+        row_ids.append(typed["row_id"])
     ledger = Ledger(
         name,
         table,
         _Column.strings(row_ids),
-        {column: values.finish() for column, values in columns.items()},
+        {column: values.finish() for column, values in (columns or {}).items()},
+        reread,
     )
     for check in table.checks:
         check(ledger)
     return ledger
 
 
-def check_equal_flag(flag: str, left: str, right: str, *, equal: bool = True) -> Check:
-    """Gate: a boolean column must say whether two hash columns agree."""
+def check_equal_flag(flag: str, left: str, right: str, *, equal: bool = True) -> LineCheck:
+    """Gate on each line: a boolean column must say whether two hash columns agree."""
     relation = "are equal" if equal else "differ"
 
-    def check(ledger: Ledger) -> None:
-        truth = (ledger[left] == ledger[right]) == equal
-        ledger.require(
-            ledger[flag] == truth,
-            flag,
-            f"it must be true exactly when {left} and {right} {relation}",
-        )
+    def check(line: Mapping[str, Any], _first: Mapping[str, Any]) -> tuple[str, str] | None:
+        if line[flag] == ((line[left] == line[right]) == equal):
+            return None
+        return flag, f"it must be true exactly when {left} and {right} {relation}"
 
     return check
 

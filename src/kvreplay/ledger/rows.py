@@ -4,6 +4,7 @@ each row's place, key, row hash and head, and reads rows again by their place.""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from array import array
@@ -198,8 +199,8 @@ class RunRows:
         """These rows, in this order. Their lines passed the strict reader and the chain
         check in this very file (its stamp says so), so they are parsed by json alone,
         and their row hashes are not computed again."""
-        rows = list(rows)
-        if not rows:
+        rows = iter(rows)  # not a list: a pass over every row holds one of them at a time
+        if (first := next(rows, None)) is None:
             return  # nothing to read: rows.jsonl is not opened (it may not be a file at all)
         if _stamp(self.path) != self.stamp:
             raise TamperedLedger(f"{self.path} changed after its rows were checked.")
@@ -208,7 +209,7 @@ class RunRows:
         except OSError as exc:
             raise TamperedLedger(f"{self.path} cannot be read again ({exc.strerror}).") from exc
         with handle:
-            for at in rows:
+            for at in itertools.chain((first,), rows):
                 handle.seek(at.offset)
                 record = Record(**json.loads(handle.readline()))
                 record.__dict__["row_sha256"] = at.row_sha256  # the cached property
@@ -217,7 +218,7 @@ class RunRows:
             raise TamperedLedger(f"{self.path} changed while it was read.")
 
     def __iter__(self) -> Iterator[Record]:
-        return self.read(list(self._chosen()))
+        return self.read(self._chosen())
 
     def heads(self) -> Iterator[RowHead]:
         """These rows' heads, from the index: rows.jsonl is not read again."""

@@ -17,10 +17,12 @@ from numpy.typing import ArrayLike
 BOOTSTRAP_SEED = 20260728
 BOOTSTRAP_REPLICATES = 20_000
 BOOTSTRAP_BLOCK = 1_000
-# The most row indices one resample matrix holds (16 MiB of int64): a block of 1,000
+# The most row indices one resample matrix holds (2 MiB of int64): a block of 1,000
 # resamples of a million rows would take 7.45 GiB, and a statistic makes a few copies
-# of it (counts, each class's weights), so this bounds analysis memory at any size.
-MAX_BLOCK_CELLS = 1 << 21
+# of it (counts, each class's weights), so this bounds analysis memory at any size. It
+# is reached from 263 rows on, so a bootstrap holds as much for a panel of 1,000 rows as
+# for one of a million (analysis memory flat in the rows), and changes no draw.
+MAX_BLOCK_CELLS = 1 << 18
 MATRIX_WILSON_Z = 1.96
 TRANSPLANT_WILSON_Z = 1.959963984540054
 

@@ -6,7 +6,7 @@ the cheap risks the ROC draws, never the bootstrap."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ class PanelRows:
 
     section: str
     precision: str
-    row_ids: list[str]
+    row_ids: np.ndarray
     risks: np.ndarray
     labels: np.ndarray
     stream: int
@@ -68,21 +68,6 @@ def _left_margins(data: dict[str, Any]) -> list[float] | None:
         return None
 
 
-def matrix_risks(records: Iterable[Record]) -> dict[tuple[str, str, str], Sequence[float] | None]:
-    """Each completed matrix row's risk under every score, from its left-arm margins
-    (None where a row holds none), keyed by (experiment, item, precision): all the
-    predictor keeps of a row is a few doubles, so its memory does not grow with the
-    suffixes' length."""
-    experiments = {design.table.experiment for design in MATRIX_DESIGNS}
-    found: dict[tuple[str, str, str], Sequence[float] | None] = {}
-    for r in records:
-        if r.experiment in experiments and r.data.get("status") == "ok" and "arms" in r.data:
-            margins = _left_margins(r.data)
-            key = (r.experiment, r.data["item_id"], r.data["precision"])
-            found[key] = None if margins is None else row_risks(margins)
-    return found
-
-
 def panel_rows(
     runs: Iterable[Record] | None, ledgers: Mapping[str, Ledger]
 ) -> tuple[list[PanelRows], str | None]:
@@ -90,25 +75,45 @@ def panel_rows(
     rows as in the CSV, so counts match the claims; or none, and why it is skipped."""
     if runs is None:
         return [], SKIP_NO_ROWS
-    records = matrix_risks(runs)
-    panels = []
+    panels: dict[tuple[str, str], PanelRows] = {}
     for index, design in enumerate(MATRIX_DESIGNS):
         if (ledger := ledgers.get(design.table.file)) is None:
             continue
-        experiment = design.table.experiment
         for offset, precision in enumerate(sorted(dict.fromkeys(ledger["precision"].tolist()))):
             rows = ledger.select(ledger["precision"] == precision)
-            row_ids = [str(r) for r in rows.row_ids]
-            risks = np.empty((len(row_ids), len(SCORES)))
-            for at, row_id in enumerate(row_ids):
-                found = records.get((str(experiment), row_id, precision))
-                if found is None:
-                    return [], SKIP_NO_MARGINS.format(row=f"{experiment}/{row_id}/{precision}")
-                risks[at] = found
+            risks = np.empty((len(rows), len(SCORES)))
             stream = FLIP_STREAM_BASE + 10 * index + offset
-            labels = ~rows["suffix_equal"]
-            panels.append(PanelRows(design.section, precision, row_ids, risks, labels, stream))
-    return panels, None
+            panels[(str(design.table.experiment), precision)] = PanelRows(
+                design.section, precision, rows.row_ids, risks, ~rows["suffix_equal"], stream
+            )
+    if (missing := _fill_risks(runs, panels)) is not None:
+        return [], SKIP_NO_MARGINS.format(row=missing)
+    return list(panels.values()), None
+
+
+def _fill_risks(records: Iterable[Record], panels: dict[tuple[str, str], PanelRows]) -> str | None:
+    """Each panel row's risks, from its row's left-arm margins, in one pass over the rows.
+    A panel's CSV lines are its completed rows in ledger order (analysis checked that the
+    CSV derives from rows.jsonl), so a cursor per panel pairs them: all the predictor
+    keeps of a row is a few doubles, so its memory does not grow with the suffixes'
+    length, nor by a key for every row. The first panel row without margins (its key),
+    or None."""
+    filled = dict.fromkeys(panels, 0)
+    for r in records:
+        at = (r.experiment, r.data.get("precision"))
+        if at not in panels or r.data.get("status") != "ok" or r.data.get("kind") == "prefix":
+            continue
+        panel, i = panels[at], filled[at]  # type: ignore[index]
+        if i == len(panel.row_ids) or r.data["item_id"] != panel.row_ids[i]:
+            continue  # a row the CSV leaves out (an item unreached at another precision)
+        if (margins := _left_margins(r.data)) is None:
+            return f"{r.experiment}/{panel.row_ids[i]}/{panel.precision}"
+        panel.risks[i] = row_risks(margins)
+        filled[at] = i + 1  # type: ignore[index]
+    for (experiment, precision), panel in panels.items():
+        if (i := filled[(experiment, precision)]) < len(panel.row_ids):
+            return f"{experiment}/{panel.row_ids[i]}/{precision}"
+    return None
 
 
 def analyze_flip(runs: Iterable[Record] | None, ledgers: Mapping[str, Ledger]) -> FlipAnalysis:

@@ -115,8 +115,8 @@ BRIDGE_TABLE = Table(
     COLUMNS,
     BRIDGE,
     reached_lines(COMPARED),
-    checks=(
-        _check_lengths,
+    checks=(_check_lengths,),
+    line_checks=(
         check_equal_flag(
             "live_teacher_suffix_exact", "live_suffix_sha256", "teacher_suffix_sha256"
         ),

@@ -122,6 +122,6 @@ HISTORY_TABLE = Table(
     HISTORY,
     reached_lines(COMPARED),
     ("precision", "row_id"),
-    (check_equal_flag("suffix_equal", "hit_suffix_sha256", "miss_suffix_sha256"),),
     marker="backend",
+    line_checks=(check_equal_flag("suffix_equal", "hit_suffix_sha256", "miss_suffix_sha256"),),
 )

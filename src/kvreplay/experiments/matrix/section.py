@@ -581,12 +581,25 @@ def _figure_first_divergence(page: Page[MatrixClaims]) -> Path | None:
     return page.figures.save(figure, "first_divergence.png")
 
 
+def _layer_drift(ledger: Ledger) -> dict[str, np.ndarray]:
+    """Each precision's relative L2 by layer (a row per row), read again from the
+    ledger's lines: analysis holds no column of it; none where its CSV has no such
+    column (the paper's CSVs, a served run's)."""
+    drift: dict[str, list[list[float]]] = {}
+    for line in ledger.lines():
+        if line.get(LAYER_DRIFT) is None:
+            return {}
+        drift.setdefault(line["precision"], []).append(line[LAYER_DRIFT])
+    return {precision: np.array(rows) for precision, rows in drift.items()}
+
+
 def _figure_layer_drift(page: Page[MatrixClaims]) -> tuple[Path | None, str]:
     """Median relative L2 by layer, per precision, on a log axis; a note on what was left out."""
     with_layers = [
-        (design, ledger)
+        (design, drift)
         for design in MATRIX_DESIGNS
-        if (ledger := page.ledgers.get(design.table.file)) is not None and LAYER_DRIFT in ledger
+        if (ledger := page.ledgers.get(design.table.file)) is not None
+        and (drift := _layer_drift(ledger))
     ]
     if not with_layers:
         return None, (
@@ -595,9 +608,8 @@ def _figure_layer_drift(page: Page[MatrixClaims]) -> tuple[Path | None, str]:
         )
     figure, axes = page.figures.panels(len(with_layers))
     exact_layers = 0
-    for ax, (design, ledger) in zip(axes, with_layers, strict=True):
-        for precision in dict.fromkeys(ledger["precision"].tolist()):
-            drift = np.stack(ledger[LAYER_DRIFT][ledger["precision"] == precision])
+    for ax, (design, by_precision) in zip(axes, with_layers, strict=True):
+        for precision, drift in by_precision.items():
             layer_median = np.median(drift, axis=0)
             exact_layers += int(np.count_nonzero(layer_median <= 0))
             layers = np.arange(layer_median.size)

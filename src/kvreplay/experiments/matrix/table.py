@@ -8,8 +8,10 @@ engine's measures."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +26,7 @@ from kvreplay.harness.columns import (
     written,
 )
 from kvreplay.harness.rows import ArmResult, PanelRow, replica_name
-from kvreplay.harness.table import Check, Ledger, LedgerError, Table, check_equal_flag
+from kvreplay.harness.table import Ledger, LedgerError, LineCheck, Table, check_equal_flag
 from kvreplay.harness.units import UnitKey
 from kvreplay.ledger import Record, heads
 
@@ -54,7 +56,10 @@ def _replica_columns(left: str) -> list[Column[Line]]:
 
 
 def _suffix_sha256(name: str, arm: str) -> Column[Line]:
-    return Column(f"{name}_suffix_sha256", "sha256", get=lambda x: x.row.arms[arm].suffix_sha256)
+    """A suffix digest: its agreements are the flags the line checks hold to it."""
+    return Column(
+        f"{name}_suffix_sha256", "sha256", held=False, get=lambda x: x.row.arms[arm].suffix_sha256
+    )
 
 
 def _label(name: str, kind: Kind = "bool") -> Column[Line]:
@@ -81,7 +86,7 @@ def matrix_columns(left: str, paper_l2: bool) -> list[Column[Line]]:
     l2 = _l2_columns()
     return [
         Column("row_id", "text", get=lambda x: x.row.item_id),
-        Column("source_row_sha256", "sha256", get=lambda x: x.source_row_sha256),
+        Column("source_row_sha256", "sha256", held=False, get=lambda x: x.source_row_sha256),
         Column("precision", "text", get=lambda x: x.row.precision),
         Column("prefix_token_count", "int", get=lambda x: x.row.prefix["prefix_token_count"]),
         Column("prefix_sha256", "sha256", get=lambda x: x.row.prefix["prefix_sha256"]),
@@ -118,7 +123,7 @@ def matrix_columns(left: str, paper_l2: bool) -> list[Column[Line]]:
             Column("values_relative_l2_diff", "float",
                    get=kv(lambda c: c.values["relative_l2_diff"])),
         ),
-        Column(LAYER_DRIFT, "float_list", "optional", get=kv(_by_layer)),
+        Column(LAYER_DRIFT, "float_list", "optional", held=False, get=kv(_by_layer)),
     ]  # fmt: skip
 
 
@@ -250,23 +255,19 @@ def fixed_prefix_lines(rows: Iterable[Record]) -> Iterator[Line]:
         yield Line(PanelRow.from_dict(record.data, COMPARED), source)
 
 
-def _check_divergence_index(ledger: Ledger) -> None:
-    empty = np.isnan(ledger["first_suffix_divergence_index"])
-    ledger.require(
-        empty == ledger["suffix_equal"],
-        "first_suffix_divergence_index",
-        "it must be empty exactly when suffix_equal is true",
-    )
+def _check_divergence_index(
+    line: Mapping[str, Any], _first: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    if math.isnan(line["first_suffix_divergence_index"]) == line["suffix_equal"]:
+        return None
+    return "first_suffix_divergence_index", "it must be empty exactly when suffix_equal is true"
 
 
-def _check_layer_drift(ledger: Ledger) -> None:
-    if LAYER_DRIFT in ledger:
-        layers = np.array([len(values) for values in ledger[LAYER_DRIFT]])
-        ledger.require(
-            layers == layers[0],
-            LAYER_DRIFT,
-            f"it must hold {layers[0]} values, one per layer, like the first row",
-        )
+def _check_layer_drift(line: Mapping[str, Any], first: Mapping[str, Any]) -> tuple[str, str] | None:
+    if LAYER_DRIFT not in line or len(line[LAYER_DRIFT]) == len(first[LAYER_DRIFT]):
+        return None
+    layers = len(first[LAYER_DRIFT])
+    return LAYER_DRIFT, f"it must hold {layers} values, one per layer, like the first row"
 
 
 def check_cross_precision_pairing(ledger: Ledger) -> None:
@@ -284,7 +285,7 @@ def check_cross_precision_pairing(ledger: Ledger) -> None:
         raise LedgerError(ledger.file, problem, str(row), "row_id")
 
 
-def _checks(left: str) -> tuple[Check, ...]:
+def _line_checks(left: str) -> tuple[LineCheck, ...]:
     return (
         check_equal_flag("suffix_equal", f"{left}_suffix_sha256", "prefill_suffix_sha256"),
         *(
@@ -297,7 +298,6 @@ def _checks(left: str) -> tuple[Check, ...]:
         ),
         _check_divergence_index,
         _check_layer_drift,
-        check_cross_precision_pairing,
     )
 
 
@@ -306,7 +306,15 @@ def _table(
 ) -> Table:
     """A matrix table; the paper's fixed-prefix ledger has the L2 norms among its columns."""
     columns = matrix_columns(left, paper_l2=experiment == FIXED_PREFIX)
-    return Table(file, tuple(columns), experiment, lines, ("precision", "row_id"), _checks(left))
+    return Table(
+        file,
+        tuple(columns),
+        experiment,
+        lines,
+        ("precision", "row_id"),
+        (check_cross_precision_pairing,),
+        line_checks=_line_checks(left),
+    )
 
 
 MATCHED_TABLE = _table("matched_live_prefill.csv", MATCHED, matched_lines, "live")

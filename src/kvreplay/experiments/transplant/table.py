@@ -11,7 +11,7 @@ import numpy as np
 
 from kvreplay.harness.columns import Column, Kind, Line, prefix_row_hashes, written
 from kvreplay.harness.rows import PairLabels, PanelRow
-from kvreplay.harness.table import Check, Ledger, Table, check_equal_flag
+from kvreplay.harness.table import Check, Ledger, LineCheck, Table, check_equal_flag
 from kvreplay.harness.units import UnitKey
 from kvreplay.ledger import Record
 
@@ -175,8 +175,8 @@ def _check_derived_flags(ledger: Ledger) -> None:
     )
 
 
-CHECKS: tuple[Check, ...] = (
-    _check_integrity,
+CHECKS: tuple[Check, ...] = (_check_integrity, _check_derived_flags)
+LINE_CHECKS: tuple[LineCheck, ...] = (
     check_equal_flag(
         "baseline_divergent",
         "incremental_native_suffix_sha256",
@@ -191,8 +191,12 @@ CHECKS: tuple[Check, ...] = (
         )
         for swap in SWAPS
     ),
-    _check_derived_flags,
 )
 TRANSPLANT_TABLE = Table(
-    "kv_transplant_{name}.csv", COLUMNS, TRANSPLANT, transplant_lines, checks=CHECKS
+    "kv_transplant_{name}.csv",
+    COLUMNS,
+    TRANSPLANT,
+    transplant_lines,
+    checks=CHECKS,
+    line_checks=LINE_CHECKS,
 )
