@@ -12,7 +12,7 @@ import pytest
 from kvreplay.experiments.matrix.table import MATCHED_TABLE, SERVED_MATCHED_TABLE
 from kvreplay.experiments.registry import recorded_table, table_for
 from kvreplay.harness.columns import Column, Field
-from kvreplay.harness.table import SCHEMA_VERSION, Table, read_ledger, recorded_version
+from kvreplay.harness.table import SCHEMA_VERSION, Table, _Keys, read_ledger, recorded_version
 from kvreplay.ledger import GENESIS, Record
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
@@ -83,3 +83,30 @@ def test_every_committed_csv_holds_its_declared_kinds_in_every_column(run: Path)
             held = {c.name for c in every if c.held}
             assert set(ledger.columns) == held - {"row_id"}
         assert all(set(line) == {c.name for c in every} for line in ledger.lines())
+
+
+@pytest.mark.parametrize(
+    ("repeats", "named"),
+    [
+        ({9000: 3, 9100: 8000, 9050: 9040}, 9000),  # an earlier chunk's key first
+        ({8300: 10, 8200: 8195}, 8200),  # a key of its own chunk first
+        ({4095: 0}, 4095),  # the last line of a chunk
+        ({9999: 9998}, 9999),  # the last line, checked when the lines end
+    ],
+)
+def test_a_key_seen_twice_is_named_by_the_first_line_that_repeats_one(
+    repeats: dict[int, int], named: int
+) -> None:
+    """Keys are held as digests and checked a chunk of lines at a time; the line named
+    is the one a set checked line by line would name."""
+    keys, found = _Keys(), []
+    for line in range(10_000):
+        found.append(keys.add(f"k{repeats.get(line, line)}", f"line{line}"))
+    found.append(keys.check())
+    assert [f for f in found if f is not None][0] == f"line{named}"
+
+
+def test_keys_all_different_pass_every_check() -> None:
+    keys = _Keys()
+    assert all(keys.add(f"k{line}", f"line{line}") is None for line in range(9_000))
+    assert keys.check() is None and keys.count == 9_000

@@ -102,7 +102,7 @@ def risk_table(
 def audit_order(risks: np.ndarray, row_ids: Sequence[str]) -> np.ndarray:
     """Row positions, riskiest first; equal risks in ascending row id, so the audit
     set does not depend on the order in which workers appended rows."""
-    return np.lexsort((np.asarray(row_ids, dtype=str), -np.asarray(risks, dtype=np.float64)))
+    return np.lexsort((np.asarray(row_ids), -np.asarray(risks, dtype=np.float64)))
 
 
 def audited_rows(n: int, share: float = AUDIT_SHARE) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.dtypes import StringDType
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.harness.columns import Column, Field, Kind, csv_value, parse_cell
@@ -203,7 +204,7 @@ class Ledger:
 # one string for every row): a fixed-width string array would hold every value at the
 # longest one's width, four bytes a character.
 _BUFFERS: dict[str, tuple[str | None, Any]] = {
-    "bool": ("b", bool),
+    "bool": ("b", np.bool_),
     "int": ("q", np.int64),
     "optional_int": ("d", np.float64),
     "float": ("d", np.float64),
@@ -230,17 +231,37 @@ class _Column:
             self.values.append(sys.intern(value) if type(value) is str else value)
 
     def finish(self) -> np.ndarray:
-        if self.dtype is DIGEST:
-            return np.frombuffer(bytes(self.values), dtype=DIGEST)
+        """The values as numpy holds them, over the buffer they streamed into (no copy)."""
         if self.dtype is object:
-            return self.strings(self.values)
-        return np.array(self.values, dtype=self.dtype)
+            out = np.empty(len(self.values), dtype=object)
+            out[:] = self.values
+            return out
+        return np.frombuffer(self.values, dtype=self.dtype)
 
-    @staticmethod
-    def strings(values: list[Any]) -> np.ndarray:
-        out = np.empty(len(values), dtype=object)
-        out[:] = values
-        return out
+
+class _RowIds:
+    """A CSV's row ids as they stream in: one per row and each different, so held as
+    numpy strings (a short id in 16 bytes, where a Python string takes about 60), made
+    a few thousand at a time."""
+
+    CHUNK = 4096
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []
+        self.pending: list[str] = []
+
+    def append(self, row_id: str) -> None:
+        self.pending.append(row_id)
+        if len(self.pending) == self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        self.chunks.append(np.array(self.pending, dtype=StringDType()))
+        self.pending = []
+
+    def finish(self) -> np.ndarray:
+        self._flush()
+        return np.concatenate(self.chunks)
 
 
 def read_header(path: Path) -> list[str]:
@@ -311,6 +332,43 @@ def _header_kinds(name: str, header: list[str], table: Table) -> dict[str, Kind]
     return kinds
 
 
+class _Keys:
+    """Each line's key once, held as a 16-byte digest in a sorted array (where a set of
+    them would take about 100 bytes a row), a few thousand lines checked at a time; a
+    key seen twice is named by the first line that repeats an earlier one's, as a set
+    would name it, at most a chunk of lines later."""
+
+    CHUNK = 4096
+    DIGEST = np.dtype("V16")
+
+    def __init__(self) -> None:
+        self.seen = np.empty(0, dtype=self.DIGEST)
+        self.pending: list[tuple[bytes, str]] = []
+        self.count = 0
+
+    def add(self, key: str, row_id: str) -> str | None:
+        """The row id of a line whose key an earlier line had, when a chunk is checked."""
+        self.pending.append((hashlib.blake2b(key.encode(), digest_size=16).digest(), row_id))
+        self.count += 1
+        return self.check() if len(self.pending) == self.CHUNK else None
+
+    def check(self) -> str | None:
+        """Check the lines added since the last check; the first repeating one's row id."""
+        if not self.pending:
+            return None
+        digests = np.array([digest for digest, _ in self.pending], dtype=self.DIGEST)
+        order = np.argsort(digests, kind="stable")  # equal digests in line order
+        repeats = order[1:][digests[order][1:] == digests[order][:-1]]
+        at = np.minimum(np.searchsorted(self.seen, digests), max(self.seen.size - 1, 0))
+        earlier = np.flatnonzero(self.seen[at] == digests) if self.seen.size else repeats[:0]
+        twice = np.concatenate([repeats, earlier])
+        if twice.size:
+            return self.pending[int(twice.min())][1]
+        self.seen = np.sort(np.concatenate([self.seen, digests]))
+        self.pending = []
+        return None
+
+
 def _rows(
     name: str, lines: Iterable[list[str]], table: Table
 ) -> tuple[dict[str, Kind], Iterator[tuple[str, dict[str, str]]]]:
@@ -326,7 +384,7 @@ def _rows(
     keys = [index[c] for c in table.key]
 
     def rows() -> Iterator[tuple[str, dict[str, str]]]:
-        seen: set[bytes] = set()
+        seen = _Keys()
         for line_number, cells in enumerate(lines, start=2):
             row_id = cells[index["row_id"]] if len(cells) > index["row_id"] else ""
             label = row_id or f"at line {line_number}"
@@ -335,13 +393,12 @@ def _rows(
                 raise LedgerError(name, problem, label, "row_id")
             if not row_id:
                 raise LedgerError(name, "the row id is empty", label, "row_id")
-            key = "\x00".join(cells[i] for i in keys).encode()
-            digest = hashlib.blake2b(key, digest_size=16).digest()
-            if digest in seen:
-                raise LedgerError(name, "the row id appears twice", row_id, "row_id")
-            seen.add(digest)
+            if (twice := seen.add("\x00".join(cells[i] for i in keys), row_id)) is not None:
+                raise LedgerError(name, "the row id appears twice", twice, "row_id")
             yield row_id, {column: cells[index[column]] for column in kinds}
-        if not seen:
+        if (twice := seen.check()) is not None:
+            raise LedgerError(name, "the row id appears twice", twice, "row_id")
+        if not seen.count:
             raise LedgerError(name, "the ledger has a header but no rows")
 
     return kinds, rows()
@@ -385,7 +442,7 @@ def parse_ledger(
     the lines again)."""
     held = {c.name for c in table.columns if c.held and c.name != "row_id"}
     columns: dict[str, _Column] | None = None
-    row_ids: list[str] = []
+    row_ids = _RowIds()
     for typed in checked_lines(name, lines, table):
         if columns is None:  # the columns this CSV has, from its first line
             columns = {c: _Column(table.kind(c)) for c in typed if c in held}
@@ -395,7 +452,7 @@ def parse_ledger(
     ledger = Ledger(
         name,
         table,
-        _Column.strings(row_ids),
+        row_ids.finish(),
         {column: values.finish() for column, values in (columns or {}).items()},
         reread,
     )

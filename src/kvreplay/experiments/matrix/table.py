@@ -227,19 +227,19 @@ def matched_lines(rows: Iterable[Record]) -> Iterator[Line]:
     ledger pairs precisions row by row, so such items stay in rows.jsonl and in the run
     summary (as unreached) but not in the CSV.
     """
-    precisions: set[str] = set()
-    reached: dict[str, set[str]] = {}
+    bits: dict[str, int] = {}  # a bit for each precision
+    reached: dict[str, int] = {}  # each item's precisions, as bits: an int, not a set
     for r in heads(rows):
         if r.data.get("kind") == "prefix":  # --select fragile's screens
             continue
-        precisions.add(r.data["precision"])
+        bit = bits.setdefault(r.data["precision"], 1 << len(bits))
         if r.data["status"] == "ok":
-            reached.setdefault(r.data["item_id"], set()).add(r.data["precision"])
-    complete = {item for item, seen in reached.items() if seen == precisions}
+            reached[r.data["item_id"]] = reached.get(r.data["item_id"], 0) | bit
+    every = (1 << len(bits)) - 1
     return (
         Line(PanelRow.from_dict(r.data, COMPARED), r.row_sha256)
         for r in rows
-        if r.data.get("kind") != "prefix" and r.data["item_id"] in complete
+        if r.data.get("kind") != "prefix" and reached.get(r.data["item_id"]) == every
     )
 
 
