@@ -81,7 +81,7 @@ def test_every_committed_csv_holds_its_declared_kinds_in_every_column(run: Path)
         ledger = read_ledger(path, replace(table, columns=every, checks=(), line_checks=()))
         if table.held:
             held = {c.name for c in every if c.held}
-            assert set(ledger.columns) == held - {"row_id"}
+            assert set(ledger.held) == held - {"row_id"}
         assert all(set(line) == {c.name for c in every} for line in ledger.lines())
 
 
@@ -92,6 +92,8 @@ def test_every_committed_csv_holds_its_declared_kinds_in_every_column(run: Path)
         ({8300: 10, 8200: 8195}, 8200),  # a key of its own chunk first
         ({4095: 0}, 4095),  # the last line of a chunk
         ({9999: 9998}, 9999),  # the last line, checked when the lines end
+        ({19_000: 10, 19_500: 16_390}, 19_000),  # a key of a run merged from four chunks first
+        ({19_500: 12_300, 19_600: 17_000}, 19_500),  # a merged run's key before one of its own chunk
     ],
 )
 def test_a_key_seen_twice_is_named_by_the_first_line_that_repeats_one(
@@ -100,7 +102,7 @@ def test_a_key_seen_twice_is_named_by_the_first_line_that_repeats_one(
     """Keys are held as digests and checked a chunk of lines at a time; the line named
     is the one a set checked line by line would name."""
     keys, found = _Keys(), []
-    for line in range(10_000):
+    for line in range(20_000):
         found.append(keys.add(f"k{repeats.get(line, line)}", f"line{line}"))
     found.append(keys.check())
     assert [f for f in found if f is not None][0] == f"line{named}"

@@ -61,4 +61,4 @@ def _run_records(folder: Path) -> RunRows:
             f"the run's CSVs do not match its rows.jsonl ({problems[0]}); "
             "rerun the experiment to rewrite them, or run kvreplay audit",
         )
-    return records
+    return records.in_order()  # the sections pass over them: no index held

@@ -18,7 +18,7 @@ import re
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,13 +158,15 @@ class Ledger:
     """One validated CSV as typed numpy columns (optional numbers hold NaN when empty),
     of its held columns only (a digest column holds each digest's 32 bytes), with the
     table it was read as and how to read its lines again (``reread``): of a table that
-    is not held that is all it has."""
+    is not held that is all it has. A part of it (:meth:`select`) is the positions of
+    its rows: a column of a part is taken when asked for, not copied for every column."""
 
     file: str
     table: Table
-    row_ids: np.ndarray
-    columns: Mapping[str, np.ndarray]
+    held_row_ids: np.ndarray
+    held: Mapping[str, np.ndarray]
     reread: Reread | None = None
+    part: np.ndarray | None = None
 
     @classmethod
     def streamed(cls, file: str, table: Table, reread: Reread) -> Ledger:
@@ -176,19 +178,27 @@ class Ledger:
         assert self.reread is not None, f"{self.file} was not read from lines"
         return checked_lines(self.file, self.reread(), self.table)
 
+    @property
+    def row_ids(self) -> np.ndarray:
+        return self._take(self.held_row_ids)
+
     def __len__(self) -> int:
-        return int(self.row_ids.shape[0])
+        return int(self.held_row_ids.shape[0] if self.part is None else self.part.shape[0])
 
     def __getitem__(self, column: str) -> np.ndarray:
-        return self.columns[column]
+        return self._take(self.held[column])
 
     def __contains__(self, column: object) -> bool:
-        return column in self.columns
+        return column in self.held
+
+    def _take(self, values: np.ndarray) -> np.ndarray:
+        return values if self.part is None else values[self.part]
 
     def select(self, mask: np.ndarray) -> Ledger:
-        """Rows where mask is true, in file order."""
-        columns = {k: v[mask] for k, v in self.columns.items()}
-        return Ledger(self.file, self.table, self.row_ids[mask], columns)  # no lines: a part
+        """Rows where mask is true, in file order (a part: its lines are not read again)."""
+        positions = np.flatnonzero(mask)
+        part = positions if self.part is None else self.part[positions]
+        return replace(self, reread=None, part=part)
 
     def require(self, ok: np.ndarray, column: str, problem: str) -> None:
         """Fail closed on the first row where ok is false."""
@@ -333,16 +343,18 @@ def _header_kinds(name: str, header: list[str], table: Table) -> dict[str, Kind]
 
 
 class _Keys:
-    """Each line's key once, held as a 16-byte digest in a sorted array (where a set of
-    them would take about 100 bytes a row), a few thousand lines checked at a time; a
-    key seen twice is named by the first line that repeats an earlier one's, as a set
-    would name it, at most a chunk of lines later."""
+    """Each line's key once, held as a 16-byte digest (where a set of them would take
+    about 100 bytes a row), a few thousand lines checked at a time against sorted runs
+    of the earlier ones; runs of equal size merge, as a binary counter carries, so a
+    ledger of n lines is sorted in n log n, not in n squared. A key seen twice is named
+    by the first line that repeats an earlier one's, as a set would name it, at most a
+    chunk of lines later."""
 
     CHUNK = 4096
     DIGEST = np.dtype("V16")
 
     def __init__(self) -> None:
-        self.seen = np.empty(0, dtype=self.DIGEST)
+        self.runs: list[np.ndarray] = []  # sorted digests, each run at least twice the next
         self.pending: list[tuple[bytes, str]] = []
         self.count = 0
 
@@ -358,13 +370,17 @@ class _Keys:
             return None
         digests = np.array([digest for digest, _ in self.pending], dtype=self.DIGEST)
         order = np.argsort(digests, kind="stable")  # equal digests in line order
-        repeats = order[1:][digests[order][1:] == digests[order][:-1]]
-        at = np.minimum(np.searchsorted(self.seen, digests), max(self.seen.size - 1, 0))
-        earlier = np.flatnonzero(self.seen[at] == digests) if self.seen.size else repeats[:0]
-        twice = np.concatenate([repeats, earlier])
-        if twice.size:
-            return self.pending[int(twice.min())][1]
-        self.seen = np.sort(np.concatenate([self.seen, digests]))
+        ordered = digests[order]
+        twice = [order[1:][ordered[1:] == ordered[:-1]]]
+        for run in self.runs:
+            at = np.minimum(np.searchsorted(run, digests), run.size - 1)
+            twice.append(np.flatnonzero(run[at] == digests))
+        if (found := np.concatenate(twice)).size:
+            return self.pending[int(found.min())][1]
+        run = ordered
+        while self.runs and self.runs[-1].size <= run.size:
+            run = np.sort(np.concatenate([self.runs.pop(), run]))
+        self.runs.append(run)
         self.pending = []
         return None
 

@@ -9,9 +9,10 @@ import json
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, overload
+from typing import Any, BinaryIO, NamedTuple, overload
 
 from kvreplay.core.paths import open_regular
 from kvreplay.ledger.records import Record, TamperedLedger, read_rows_at
@@ -148,11 +149,12 @@ class RunRows:
     or audit of any size holds one row at a time. The hash chain is checked once
     (:meth:`checked`), which also notes where each row that parses lies; a later pass
     reads those lines only, and raises if the file changed since (its inode, size or
-    modification time)."""
+    modification time). Without its index (:meth:`in_order`) it reads every line in
+    file order instead."""
 
     path: Path
     stamp: tuple[int, int, int]
-    index: Sequence[RowAt]
+    index: Sequence[RowAt] | None
     experiment: str | None = None
     without: frozenset[str] = frozenset()
 
@@ -180,6 +182,13 @@ class RunRows:
     def excluding(self, keys: Iterable[str]) -> RunRows:
         return dataclasses.replace(self, without=self.without | frozenset(keys))
 
+    def in_order(self) -> RunRows:
+        """These rows without their index (about 100 bytes a row), read again by
+        passing over the file: for a reader that only passes over them (an analysis,
+        once its CSVs are checked against them), whose memory must not grow with the
+        rows. Their hashes are computed again where asked for."""
+        return dataclasses.replace(self, index=None)
+
     def keys(self) -> list[str]:
         """The keys of the rows this reads, in ledger order."""
         return [at.key for at in self._chosen()]
@@ -189,11 +198,30 @@ class RunRows:
         return RowsByKey(self, {at.key: at for at in self._chosen()})
 
     def _chosen(self) -> Iterator[RowAt]:
+        assert self.index is not None, "rows in order have no index"
         return (
             at
             for at in self.index
             if self.experiment in (None, at.experiment) and at.key not in self.without
         )
+
+    def _picked(self, record: Record) -> bool:
+        return self.experiment in (None, record.experiment) and record.key not in self.without
+
+    @contextmanager
+    def _reopened(self) -> Iterator[BinaryIO]:
+        """rows.jsonl again, refused if it changed since its rows were checked (or while
+        it is read)."""
+        if _stamp(self.path) != self.stamp:
+            raise TamperedLedger(f"{self.path} changed after its rows were checked.")
+        try:
+            handle = open_regular(self.path)
+        except OSError as exc:
+            raise TamperedLedger(f"{self.path} cannot be read again ({exc.strerror}).") from exc
+        with handle:
+            yield handle
+        if _stamp(self.path) != self.stamp:
+            raise TamperedLedger(f"{self.path} changed while it was read.")
 
     def read(self, rows: Iterable[RowAt]) -> Iterator[Record]:
         """These rows, in this order. Their lines passed the strict reader and the chain
@@ -202,26 +230,33 @@ class RunRows:
         rows = iter(rows)  # not a list: a pass over every row holds one of them at a time
         if (first := next(rows, None)) is None:
             return  # nothing to read: rows.jsonl is not opened (it may not be a file at all)
-        if _stamp(self.path) != self.stamp:
-            raise TamperedLedger(f"{self.path} changed after its rows were checked.")
-        try:
-            handle = open_regular(self.path)
-        except OSError as exc:
-            raise TamperedLedger(f"{self.path} cannot be read again ({exc.strerror}).") from exc
-        with handle:
+        with self._reopened() as handle:
             for at in itertools.chain((first,), rows):
                 handle.seek(at.offset)
                 record = Record(**json.loads(handle.readline()))
                 record.__dict__["row_sha256"] = at.row_sha256  # the cached property
                 yield record
-        if _stamp(self.path) != self.stamp:
-            raise TamperedLedger(f"{self.path} changed while it was read.")
+
+    def _in_file_order(self) -> Iterator[Record]:
+        """Every row this reads, passing over the file (the torn piece after its last
+        newline left out, as the check left it out)."""
+        if not self.stamp[1]:
+            return  # an empty or absent rows.jsonl: nothing to read
+        with self._reopened() as handle:
+            for line in handle:
+                if not line.endswith(b"\n"):
+                    return
+                if self._picked(record := Record(**json.loads(line))):
+                    yield record
 
     def __iter__(self) -> Iterator[Record]:
-        return self.read(self._chosen())
+        return self._in_file_order() if self.index is None else self.read(self._chosen())
 
-    def heads(self) -> Iterator[RowHead]:
-        """These rows' heads, from the index: rows.jsonl is not read again."""
+    def heads(self) -> Iterator[RowHead] | Iterator[Record]:
+        """These rows' heads, from the index: rows.jsonl is not read again (without the
+        index, the rows themselves)."""
+        if self.index is None:
+            return iter(self)
         return (
             RowHead(at.key, at.experiment, at.row_sha256, dict(at.head)) for at in self._chosen()
         )
