@@ -93,7 +93,10 @@ def test_every_committed_csv_holds_its_declared_kinds_in_every_column(run: Path)
         ({4095: 0}, 4095),  # the last line of a chunk
         ({9999: 9998}, 9999),  # the last line, checked when the lines end
         ({19_000: 10, 19_500: 16_390}, 19_000),  # a key of a run merged from four chunks first
-        ({19_500: 12_300, 19_600: 17_000}, 19_500),  # a merged run's key before one of its own chunk
+        (
+            {19_500: 12_300, 19_600: 17_000},
+            19_500,
+        ),  # a merged run's key, then its own chunk's
     ],
 )
 def test_a_key_seen_twice_is_named_by_the_first_line_that_repeats_one(
