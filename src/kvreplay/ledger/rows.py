@@ -199,14 +199,10 @@ class RunRows:
 
     def _chosen(self) -> Iterator[RowAt]:
         assert self.index is not None, "rows in order have no index"
-        return (
-            at
-            for at in self.index
-            if self.experiment in (None, at.experiment) and at.key not in self.without
-        )
+        return (at for at in self.index if self._picked(at.experiment, at.key))
 
-    def _picked(self, record: Record) -> bool:
-        return self.experiment in (None, record.experiment) and record.key not in self.without
+    def _picked(self, experiment: str, key: str) -> bool:
+        return self.experiment in (None, experiment) and key not in self.without
 
     @contextmanager
     def _reopened(self) -> Iterator[BinaryIO]:
@@ -246,7 +242,8 @@ class RunRows:
             for line in handle:
                 if not line.endswith(b"\n"):
                     return
-                if self._picked(record := Record(**json.loads(line))):
+                record = Record(**json.loads(line))
+                if self._picked(record.experiment, record.key):
                     yield record
 
     def __iter__(self) -> Iterator[Record]:
