@@ -16,7 +16,6 @@ import csv
 import hashlib
 import re
 import sys
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -207,71 +206,49 @@ class Ledger:
             raise LedgerError(self.file, problem, str(self.row_ids[bad[0]]), column)
 
 
-# How each kind of column is held while a CSV streams in (array typecodes hold a value
-# in 8 bytes or less, a list a Python object), and the numpy dtype it ends as. A digest
+# The numpy dtype each kind of column is held as (a value in 8 bytes or less). A digest
 # is held as its 32 bytes (a Python string of its hex would take 113). Other text stays
 # Python strings in an object array, each distinct value once (a precision or backend is
 # one string for every row): a fixed-width string array would hold every value at the
 # longest one's width, four bytes a character.
-_BUFFERS: dict[str, tuple[str | None, Any]] = {
-    "bool": ("b", np.bool_),
-    "int": ("q", np.int64),
-    "optional_int": ("d", np.float64),
-    "float": ("d", np.float64),
-    "optional_float": ("d", np.float64),
+_BUFFERS: dict[str, Any] = {
+    "bool": np.bool_,
+    "int": np.int64,
+    "optional_int": np.float64,
+    "float": np.float64,
+    "optional_float": np.float64,
 }
 DIGEST = np.dtype("S32")
 
 
 class _Column:
-    """One column's typed values as they stream in."""
+    """One column's typed values as they stream in, into an array sized for the lines
+    the CSV has (counted before it is read, where it is a file), grown by doubling past
+    that: a column grown a value at a time would leave the allocator holding each
+    buffer it outgrew."""
 
-    def __init__(self, kind: Kind) -> None:
-        self.kind = kind
-        code, self.dtype = _BUFFERS.get(kind, (None, object))
-        if kind == "sha256":
-            self.dtype, self.values = DIGEST, bytearray()
-        else:
-            self.values = array(code) if code else []
+    def __init__(self, dtype: Any, capacity: int) -> None:
+        self.values = np.empty(max(capacity, 1), dtype=dtype)
+        self.count = 0
+
+    @classmethod
+    def of(cls, kind: Kind, capacity: int) -> _Column:
+        return cls(DIGEST if kind == "sha256" else _BUFFERS.get(kind, object), capacity)
 
     def append(self, value: Any) -> None:
-        if self.dtype is DIGEST:
-            self.values += bytes.fromhex(value)
-        else:
-            self.values.append(sys.intern(value) if type(value) is str else value)
+        if self.count == self.values.shape[0]:
+            grown = np.empty(2 * self.count, dtype=self.values.dtype)
+            grown[: self.count] = self.values
+            self.values = grown
+        if self.values.dtype == DIGEST:
+            value = bytes.fromhex(value)
+        elif type(value) is str:
+            value = sys.intern(value)
+        self.values[self.count] = value
+        self.count += 1
 
     def finish(self) -> np.ndarray:
-        """The values as numpy holds them, over the buffer they streamed into (no copy)."""
-        if self.dtype is object:
-            out = np.empty(len(self.values), dtype=object)
-            out[:] = self.values
-            return out
-        return np.frombuffer(self.values, dtype=self.dtype)
-
-
-class _RowIds:
-    """A CSV's row ids as they stream in: one per row and each different, so held as
-    numpy strings (a short id in 16 bytes, where a Python string takes about 60), made
-    a few thousand at a time."""
-
-    CHUNK = 4096
-
-    def __init__(self) -> None:
-        self.chunks: list[np.ndarray] = []
-        self.pending: list[str] = []
-
-    def append(self, row_id: str) -> None:
-        self.pending.append(row_id)
-        if len(self.pending) == self.CHUNK:
-            self._flush()
-
-    def _flush(self) -> None:
-        self.chunks.append(np.array(self.pending, dtype=StringDType()))
-        self.pending = []
-
-    def finish(self) -> np.ndarray:
-        self._flush()
-        return np.concatenate(self.chunks)
+        return self.values[: self.count]
 
 
 def read_header(path: Path) -> list[str]:
@@ -316,7 +293,8 @@ def read_ledger(path: Path, table: Table) -> Ledger:
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:
             lines = (line for line in csv_reader(handle) if line)
-            return parse_ledger(path.name, lines, table, lambda: _file_rows(path))
+            count = sum(1 for _ in _file_rows(path)) - 1  # the rows: each column's size
+            return parse_ledger(path.name, lines, table, lambda: _file_rows(path), count)
     except UnicodeDecodeError:
         raise LedgerError(path.name, "the file is not UTF-8 text") from None
     except (OSError, csv.Error) as error:
@@ -450,18 +428,22 @@ def checked_lines(name: str, lines: Iterable[list[str]], table: Table) -> Iterat
 
 
 def parse_ledger(
-    name: str, lines: Iterable[list[str]], table: Table, reread: Reread | None = None
+    name: str,
+    lines: Iterable[list[str]],
+    table: Table,
+    reread: Reread | None = None,
+    rows: int = 4096,
 ) -> Ledger:
     """Validate a CSV's lines as ``table``: its required columns, and its optional ones
     where present; any defect raises LedgerError naming ``name``. The lines are read
     and checked one at a time, and only the held columns kept (``reread``: how to read
-    the lines again)."""
+    the lines again; ``rows``: how many there are, where known, to size the columns)."""
     held = {c.name for c in table.columns if c.held and c.name != "row_id"}
     columns: dict[str, _Column] | None = None
-    row_ids = _RowIds()
+    row_ids = _Column(StringDType(), rows)  # one per row, each different: numpy strings
     for typed in checked_lines(name, lines, table):
         if columns is None:  # the columns this CSV has, from its first line
-            columns = {c: _Column(table.kind(c)) for c in typed if c in held}
+            columns = {c: _Column.of(table.kind(c), rows) for c in typed if c in held}
         for column, values in columns.items():
             values.append(typed[column])
         row_ids.append(typed["row_id"])

@@ -59,8 +59,9 @@ class RowAt(NamedTuple):
 
 
 class _Codes:
-    """The few distinct values a field of the rows takes (experiments, precisions,
-    kinds, statuses), each held once; a row holds its value's number."""
+    """The few distinct values a row's experiment and other head fields take together
+    (an experiment, a precision, a kind, a status), each held once; a row holds its
+    value's number."""
 
     def __init__(self) -> None:
         self.values: list[Any] = []
@@ -70,29 +71,24 @@ class _Codes:
         name = json.dumps(value, sort_keys=True)  # any JSON value, hashable or not
         if name not in self._numbers:
             self._numbers[name] = len(self.values)
-            self.values.append(_shared(value))
+            self.values.append(value)
         return self._numbers[name]
 
 
-_ABSENT = 0  # a head code: the row's data has no such field (values are numbered from 1)
-
-
 class RowIndex(Sequence[RowAt]):
-    """Every row's :class:`RowAt`, held as columns rather than as objects (about 100
+    """Every row's :class:`RowAt`, held as columns rather than as objects (about 90
     bytes a row: its offset, its row hash's 32 bytes, its key and item id as UTF-8, and
-    a number for its experiment and for each other head field), so that a reader of a
-    ledger of any size holds a small fraction of it; a row's :class:`RowAt` is made when
-    asked for."""
+    one number for its experiment and other head fields together), so that a reader of
+    a ledger of any size holds a small fraction of it; a row's :class:`RowAt` is made
+    when asked for."""
 
     def __init__(self) -> None:
         self._offsets = array("q")
         self._hashes = bytearray()
         self._text = bytearray()  # each row's key, then its item id as JSON
         self._ends = array("q")  # where each row's key, then its item id, ends in _text
-        self._experiments = _Codes()
-        self._experiment = array("I")
-        self._fields = {name: _Codes() for name in HEAD if name != "item_id"}
-        self._heads = {name: array("I") for name in self._fields}
+        self._codes = _Codes()  # (experiment, the other head fields the row has)
+        self._code = array("I")
 
     def append(self, offset: int, record: Record) -> None:
         self._offsets.append(offset)
@@ -103,10 +99,8 @@ class RowIndex(Sequence[RowAt]):
         if "item_id" in data:
             self._text += json.dumps(data["item_id"]).encode("utf-8")
         self._ends.append(len(self._text))
-        self._experiment.append(self._experiments.number(record.experiment))
-        for name, codes in self._fields.items():
-            number = codes.number(data[name]) + 1 if name in data else _ABSENT
-            self._heads[name].append(number)
+        fields = tuple((name, _shared(data[name])) for name in HEAD[1:] if name in data)
+        self._code.append(self._codes.number((sys.intern(record.experiment), fields)))
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -123,19 +117,15 @@ class RowIndex(Sequence[RowAt]):
         i %= len(self)
         start = self._ends[2 * i - 1] if i else 0
         key_end, item_end = self._ends[2 * i], self._ends[2 * i + 1]
-        head: list[tuple[str, Any]] = []
-        if item_end > key_end:
-            head.append(("item_id", json.loads(self._text[key_end:item_end])))
-        for name, codes in self._fields.items():
-            number = self._heads[name][i]
-            if number != _ABSENT:
-                head.append((name, codes.values[number - 1]))
+        experiment, fields = self._codes.values[self._code[i]]
+        if item_end > key_end:  # the head in HEAD's order: the item id first
+            fields = (("item_id", json.loads(self._text[key_end:item_end])), *fields)
         return RowAt(
             self._offsets[i],
             self._text[start:key_end].decode("utf-8"),
-            self._experiments.values[self._experiment[i]],
+            experiment,
             self._hashes[32 * i : 32 * i + 32].hex(),
-            tuple(sorted(head, key=lambda pair: HEAD.index(pair[0]))),
+            fields,
         )
 
     def __iter__(self) -> Iterator[RowAt]:
