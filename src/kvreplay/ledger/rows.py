@@ -173,7 +173,7 @@ class RunRows:
         return dataclasses.replace(self, without=self.without | frozenset(keys))
 
     def in_order(self) -> RunRows:
-        """These rows without their index (about 100 bytes a row), read again by
+        """These rows without their index (about 90 bytes a row), read again by
         passing over the file: for a reader that only passes over them (an analysis,
         once its CSVs are checked against them), whose memory must not grow with the
         rows. Their hashes are computed again where asked for."""
