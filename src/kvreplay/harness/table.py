@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import re
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from numpy.dtypes import StringDType
 
 from kvreplay.core.errors import KvreplayError
 from kvreplay.harness.columns import Column, Field, Kind, csv_value, parse_cell
+from kvreplay.harness.held import Held, HeldColumn, column_for, id_column, mapped, unpacked
 from kvreplay.ledger import Record, csv_reader, render_csv_lines
 
 SCHEMA_VERSION = "schema_version"
@@ -155,15 +155,16 @@ Reread = Callable[[], Iterator[list[str]]]
 @dataclass(frozen=True)
 class Ledger:
     """One validated CSV as typed numpy columns (optional numbers hold NaN when empty),
-    of its held columns only (a digest column holds each digest's 32 bytes), with the
-    table it was read as and how to read its lines again (``reread``): of a table that
-    is not held that is all it has. A part of it (:meth:`select`) is the positions of
-    its rows: a column of a part is taken when asked for, not copied for every column."""
+    of its held columns only (a digest column holds each digest's 32 bytes, a flag
+    column its bits), with the table it was read as and how to read its lines again
+    (``reread``): of a table that is not held that is all it has. A part of it
+    (:meth:`select`) is the positions of its rows: a column of a part is taken when
+    asked for, not copied for every column."""
 
     file: str
     table: Table
     held_row_ids: np.ndarray
-    held: Mapping[str, np.ndarray]
+    held: Mapping[str, Held]
     reread: Reread | None = None
     part: np.ndarray | None = None
 
@@ -181,11 +182,15 @@ class Ledger:
     def row_ids(self) -> np.ndarray:
         return self._take(self.held_row_ids)
 
+    def row_id(self, i: int) -> str:
+        """Row ``i``'s id (of a part, its ``i``-th row's), without taking the others."""
+        return str(self.held_row_ids[i if self.part is None else self.part[i]])
+
     def __len__(self) -> int:
         return int(self.held_row_ids.shape[0] if self.part is None else self.part.shape[0])
 
     def __getitem__(self, column: str) -> np.ndarray:
-        return self._take(self.held[column])
+        return self._take(unpacked(self.held[column]))
 
     def __contains__(self, column: object) -> bool:
         return column in self.held
@@ -195,7 +200,7 @@ class Ledger:
 
     def select(self, mask: np.ndarray) -> Ledger:
         """Rows where mask is true, in file order (a part: its lines are not read again)."""
-        positions = np.flatnonzero(mask)
+        positions = np.flatnonzero(mask).astype(np.min_scalar_type(len(mask)))  # not 8 bytes
         part = positions if self.part is None else self.part[positions]
         return replace(self, reread=None, part=part)
 
@@ -204,51 +209,6 @@ class Ledger:
         bad = np.flatnonzero(~ok)
         if bad.size:
             raise LedgerError(self.file, problem, str(self.row_ids[bad[0]]), column)
-
-
-# The numpy dtype each kind of column is held as (a value in 8 bytes or less). A digest
-# is held as its 32 bytes (a Python string of its hex would take 113). Other text stays
-# Python strings in an object array, each distinct value once (a precision or backend is
-# one string for every row): a fixed-width string array would hold every value at the
-# longest one's width, four bytes a character.
-_BUFFERS: dict[str, Any] = {
-    "bool": np.bool_,
-    "int": np.int64,
-    "optional_int": np.float64,
-    "float": np.float64,
-    "optional_float": np.float64,
-}
-DIGEST = np.dtype("S32")
-
-
-class _Column:
-    """One column's typed values as they stream in, into an array sized for the lines
-    the CSV has (counted before it is read, where it is a file), grown by doubling past
-    that: a column grown a value at a time would leave the allocator holding each
-    buffer it outgrew."""
-
-    def __init__(self, dtype: Any, capacity: int) -> None:
-        self.values = np.empty(max(capacity, 1), dtype=dtype)
-        self.count = 0
-
-    @classmethod
-    def of(cls, kind: Kind, capacity: int) -> _Column:
-        return cls(DIGEST if kind == "sha256" else _BUFFERS.get(kind, object), capacity)
-
-    def append(self, value: Any) -> None:
-        if self.count == self.values.shape[0]:
-            grown = np.empty(2 * self.count, dtype=self.values.dtype)
-            grown[: self.count] = self.values
-            self.values = grown
-        if self.values.dtype == DIGEST:
-            value = bytes.fromhex(value)
-        elif type(value) is str:
-            value = sys.intern(value)
-        self.values[self.count] = value
-        self.count += 1
-
-    def finish(self) -> np.ndarray:
-        return self.values[: self.count]
 
 
 def read_header(path: Path) -> list[str]:
@@ -326,27 +286,32 @@ class _Keys:
     of the earlier ones; runs of equal size merge, as a binary counter carries, so a
     ledger of n lines is sorted in n log n, not in n squared. A key seen twice is named
     by the first line that repeats an earlier one's, as a set would name it, at most a
-    chunk of lines later."""
+    chunk of lines later. The lines waiting for their check are held in two arrays, not
+    as an object each, which would keep the allocator's pages of every chunk."""
 
     CHUNK = 4096
     DIGEST = np.dtype("V16")
 
     def __init__(self) -> None:
         self.runs: list[np.ndarray] = []  # sorted digests, each run at least twice the next
-        self.pending: list[tuple[bytes, str]] = []
+        self.digests = np.zeros(self.CHUNK, dtype=self.DIGEST)  # the lines waiting
+        self.row_ids = np.zeros(self.CHUNK, dtype=StringDType())
+        self.waiting = 0
         self.count = 0
 
     def add(self, key: str, row_id: str) -> str | None:
         """The row id of a line whose key an earlier line had, when a chunk is checked."""
-        self.pending.append((hashlib.blake2b(key.encode(), digest_size=16).digest(), row_id))
+        self.digests[self.waiting] = hashlib.blake2b(key.encode(), digest_size=16).digest()
+        self.row_ids[self.waiting] = row_id
+        self.waiting += 1
         self.count += 1
-        return self.check() if len(self.pending) == self.CHUNK else None
+        return self.check() if self.waiting == self.CHUNK else None
 
     def check(self) -> str | None:
         """Check the lines added since the last check; the first repeating one's row id."""
-        if not self.pending:
+        if not self.waiting:
             return None
-        digests = np.array([digest for digest, _ in self.pending], dtype=self.DIGEST)
+        digests = self.digests[: self.waiting]
         order = np.argsort(digests, kind="stable")  # equal digests in line order
         ordered = digests[order]
         twice = [order[1:][ordered[1:] == ordered[:-1]]]
@@ -354,12 +319,17 @@ class _Keys:
             at = np.minimum(np.searchsorted(run, digests), run.size - 1)
             twice.append(np.flatnonzero(run[at] == digests))
         if (found := np.concatenate(twice)).size:
-            return self.pending[int(found.min())][1]
+            self.waiting = 0  # named: a reader stops here (a chunk that repeats is not kept)
+            return str(self.row_ids[int(found.min())])
         run = ordered
         while self.runs and self.runs[-1].size <= run.size:
-            run = np.sort(np.concatenate([self.runs.pop(), run]))
+            last = self.runs.pop()
+            merged = mapped(last.size + run.size, self.DIGEST)  # as large as the rows
+            merged[: last.size], merged[last.size :] = last, run
+            merged.sort()
+            run = merged
         self.runs.append(run)
-        self.pending = []
+        self.waiting = 0
         return None
 
 
@@ -439,11 +409,11 @@ def parse_ledger(
     and checked one at a time, and only the held columns kept (``reread``: how to read
     the lines again; ``rows``: how many there are, where known, to size the columns)."""
     held = {c.name for c in table.columns if c.held and c.name != "row_id"}
-    columns: dict[str, _Column] | None = None
-    row_ids = _Column(StringDType(), rows)  # one per row, each different: numpy strings
+    columns: dict[str, HeldColumn] | None = None
+    row_ids = id_column(rows)
     for typed in checked_lines(name, lines, table):
         if columns is None:  # the columns this CSV has, from its first line
-            columns = {c: _Column.of(table.kind(c), rows) for c in typed if c in held}
+            columns = {c: column_for(table.kind(c), rows) for c in typed if c in held}
         for column, values in columns.items():
             values.append(typed[column])
         row_ids.append(typed["row_id"])

@@ -139,8 +139,8 @@ class RunRows:
     or audit of any size holds one row at a time. The hash chain is checked once
     (:meth:`checked`), which also notes where each row that parses lies; a later pass
     reads those lines only, and raises if the file changed since (its inode, size or
-    modification time). Without its index (:meth:`in_order`) it reads every line in
-    file order instead."""
+    modification time). Without an index (checked not ``indexed``) it reads every line
+    in file order instead, a line's row hash from its own bytes."""
 
     path: Path
     stamp: tuple[int, int, int]
@@ -150,16 +150,23 @@ class RunRows:
 
     @classmethod
     def checked(
-        cls, path: Path, contract_hash: str, visit: Callable[[Record], None] | None = None
+        cls,
+        path: Path,
+        contract_hash: str,
+        visit: Callable[[Record], None] | None = None,
+        indexed: bool = True,
     ) -> tuple[RunRows, list[str]]:
         """The rows, and what is wrong with them (as :func:`parse_rows` says); ``visit``
         sees each row as it is checked, so that a reader that needs every row once (an
-        audit) reads the file once for both."""
+        audit) reads the file once for both. Not ``indexed``, they are read
+        in file order (:meth:`_in_file_order`): a reader that only passes over them (an
+        analysis) holds nothing a row, not even while they are checked."""
         stamp = _stamp(path)
         problems: list[str] = []
-        index = RowIndex()
+        index = RowIndex() if indexed else None
         for offset, record in read_rows_at(path, contract_hash, problems):
-            index.append(offset, record)
+            if index is not None:
+                index.append(offset, record)
             if visit is not None:
                 visit(record)
         if _stamp(path) != stamp:
@@ -171,13 +178,6 @@ class RunRows:
 
     def excluding(self, keys: Iterable[str]) -> RunRows:
         return dataclasses.replace(self, without=self.without | frozenset(keys))
-
-    def in_order(self) -> RunRows:
-        """These rows without their index (about 90 bytes a row), read again by
-        passing over the file: for a reader that only passes over them (an analysis,
-        once its CSVs are checked against them), whose memory must not grow with the
-        rows. Their hashes are computed again where asked for."""
-        return dataclasses.replace(self, index=None)
 
     def keys(self) -> list[str]:
         """The keys of the rows this reads, in ledger order."""
@@ -232,7 +232,7 @@ class RunRows:
             for line in handle:
                 if not line.endswith(b"\n"):
                     return
-                record = Record(**json.loads(line))
+                record = Record.of_checked_line(line)
                 if self._picked(record.experiment, record.key):
                     yield record
 

@@ -21,6 +21,7 @@ from kvreplay.analysis.flip import (
     FlipAnalysis,
     FlipPredictor,
     PanelClaims,
+    id_ranks,
     roc_points,
     row_risks,
     score_panel,
@@ -46,16 +47,19 @@ SCORE_COLOURS = ("#8e44ad", "#d35400", "#27ae60")
 
 @dataclass(frozen=True, eq=False)
 class PanelRows:
-    """One (matrix section, precision) panel as the predictor reads it: its rows in CSV
-    order, each row's risks (a column per score, from its left-arm margins), its
-    suffix-divergence labels and its stream."""
+    """One (matrix section, precision) panel as the predictor reads it: its rows of the
+    CSV (their places, not a copy of their ids), each row's risks (a column per score,
+    from its left-arm margins) and its stream; its suffix-divergence labels when asked."""
 
     section: str
     precision: str
-    row_ids: np.ndarray
+    rows: Ledger
     risks: np.ndarray
-    labels: np.ndarray
     stream: int
+
+    @property
+    def labels(self) -> np.ndarray:
+        return ~self.rows["suffix_equal"]
 
 
 def _left_margins(data: dict[str, Any]) -> list[float] | None:
@@ -81,10 +85,10 @@ def panel_rows(
             continue
         for offset, precision in enumerate(sorted(dict.fromkeys(ledger["precision"].tolist()))):
             rows = ledger.select(ledger["precision"] == precision)
-            risks = np.empty((len(rows), len(SCORES)))
+            risks = np.empty((len(rows), len(SCORES)), order="F")  # a score's: contiguous
             stream = FLIP_STREAM_BASE + 10 * index + offset
             panels[(str(design.table.experiment), precision)] = PanelRows(
-                design.section, precision, rows.row_ids, risks, ~rows["suffix_equal"], stream
+                design.section, precision, rows, risks, stream
             )
     if (missing := _fill_risks(runs, panels)) is not None:
         return [], SKIP_NO_MARGINS.format(row=missing)
@@ -104,15 +108,15 @@ def _fill_risks(records: Iterable[Record], panels: dict[tuple[str, str], PanelRo
         if at not in panels or r.data.get("status") != "ok" or r.data.get("kind") == "prefix":
             continue
         panel, i = panels[at], filled[at]  # type: ignore[index]
-        if i == len(panel.row_ids) or r.data["item_id"] != panel.row_ids[i]:
+        if i == len(panel.rows) or r.data["item_id"] != panel.rows.row_id(i):
             continue  # a row the CSV leaves out (an item unreached at another precision)
         if (margins := _left_margins(r.data)) is None:
-            return f"{r.experiment}/{panel.row_ids[i]}/{panel.precision}"
+            return f"{r.experiment}/{panel.rows.row_id(i)}/{panel.precision}"
         panel.risks[i] = row_risks(margins)
         filled[at] = i + 1  # type: ignore[index]
     for (experiment, precision), panel in panels.items():
-        if (i := filled[(experiment, precision)]) < len(panel.row_ids):
-            return f"{experiment}/{panel.row_ids[i]}/{precision}"
+        if (i := filled[(experiment, precision)]) < len(panel.rows):
+            return f"{experiment}/{panel.rows.row_id(i)}/{precision}"
     return None
 
 
@@ -123,7 +127,9 @@ def analyze_flip(runs: Iterable[Record] | None, ledgers: Mapping[str, Ledger]) -
         return FlipAnalysis(skipped=skipped)
     return FlipAnalysis(
         tuple(
-            score_panel(p.section, p.precision, p.row_ids, p.risks, p.labels, p.stream)
+            score_panel(
+                p.section, p.precision, id_ranks(p.rows.row_ids), p.risks, p.labels, p.stream
+            )
             for p in panels
         )
     )
