@@ -7,7 +7,7 @@ the cheap risks the ROC draws, never the bootstrap."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,14 @@ def panel_rows(
             )
     if (missing := _fill_risks(runs, panels)) is not None:
         return [], SKIP_NO_MARGINS.format(row=missing)
-    return list(panels.values()), None
+    return [replace(panel, risks=_narrowed(panel.risks)) for panel in panels.values()], None
+
+
+def _narrowed(risks: np.ndarray) -> np.ndarray:
+    """The risks in four bytes each where every one of them is exact in four (a BF16 or
+    FP32 margin is): the same numbers, every rank and tie the same, in half the memory."""
+    narrow = risks.astype(np.float32)
+    return narrow if np.array_equal(narrow, risks) else risks
 
 
 def _fill_risks(records: Iterable[Record], panels: dict[tuple[str, str], PanelRows]) -> str | None:
