@@ -201,3 +201,14 @@ def test_panel_on_a_separable_example() -> None:
         assert result.auc == 1.0
         assert result.auc_ci is not None and result.auc_ci.high == 1.0
         assert result.catch.audited == 2 and result.catch.caught == 2
+
+
+def test_risks_are_held_in_four_bytes_only_where_every_one_is_exact_in_four() -> None:
+    from kvreplay.analysis.sections.flip import _narrowed
+
+    exact = np.array([[-0.125, 3.0, -np.inf], [-2.5, 0.0, -4.75]], order="F")
+    narrow = _narrowed(exact)
+    assert narrow.dtype == np.float32 and np.array_equal(narrow, exact)
+    assert np.ascontiguousarray(narrow[:, 0]).base is not None  # a score's column: a view
+    inexact = np.array([[-0.1, 1.0]])  # 0.1 is not a float32
+    assert _narrowed(inexact).dtype == np.float64
