@@ -88,7 +88,7 @@ class HeldColumn:
 
     def append(self, value: Any) -> None:
         self._room(self.count + 1)
-        self.values[self.count] = bytes.fromhex(value) if self.values.dtype == DIGEST else value
+        self.values[self.count] = value
         self.count += 1
 
     def finish(self) -> Held:
@@ -110,6 +110,16 @@ class _Flags(HeldColumn):
 
     def finish(self) -> Bits:
         return Bits(self.values[: (self.count + 7) // 8], self.count)
+
+
+class _Digests(HeldColumn):
+    """A digest column's values as their 32 bytes, from the hex a CSV holds."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(DIGEST, capacity)
+
+    def append(self, value: Any) -> None:
+        super().append(bytes.fromhex(value))
 
 
 class _Text(HeldColumn):
@@ -137,7 +147,7 @@ def column_for(kind: Kind, capacity: int) -> HeldColumn:
     if kind == "bool":
         return _Flags(capacity)
     if kind == "sha256":
-        return HeldColumn(DIGEST, capacity)
+        return _Digests(capacity)
     if kind in _NUMBERS:
         return HeldColumn(_NUMBERS[kind], capacity)
     if kind in ("text", "optional_text"):

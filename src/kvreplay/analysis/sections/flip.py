@@ -277,9 +277,9 @@ def _figure_roc(page: Page[FlipClaims], flip: FlipPredictor) -> Path | None:
     for ax, (section, rows) in zip(axes, sections.items(), strict=True):
         ax.plot([0, 1], [0, 1], color="#999999", linewidth=0.8, linestyle=":", label="chance")
         for panel in rows:
-            results = defined[(section, panel.precision)].scores
+            results, labels = defined[(section, panel.precision)].scores, panel.labels
             for column, (colour, score) in enumerate(zip(SCORE_COLOURS, SCORES, strict=False)):
-                fpr, tpr = roc_points(np.ascontiguousarray(panel.risks[:, column]), panel.labels)
+                fpr, tpr = roc_points(np.ascontiguousarray(panel.risks[:, column]), labels)
                 ax.plot(
                     fpr,
                     tpr,
